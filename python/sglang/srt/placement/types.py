@@ -166,6 +166,8 @@ class ProcessPlacement:
     numactl_args: tuple[str, ...] = ()
     """numactl options (no executable) that apply this placement; empty unless strategy is exec."""
     launcher: str = "mp"
+    warning: bool = False
+    """True when the rank is unbound (or less bound) because something failed, not by choice."""
 
     def __post_init__(self) -> None:
         if self.mem_policy not in MEM_POLICIES:
@@ -196,6 +198,7 @@ class ProcessPlacement:
             "reasons": list(self.reasons),
             "numactl_args": list(self.numactl_args),
             "launcher": self.launcher,
+            "warning": self.warning,
         }
 
     @classmethod
@@ -214,6 +217,7 @@ class ProcessPlacement:
             reasons=tuple(data["reasons"]),
             numactl_args=tuple(data.get("numactl_args", ())),
             launcher=data.get("launcher", "mp"),
+            warning=bool(data.get("warning", False)),
         )
 
     def to_json(self) -> str:

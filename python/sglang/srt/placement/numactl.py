@@ -1,0 +1,177 @@
+"""numactl: the options that apply a binding, and a cached probe of which memory policy the kernel accepts."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional, Sequence
+
+from sglang.srt.placement.cpulist import format_cpulist
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 10.0
+
+
+def find_numactl() -> Optional[str]:
+    return shutil.which("numactl")
+
+
+def cpu_option(*, cpus: Iterable[int], whole_nodes: Optional[Sequence[int]]) -> str:
+    """``--cpunodebind`` when the CPU set is exactly some nodes' CPUs, else ``--physcpubind``."""
+    if whole_nodes:
+        return f"--cpunodebind={format_cpulist(whole_nodes)}"
+    return f"--physcpubind={format_cpulist(cpus)}"
+
+
+def memory_options(*, mem_policy: str, mem_nodes: Iterable[int], preferred_node: Optional[int]) -> tuple[str, ...]:
+    if mem_policy == "bind":
+        return (f"--membind={format_cpulist(mem_nodes)}",)
+    if mem_policy == "preferred" and preferred_node is not None:
+        return (f"--preferred={preferred_node}",)
+    return ()
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    message: str
+    """numactl's stderr (first line) when it refused, else empty."""
+
+
+@dataclass(frozen=True)
+class LadderOutcome:
+    """The strongest memory policy numactl could apply with a CPU option, and why."""
+
+    mem_policy: str
+    args: tuple[str, ...]
+    reasons: tuple[str, ...]
+    ok: bool
+    """False when even the CPU-only form was refused (the placement then cannot use exec)."""
+
+
+def _run_probe(argv: Sequence[str]) -> ProbeResult:
+    try:
+        done = subprocess.run(
+            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            timeout=PROBE_TIMEOUT_S, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return ProbeResult(ok=False, message=str(exc))
+    if done.returncode == 0:
+        return ProbeResult(ok=True, message="")
+    text = done.stderr.decode(errors="replace").strip()
+    first = text.splitlines()[0] if text else f"exit status {done.returncode}"
+    return ProbeResult(ok=False, message=first)
+
+
+class NumactlProber:
+    """Runs ``numactl <options> true`` at most once per distinct option set and remembers the answer."""
+
+    def __init__(
+        self,
+        *,
+        numactl_path: str,
+        true_path: Optional[str] = None,
+        run: Callable[[Sequence[str]], ProbeResult] = _run_probe,
+    ) -> None:
+        self.numactl_path = numactl_path
+        self.true_path = true_path or shutil.which("true") or "/bin/true"
+        self._run = run
+        self._results: dict[tuple[str, ...], ProbeResult] = {}
+        self._lock = threading.Lock()
+        self.probe_count = 0
+
+    @property
+    def assumed(self) -> bool:
+        return False
+
+    def probe(self, args: Sequence[str]) -> ProbeResult:
+        key = tuple(args)
+        with self._lock:
+            cached = self._results.get(key)
+            if cached is not None:
+                return cached
+            self.probe_count += 1
+            result = self._run([self.numactl_path, *key, self.true_path])
+            self._results[key] = result
+        if not result.ok:
+            logger.debug(f"numactl {' '.join(key)} refused: {result.message}")
+        return result
+
+    def ladder(self, *, cpu_args: Sequence[str], mem_policy: str, mem_nodes: Iterable[int],
+               preferred_node: Optional[int]) -> LadderOutcome:
+        """Try bind, then preferred, then CPU only; stop at the first the kernel accepts."""
+        mem_nodes = tuple(sorted(mem_nodes))
+        steps: list[str] = []
+        if mem_policy == "bind":
+            steps = ["bind", "preferred", "none"]
+        elif mem_policy == "preferred":
+            steps = ["preferred", "none"]
+        else:
+            steps = ["none"]
+        reasons: list[str] = []
+        for step in steps:
+            if step == "preferred" and preferred_node is None:
+                continue
+            args = tuple(cpu_args) + memory_options(mem_policy=step, mem_nodes=mem_nodes, preferred_node=preferred_node)
+            result = self.probe(args)
+            if result.ok:
+                return LadderOutcome(mem_policy=step, args=args, reasons=tuple(reasons), ok=True)
+            label = {"bind": "membind", "preferred": "preferred", "none": "CPU-only binding"}[step]
+            reasons.append(f"numactl {label} rejected by the kernel ({result.message})")
+        return LadderOutcome(mem_policy="none", args=(), reasons=tuple(reasons), ok=False)
+
+
+class AssumedNumactl:
+    """Stands in for the prober when planning from a sysfs snapshot: nothing runs on this host."""
+
+    def __init__(self, *, root: str, numactl_path: str = "numactl") -> None:
+        self.root = root
+        self.numactl_path = numactl_path
+        self.probe_count = 0
+
+    @property
+    def assumed(self) -> bool:
+        return True
+
+    def ladder(self, *, cpu_args: Sequence[str], mem_policy: str, mem_nodes: Iterable[int],
+               preferred_node: Optional[int]) -> LadderOutcome:
+        args = tuple(cpu_args) + memory_options(
+            mem_policy=mem_policy, mem_nodes=tuple(sorted(mem_nodes)), preferred_node=preferred_node
+        )
+        reason = f"planned from the snapshot {self.root}: assumes numactl there accepts {' '.join(args)} (not probed)"
+        return LadderOutcome(mem_policy=mem_policy, args=args, reasons=(reason,), ok=True)
+
+
+_default_prober: Optional[NumactlProber] = None
+_default_lock = threading.Lock()
+
+
+def default_prober() -> Optional[NumactlProber]:
+    """The process's prober for the numactl on PATH, or None when numactl is not installed."""
+    global _default_prober
+    with _default_lock:
+        path = find_numactl()
+        if path is None:
+            return None
+        if _default_prober is None or _default_prober.numactl_path != path:
+            _default_prober = NumactlProber(numactl_path=path)
+        return _default_prober
+
+
+def numactl_prefix(placement, *, numactl_path: Optional[str] = None) -> list[str]:
+    """argv that starts a program under ``placement``: [numactl, *options]; the program follows."""
+    if placement.strategy != "exec" or not placement.numactl_args:
+        raise ValueError(
+            f"{placement.label}: strategy {placement.strategy!r} has no numactl command; only exec placements do"
+        )
+    path = numactl_path or find_numactl()
+    if path is None:
+        raise FileNotFoundError(
+            f"{placement.label}: numactl is not on PATH; install the numactl package or set SGLANG_NUMA_BIND_V2=0"
+        )
+    return [path, *placement.numactl_args]

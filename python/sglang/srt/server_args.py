@@ -1,0 +1,106 @@
+"""The ServerArgs fields that process placement and bootstrap read, with upstream's CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional
+
+DEVICE_CHOICES = ("cuda", "xpu", "cpu")
+
+
+class ServerArgsError(ValueError):
+    """A ServerArgs value is invalid; the message names the flag and a value that would work."""
+
+
+@dataclass
+class ServerArgs:
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    base_gpu_id: int = 0
+    gpu_id_step: int = 1
+    numa_node: Optional[List[int]] = None
+    device: str = "cuda"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dist_init_addr: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self.check_server_args()
+
+    def check_server_args(self) -> None:
+        for flag, value in (
+            ("--tp-size", self.tp_size),
+            ("--pp-size", self.pp_size),
+            ("--dp-size", self.dp_size),
+            ("--nnodes", self.nnodes),
+            ("--gpu-id-step", self.gpu_id_step),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ServerArgsError(f"{flag}={value!r} is not valid: it must be a positive integer, e.g. {flag} 1.")
+        for flag, value in (("--node-rank", self.node_rank), ("--base-gpu-id", self.base_gpu_id)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ServerArgsError(f"{flag}={value!r} is not valid: it must be a non-negative integer, e.g. {flag} 0.")
+        if self.node_rank >= self.nnodes:
+            raise ServerArgsError(
+                f"--node-rank={self.node_rank} is not valid with --nnodes={self.nnodes}: "
+                f"node ranks run from 0 to {self.nnodes - 1}."
+            )
+        if self.nnodes > 1 and (self.tp_size * self.pp_size) % self.nnodes != 0:
+            raise ServerArgsError(
+                f"--tp-size={self.tp_size} x --pp-size={self.pp_size} = {self.tp_size * self.pp_size} ranks "
+                f"cannot be split evenly over --nnodes={self.nnodes}: choose sizes whose product is a multiple of the node count."
+            )
+        if self.device not in DEVICE_CHOICES:
+            raise ServerArgsError(
+                f"--device={self.device!r} is not supported here: choose one of {', '.join(DEVICE_CHOICES)}."
+            )
+        if self.numa_node is not None:
+            if not isinstance(self.numa_node, (list, tuple)) or not self.numa_node:
+                raise ServerArgsError(
+                    f"--numa-node={self.numa_node!r} is not valid: give one NUMA node id per GPU, e.g. --numa-node 0 0 1 1."
+                )
+            for node in self.numa_node:
+                if not isinstance(node, int) or isinstance(node, bool) or node < 0:
+                    raise ServerArgsError(
+                        f"--numa-node contains {node!r}: NUMA node ids are non-negative integers, e.g. --numa-node 0 0 1 1."
+                    )
+            self.numa_node = list(self.numa_node)
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 < self.port < 65536:
+            raise ServerArgsError(f"--port={self.port!r} is not valid: it must be between 1 and 65535.")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        defaults = ServerArgs.__new__(ServerArgs)
+        for f in dataclasses.fields(ServerArgs):
+            setattr(defaults, f.name, f.default)
+        group = parser.add_argument_group("parallelism and placement")
+        group.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tp_size", type=int, default=defaults.tp_size,
+                           help="Tensor parallel size.")
+        group.add_argument("--pipeline-parallel-size", "--pp-size", dest="pp_size", type=int, default=defaults.pp_size,
+                           help="Pipeline parallel size.")
+        group.add_argument("--data-parallel-size", "--dp-size", "--dp", dest="dp_size", type=int, default=defaults.dp_size,
+                           help="Data parallel size.")
+        group.add_argument("--nnodes", type=int, default=defaults.nnodes, help="Number of nodes.")
+        group.add_argument("--node-rank", type=int, default=defaults.node_rank, help="This node's rank.")
+        group.add_argument("--base-gpu-id", type=int, default=defaults.base_gpu_id,
+                           help="The first GPU id to use; ranks count up from it.")
+        group.add_argument("--gpu-id-step", type=int, default=defaults.gpu_id_step,
+                           help="The distance between the GPU ids of consecutive ranks.")
+        group.add_argument("--numa-node", type=int, nargs="+", default=defaults.numa_node,
+                           help="The NUMA node of each GPU, indexed by GPU id, e.g. --numa-node 0 0 1 1.")
+        group.add_argument("--device", type=str, default=defaults.device, help="cuda, xpu or cpu.")
+        group.add_argument("--host", type=str, default=defaults.host, help="The host of the HTTP server.")
+        group.add_argument("--port", type=int, default=defaults.port, help="The port of the HTTP server.")
+        group.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", type=str,
+                           default=defaults.dist_init_addr,
+                           help="host:port of the torch.distributed initialisation address.")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Sets up (scripts/setup.sh), then shows and verifies where a small engine's ranks run on this host:
+# a CPU-device engine with two tensor-parallel ranks, each on its own half of this process's CPUs,
+# planned, then launched through the multiprocessing and the Ray launchers and read back from inside.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+py=.venv/bin/python
+if [ -z "${SGLANG_CPU_OMP_THREADS_BIND:-}" ]; then
+    SGLANG_CPU_OMP_THREADS_BIND=$("$py" - <<'PY'
+import os
+from sglang.srt.placement import format_cpulist
+cpus = sorted(os.sched_getaffinity(0))
+half = max(len(cpus) // 2, 1)
+print(format_cpulist(cpus[:half]) + "|" + format_cpulist(cpus[half:] or cpus[:half]))
+PY
+)
+    export SGLANG_CPU_OMP_THREADS_BIND
+fi
+echo "== plan: SGLANG_CPU_OMP_THREADS_BIND=$SGLANG_CPU_OMP_THREADS_BIND, --device cpu --tp-size 2"
+"$py" -m sglang.srt.placement plan --device cpu --tp-size 2 "$@"
+echo
+echo "== verify through both launchers (each rank reads its binding back)"
+"$py" -m sglang.srt.placement verify --device cpu --tp-size 2 --launcher both "$@"

@@ -1,0 +1,441 @@
+"""resolve_placement / plan_engine on topologies built as values (the sysfs reader has its own tests)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from sglang.srt.environ import EnvError, envs
+from sglang.srt.placement import resolve
+from sglang.srt.placement.numactl import NumactlProber, ProbeResult
+from sglang.srt.placement.resolve import HostCapabilities, PlacementPolicy, local_ranks, plan_engine
+from sglang.srt.placement.types import (
+    Cpu,
+    HostTopology,
+    NumaNode,
+    PciDevice,
+    PlacementError,
+    ProcessAffinity,
+    RankIdentity,
+)
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+
+
+def make_topology(nodes, *, pci=(), smt=1, packages=None, root="/fake/sys"):
+    """nodes: {node_id: (cpu ids, memory_kb)}; pci: [(address, numa_node or None)]; smt: threads per core
+    (siblings are cpu ids c and c + half of the node's CPUs, like a real x86 numbering within a node)."""
+    numa_nodes = []
+    cpus = []
+    for node_id, (cpu_ids, mem) in sorted(nodes.items()):
+        cpu_ids = sorted(cpu_ids)
+        numa_nodes.append(NumaNode(node_id=node_id, cpus=frozenset(cpu_ids), memory_kb=mem))
+        half = len(cpu_ids) // smt if smt > 1 else len(cpu_ids)
+        for i, c in enumerate(cpu_ids):
+            core = i % half
+            siblings = frozenset(cpu_ids[j] for j in range(len(cpu_ids)) if j % half == core)
+            pkg = packages[node_id] if packages else node_id
+            cpus.append(Cpu(cpu_id=c, node_id=node_id, package_id=pkg, core_id=core, thread_siblings=siblings))
+    devices = tuple(PciDevice(address=a, numa_node=n, vendor="0x10de", pci_class="0x030200") for a, n in pci)
+    online = frozenset(c.cpu_id for c in cpus)
+    return HostTopology(root=root, nodes=tuple(numa_nodes), cpus=tuple(sorted(cpus, key=lambda c: c.cpu_id)),
+                        online_cpus=online, pci_devices=devices)
+
+
+def everything(topology):
+    return ProcessAffinity(cpus=topology.online_cpus,
+                           mems=frozenset(n.node_id for n in topology.nodes if n.has_memory), source="test")
+
+
+class AcceptAll:
+    """A prober whose kernel accepts every numactl option, counting probes like the real one."""
+
+    def __init__(self):
+        self.prober = NumactlProber(numactl_path="/usr/bin/numactl", run=self._run)
+        self.calls = []
+
+    def _run(self, argv):
+        self.calls.append(tuple(argv))
+        return ProbeResult(ok=True, message="")
+
+
+def caps(*, libnuma=True):
+    return HostCapabilities(numactl=AcceptAll().prober, libnuma=libnuma)
+
+
+GPUS_2x4 = [("0000:17:00.0", 0), ("0000:31:00.0", 0), ("0000:b1:00.0", 1), ("0000:ca:00.0", 1)]
+
+
+@pytest.fixture
+def two_sockets():
+    return make_topology({0: (range(0, 16), 1 << 25), 1: (range(16, 32), 1 << 25)}, pci=GPUS_2x4, smt=2)
+
+
+def plan(topology, *, env=None, affinity=None, capabilities=None, launcher="mp", **server):
+    server.setdefault("tp_size", 4)
+    return plan_engine(
+        ServerArgs(**server), launcher=launcher, topology=topology, affinity=affinity or everything(topology),
+        capabilities=capabilities or caps(), env=env or {}, runtime=None,
+    )
+
+
+def test_two_sockets_four_gpus_bind_each_gpu_to_its_node(two_sockets):
+    placements = plan(two_sockets)
+    assert [p.numa_node for p in placements] == [0, 0, 1, 1]
+    assert [p.pci for p in placements] == [a for a, _ in GPUS_2x4]
+    first, last = placements[0], placements[3]
+    assert first.cpus == frozenset(range(16)) and first.mem_nodes == frozenset({0})
+    assert first.numactl_args == ("--cpunodebind=0", "--membind=0")
+    assert last.numactl_args == ("--cpunodebind=1", "--membind=1")
+    assert all(p.strategy == "exec" and p.mem_policy == "bind" for p in placements)
+    assert "node 1 from PCI 0000:ca:00.0" in last.reasons
+
+
+def test_one_node_host_binds_nothing_and_says_why():
+    topo = make_topology({0: (range(4), 1 << 20)}, pci=[("0000:01:00.0", 0)])
+    (p,) = plan(topo, tp_size=1)
+    assert p.strategy == "none" and p.numa_node == 0 and not p.cpus
+    assert any("one NUMA node" in r for r in p.reasons)
+    assert not p.warning
+
+
+def test_gpu_with_unknown_node_is_unbound_with_reason():
+    topo = make_topology({0: (range(4), 1 << 20), 1: (range(4, 8), 1 << 20)}, pci=[("0000:01:00.0", None)])
+    (p,) = plan(topo, tp_size=1)
+    assert p.strategy == "none" and p.numa_node is None
+    assert any("numa_node -1" in r for r in p.reasons)
+
+
+def test_unknown_node_on_one_node_host_in_exclusive_mode_uses_that_node():
+    topo = make_topology({0: (range(4), 1 << 20)}, pci=[("0000:01:00.0", None), ("0000:02:00.0", None)])
+    with envs.SGLANG_NUMA_AFFINITY_MODE.override("exclusive"):
+        placements = plan(topo, tp_size=2)
+    assert [p.cpus for p in placements] == [frozenset({0, 1}), frozenset({2, 3})]
+    assert placements[0].numactl_args == ("--physcpubind=0-1", "--membind=0")
+
+
+def test_sparse_node_ids():
+    topo = make_topology({0: (range(0, 4), 1 << 20), 2: (range(4, 8), 1 << 20)},
+                         pci=[("0000:01:00.0", 0), ("0000:81:00.0", 2)])
+    placements = plan(topo, tp_size=2)
+    assert [p.numa_node for p in placements] == [0, 2]
+    assert placements[1].numactl_args == ("--cpunodebind=2", "--membind=2")
+
+
+def test_gpu_on_cpuless_memory_node_is_unbound_as_a_fault():
+    topo = make_topology({0: (range(0, 4), 1 << 20), 1: (range(4, 8), 1 << 20), 2: ((), 1 << 22)},
+                         pci=[("0000:01:00.0", 2)])
+    (p,) = plan(topo, tp_size=1)
+    assert p.strategy == "none" and p.warning
+    assert "node 2 has memory but no CPUs" in p.reasons
+    with envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.override(True):
+        with pytest.raises(PlacementError, match="SGLANG_CRASH_ON_NUMA_BIND_FAILURE"):
+            plan(topo, tp_size=1)
+
+
+def test_node_without_memory_binds_cpus_only():
+    topo = make_topology({0: (range(0, 4), 0), 1: (range(4, 8), 1 << 20)}, pci=[("0000:01:00.0", 0)])
+    (p,) = plan(topo, tp_size=1)
+    assert p.strategy == "exec" and p.mem_policy == "none"
+    assert p.numactl_args == ("--cpunodebind=0",)
+
+
+def test_cpuset_allowing_part_of_one_node_and_none_of_another(two_sockets):
+    allowed = ProcessAffinity(cpus=frozenset(range(0, 8)), mems=frozenset({0, 1}), source="cpuset")
+    placements = plan(two_sockets, affinity=allowed)
+    assert placements[0].cpus == frozenset(range(8))
+    assert placements[0].numactl_args == ("--physcpubind=0-7", "--membind=0")
+    assert "cpuset allows 8 of 16 CPUs of node(s) 0" in placements[0].reasons
+    assert placements[2].strategy == "none" and placements[2].warning
+    assert any("allows none of node 1's CPUs" in r for r in placements[2].reasons)
+    with envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.override(True):
+        with pytest.raises(PlacementError, match="TP2: cannot bind"):
+            plan(two_sockets, affinity=allowed)
+
+
+def test_memory_node_outside_mems_allowed_is_not_membound(two_sockets):
+    allowed = ProcessAffinity(cpus=two_sockets.online_cpus, mems=frozenset({0}), source="cpuset")
+    placements = plan(two_sockets, affinity=allowed)
+    assert placements[2].mem_policy == "none" and placements[2].numactl_args == ("--cpunodebind=1",)
+
+
+def test_cuda_visible_devices_reordered(two_sockets):
+    placements = plan(two_sockets, env={"CUDA_VISIBLE_DEVICES": "3,2,1,0"})
+    assert [p.numa_node for p in placements] == [1, 1, 0, 0]
+    assert placements[0].pci == "0000:ca:00.0"
+
+
+def test_explicit_numa_node_list_wins_and_is_indexed_by_gpu_id(two_sockets):
+    placements = plan(two_sockets, numa_node=[1, 1, 0, 0])
+    assert [p.numa_node for p in placements] == [1, 1, 0, 0]
+    assert "node 1 from --numa-node (GPU 0)" in placements[0].reasons
+
+
+def test_explicit_numa_node_list_too_short(two_sockets):
+    with pytest.raises(PlacementError, match=r"--numa-node has 2 entries \(0 1\) but DP0 PP0 TP2 uses GPU 2"):
+        plan(two_sockets, numa_node=[0, 1])
+
+
+def test_explicit_numa_node_that_does_not_exist(two_sockets):
+    with pytest.raises(PlacementError, match="--numa-node gives node 5 for GPU 0, but this host has nodes 0-1"):
+        plan(two_sockets, numa_node=[5, 0, 1, 1])
+
+
+def test_explicit_numa_node_is_honoured_on_a_one_node_host():
+    topo = make_topology({0: (range(4), 1 << 20)}, pci=[("0000:01:00.0", 0)])
+    (p,) = plan(topo, tp_size=1, numa_node=[0])
+    assert p.strategy == "exec" and p.numactl_args == ("--cpunodebind=0", "--membind=0")
+
+
+def test_auto_bind_off_without_list_binds_nothing(two_sockets):
+    with envs.SGLANG_AUTO_NUMA_BIND.override(False):
+        placements = plan(two_sockets)
+    assert all(p.strategy == "none" and not p.warning for p in placements)
+    assert "SGLANG_AUTO_NUMA_BIND=0" in placements[0].reasons[0]
+
+
+def test_exclusive_mode_splits_each_node_keeping_smt_siblings_together(two_sockets):
+    with envs.SGLANG_NUMA_AFFINITY_MODE.override("exclusive"):
+        placements = plan(two_sockets)
+    # node 0: CPUs 0-15, siblings (c, c+8): 8 cores split 4 + 4
+    assert placements[0].cpus == frozenset({0, 1, 2, 3, 8, 9, 10, 11})
+    assert placements[1].cpus == frozenset({4, 5, 6, 7, 12, 13, 14, 15})
+    assert placements[2].cpus == frozenset({16, 17, 18, 19, 24, 25, 26, 27})
+    assert placements[0].numactl_args == ("--physcpubind=0-3,8-11", "--membind=0")
+    all_cpus = [p.cpus for p in placements]
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert not all_cpus[i] & all_cpus[j]
+
+
+def test_exclusive_split_near_equal_when_uneven():
+    topo = make_topology({0: (range(0, 5), 1 << 20)})
+    slices = resolve.split_exclusive(frozenset(range(5)), topology=topo, count=3)
+    assert slices == (frozenset({0, 1}), frozenset({2, 3}), frozenset({4}))
+
+
+def test_socket_mode_binds_every_node_of_the_package():
+    # sub-NUMA clustering: 2 packages x 2 nodes, 2 GPUs per node
+    nodes = {n: (range(n * 4, n * 4 + 4), 1 << 20) for n in range(4)}
+    pci = [(f"0000:{0x10 * (i + 1):02x}:00.0", i // 2) for i in range(8)]
+    topo = make_topology(nodes, pci=pci, packages={0: 0, 1: 0, 2: 1, 3: 1})
+    with envs.SGLANG_NUMA_AFFINITY_MODE.override("socket"):
+        placements = plan(topo, tp_size=8)
+    assert placements[0].cpus == frozenset(range(8)) and placements[0].mem_nodes == frozenset({0, 1})
+    assert placements[0].numactl_args == ("--cpunodebind=0-1", "--membind=0-1")
+    assert placements[7].numa_node == 3 and placements[7].cpus == frozenset(range(8, 16))
+    with envs.SGLANG_NUMA_AFFINITY_MODE.override("node"):
+        node_mode = plan(topo, tp_size=8)
+    assert node_mode[2].cpus == frozenset(range(4, 8)) and node_mode[2].numactl_args[0] == "--cpunodebind=1"
+
+
+def test_v1_strategy_when_bind_v2_is_off(two_sockets):
+    with envs.SGLANG_NUMA_BIND_V2.override(False):
+        placements = plan(two_sockets, numa_node=[0, 0, 1, 1])
+    assert all(p.strategy == "v1" and not p.numactl_args for p in placements)
+    assert placements[2].numa_node == 1
+
+
+def test_without_numactl_uses_in_process_and_without_libnuma_cpu_only(two_sockets):
+    p = plan(two_sockets, capabilities=HostCapabilities(numactl=None, libnuma=True))[0]
+    assert p.strategy == "in-process" and p.mem_policy == "bind" and "numactl is not installed" in p.reasons
+    p = plan(two_sockets, capabilities=HostCapabilities(numactl=None, libnuma=False))[0]
+    assert p.strategy == "in-process" and p.mem_policy == "none" and p.warning
+
+
+def test_launcher_that_cannot_exec_uses_in_process(two_sockets):
+    args = ServerArgs(tp_size=4)
+    placements = plan_engine(args, launcher="ray", topology=two_sockets, affinity=everything(two_sockets),
+                             capabilities=caps(), env={}, exec_supported=False)
+    assert all(p.strategy == "in-process" for p in placements)
+    assert "the ray launcher cannot start this rank under numactl" in placements[0].reasons
+
+
+def test_placement_json_round_trip(two_sockets):
+    for p in plan(two_sockets):
+        assert type(p).from_json(p.to_json()) == p
+
+
+def test_resolve_rank_uses_ray_accelerator_ids(two_sockets):
+    args = ServerArgs(tp_size=2)
+    p = resolve.resolve_rank(args, dp_rank=0, pp_rank=0, tp_rank=1, launcher="ray", ray_accelerator_ids=["3"],
+                             topology=two_sockets, affinity=everything(two_sockets), capabilities=caps(), env={})
+    assert p.tp_rank == 1 and p.pci == "0000:ca:00.0" and p.numa_node == 1
+    with pytest.raises(ValueError, match="DP0 PP0 TP5 is not a rank of node 0"):
+        resolve.resolve_rank(args, dp_rank=0, pp_rank=0, tp_rank=5, launcher="ray", topology=two_sockets,
+                             affinity=everything(two_sockets), capabilities=caps(), env={})
+
+
+# --- the probe ladder -------------------------------------------------------------------------
+
+
+def _fake_numactl(tmp_path, *, reject):
+    """An executable that behaves like numactl whose kernel refuses the given option prefixes."""
+    script = tmp_path / "numactl"
+    cases = "\n".join(
+        f'    {opt}=*) echo "set_mempolicy: Operation not permitted ({opt})" >&2; exit 1;;' for opt in reject
+    )
+    script.write_text(f'#!/bin/sh\nfor a in "$@"; do\n  case "$a" in\n{cases}\n  esac\ndone\nexit 0\n')
+    script.chmod(stat.S_IRWXU)
+    return str(script)
+
+
+def test_ladder_falls_back_from_bind_to_preferred_to_cpu_only(tmp_path, two_sockets):
+    prober = NumactlProber(numactl_path=_fake_numactl(tmp_path, reject=["--membind"]))
+    p = plan(two_sockets, capabilities=HostCapabilities(numactl=prober, libnuma=True))[0]
+    assert p.strategy == "exec" and p.mem_policy == "preferred" and p.warning
+    assert p.numactl_args == ("--cpunodebind=0", "--preferred=0")
+    assert any("membind rejected by the kernel (set_mempolicy: Operation not permitted (--membind))" in r
+               for r in p.reasons)
+
+    prober = NumactlProber(numactl_path=_fake_numactl(tmp_path, reject=["--membind", "--preferred"]))
+    p = plan(two_sockets, capabilities=HostCapabilities(numactl=prober, libnuma=True))[0]
+    assert p.mem_policy == "none" and p.numactl_args == ("--cpunodebind=0",)
+    assert "falling back to CPU-only binding" in p.reasons
+
+
+def test_ladder_exhausted_falls_back_to_in_process(tmp_path, two_sockets):
+    prober = NumactlProber(numactl_path=_fake_numactl(tmp_path, reject=["--membind", "--preferred", "--cpunodebind"]))
+    p = plan(two_sockets, capabilities=HostCapabilities(numactl=prober, libnuma=True))[0]
+    assert p.strategy == "in-process"
+
+
+def test_each_distinct_option_set_is_probed_once(two_sockets):
+    fake = AcceptAll()
+    capabilities = HostCapabilities(numactl=fake.prober, libnuma=True)
+    plan(two_sockets, capabilities=capabilities, tp_size=4, dp_size=2, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3,0,1,2,3"})
+    plan(two_sockets, capabilities=capabilities)
+    assert sorted(c[1:-1] for c in fake.calls) == [("--cpunodebind=0", "--membind=0"),
+                                                   ("--cpunodebind=1", "--membind=1")]
+
+
+def test_real_numactl_probe_on_this_host():
+    from sglang.srt.placement.numactl import find_numactl
+
+    path = find_numactl()
+    assert path, "numactl must be installed (scripts/setup.sh installs it)"
+    prober = NumactlProber(numactl_path=path)
+    cpu = min(os.sched_getaffinity(0))
+    ok = prober.ladder(cpu_args=(f"--physcpubind={cpu}",), mem_policy="bind", mem_nodes=(0,), preferred_node=0)
+    assert ok.ok and ok.mem_policy == "bind" and ok.args == (f"--physcpubind={cpu}", "--membind=0")
+    bad = prober.probe(("--membind=7",))
+    assert not bad.ok and bad.message  # numactl's own words, e.g. "numactl: ... 7 ..."
+    assert prober.probe_count == 2
+    prober.probe(("--membind=7",))
+    assert prober.probe_count == 2
+
+
+# --- CPU device ---------------------------------------------------------------------------------
+
+
+def test_cpu_device_ranks_from_explicit_groups(two_sockets):
+    with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0-7|16-23"):
+        placements = plan(two_sockets, tp_size=2, device="cpu")
+    assert [p.cpus for p in placements] == [frozenset(range(8)), frozenset(range(16, 24))]
+    assert [p.numa_node for p in placements] == [0, 1]
+    assert placements[1].numactl_args == ("--physcpubind=16-23", "--membind=1")
+    assert placements[0].gpu_id is None
+
+
+def test_cpu_device_all_gives_one_node_per_rank(two_sockets):
+    placements = plan(two_sockets, tp_size=2, device="cpu")
+    assert [p.numactl_args for p in placements] == [("--cpunodebind=0", "--membind=0"),
+                                                    ("--cpunodebind=1", "--membind=1")]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("0-7", r"has 1 group\(s\) but the engine has 2 ranks: give one '\|'-separated cpulist per rank, "
+            r"e\.g\. SGLANG_CPU_OMP_THREADS_BIND='0-15\|16-31'"),
+    ("0-7|x", r"group 1 'x' is not a cpulist; expected ranges such as '0-3,8'"),
+    ("0-7|", r"group 1 is empty"),
+    ("0-7|40-41", r"group 1 '40-41' names CPU\(s\) 40-41 that are not online on this host \(online: 0-31\)"),
+    ("0-7|6-9", r"groups 0 and 1 share CPU\(s\) 6-7"),
+    ("7-3|8", r"group 0 '7-3' is not a cpulist"),
+])
+def test_cpu_threads_bind_errors(two_sockets, spec, message):
+    with envs.SGLANG_CPU_OMP_THREADS_BIND.override(spec):
+        with pytest.raises(ValueError, match=message):
+            plan(two_sockets, tp_size=2, device="cpu")
+
+
+def test_cpu_threads_bind_all_with_more_ranks_than_nodes(two_sockets):
+    with pytest.raises(ValueError, match=r"=all gives each rank one NUMA node, but this host has 2 node\(s\) with "
+                                         r"CPUs for 4 ranks"):
+        plan(two_sockets, tp_size=4, device="cpu")
+
+
+def test_cpu_threads_bind_outside_allowed_cpus(two_sockets):
+    allowed = ProcessAffinity(cpus=frozenset(range(8)), mems=frozenset({0}), source="cpuset")
+    with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0-3|8-11"):
+        with pytest.raises(ValueError, match=r"group 1 '8-11' names CPU\(s\) 8-11 that this process may not use "
+                                             r"\(cpuset allows 0-7\)"):
+            plan(two_sockets, tp_size=2, device="cpu", affinity=allowed)
+
+
+# --- rank layout, policy and input validation --------------------------------------------------
+
+
+def test_local_ranks_follow_upstream_gpu_ids():
+    ranks = local_ranks(ServerArgs(tp_size=2, pp_size=2, base_gpu_id=1, gpu_id_step=2))
+    assert [(r.pp_rank, r.tp_rank, r.gpu_id) for r in ranks] == [(0, 0, 1), (0, 1, 3), (1, 0, 5), (1, 1, 7)]
+    node1 = local_ranks(ServerArgs(tp_size=4, nnodes=2, node_rank=1))
+    assert [(r.tp_rank, r.gpu_id, r.global_rank) for r in node1] == [(2, 0, 2), (3, 1, 3)]
+    dp = local_ranks(ServerArgs(tp_size=2, dp_size=2))
+    assert [(r.dp_rank, r.tp_rank, r.gpu_id, r.global_rank) for r in dp] == [
+        (0, 0, 0, 0), (0, 1, 1, 1), (1, 0, 2, 2), (1, 1, 3, 3)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tp_size=0), r"--tp-size=0 is not valid: it must be a positive integer"),
+    (dict(nnodes=2, node_rank=2), r"--node-rank=2 is not valid with --nnodes=2"),
+    (dict(tp_size=3, nnodes=2), r"cannot be split evenly over --nnodes=2"),
+    (dict(device="npu"), r"--device='npu' is not supported here: choose one of cuda, xpu, cpu"),
+    (dict(numa_node=[0, -1]), r"--numa-node contains -1"),
+    (dict(numa_node=[]), r"--numa-node=\[\] is not valid"),
+    (dict(port=70000), r"--port=70000 is not valid"),
+    (dict(base_gpu_id=-1), r"--base-gpu-id=-1 is not valid"),
+])
+def test_server_args_errors(kwargs, message):
+    with pytest.raises(ServerArgsError, match=message):
+        ServerArgs(**kwargs)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("SGLANG_NUMA_BIND_V2", "maybe", r"SGLANG_NUMA_BIND_V2='maybe' is not valid: expected one of 1, true"),
+    ("SGLANG_AUTO_NUMA_BIND", "2", r"SGLANG_AUTO_NUMA_BIND='2' is not valid"),
+    ("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", "", r"SGLANG_CRASH_ON_NUMA_BIND_FAILURE='' is not valid"),
+    ("SGLANG_NUMA_AFFINITY_MODE", "cores", r"SGLANG_NUMA_AFFINITY_MODE='cores' is not valid: expected one of node, "
+                                           r"exclusive, socket"),
+    ("SGLANG_CPU_OMP_THREADS_BIND", " ", r"SGLANG_CPU_OMP_THREADS_BIND=' ' is not valid: expected a non-empty value"),
+    ("SGLANG_SYSFS_ROOT", "", r"SGLANG_SYSFS_ROOT='' is not valid"),
+])
+def test_malformed_environment_fields(field, value, message):
+    env_field = getattr(envs, field)
+    with env_field.override(value):
+        with pytest.raises(EnvError, match=message):
+            env_field.get()
+
+
+def test_env_fields_defaults_and_override_restores_absence():
+    with envs.SGLANG_NUMA_BIND_V2.override(None):
+        assert envs.SGLANG_NUMA_BIND_V2.get() is True and not envs.SGLANG_NUMA_BIND_V2.is_set()
+        with envs.SGLANG_NUMA_BIND_V2.override(False):
+            assert os.environ["SGLANG_NUMA_BIND_V2"] == "0" and envs.SGLANG_NUMA_BIND_V2.get() is False
+        assert "SGLANG_NUMA_BIND_V2" not in os.environ
+    assert envs.SGLANG_AUTO_NUMA_BIND.get() is True
+    assert envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.get() is False
+    assert envs.SGLANG_CPU_OMP_THREADS_BIND.get() == "all"
+    assert envs.SGLANG_NUMA_AFFINITY_MODE.get() == "node"
+    assert envs.SGLANG_SYSFS_ROOT.get() == "/sys"
+
+
+def test_policy_rejects_unknown_launcher_and_mode():
+    with pytest.raises(ValueError, match="launcher 'slurm' is not one of mp, ray"):
+        PlacementPolicy(launcher="slurm", device="cuda")
+    with pytest.raises(ValueError, match="--numa-affinity-mode='cores' is not valid"):
+        PlacementPolicy(launcher="mp", device="cuda", affinity_mode="cores")
+
+
+def test_rank_identity_label():
+    assert RankIdentity(dp_rank=1, pp_rank=0, tp_rank=3, gpu_id=3).label == "DP1 PP0 TP3"
