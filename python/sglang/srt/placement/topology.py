@@ -1,0 +1,351 @@
+"""Host facts (NUMA nodes, CPUs, PCI devices) read from a sysfs root into frozen values.
+
+The root is normally the live ``/sys``; it can also be a snapshot made with
+``python -m sglang.srt.placement capture DIR`` or a fake tree in tests, which is
+how a placement is planned for a host other than this one.
+
+What is read, relative to the root:
+
+* ``devices/system/cpu/online`` - the online CPUs; offline CPUs appear nowhere else.
+* ``devices/system/cpu/cpuN/topology/{physical_package_id,core_id,thread_siblings_list}``
+  for each online CPU (the kernel removes ``topology`` while a CPU is offline).
+* ``devices/system/node/nodeN/{cpulist,meminfo,distance}`` for each node directory.
+  Node ids may be sparse, a node may have no CPUs (GPU or CXL memory) and a node may
+  have no memory (``MemTotal: 0 kB``).
+* ``bus/pci/devices/ADDR/{numa_node,vendor,device,class}`` (symlinks on a live host,
+  plain directories in a snapshot). ``numa_node`` is -1, or absent on a kernel without
+  NUMA, when the kernel does not know the device's node.
+
+A kernel built without NUMA has no ``devices/system/node``: the host is then one node 0
+holding every online CPU, with its memory taken from ``devices/system/memory`` (the
+online memory blocks times ``block_size_bytes``; this counts memory the kernel reserves
+for itself, so it is a little above ``MemTotal``). A kernel without memory hotplug has no
+``devices/system/memory`` either; only for the live ``/sys`` is the size then taken from
+``sysconf(_SC_PHYS_PAGES)`` (the ``sysinfo`` call, the same total), and a snapshot
+carries that figure in its marker file. A tree that has neither is an error rather than
+a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from sglang.srt.placement.cpulist import CpuListError, parse_cpulist
+from sglang.srt.placement.types import (
+    Cpu,
+    HostTopology,
+    NumaNode,
+    PciDevice,
+    ProcessAffinity,
+    TopologyError,
+)
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_MARKER = "sglang-placement-snapshot.json"
+SNAPSHOT_FORMAT = 1
+CAPTURE_COMMAND = "python -m sglang.srt.placement capture DIR"
+LIVE_SYSFS = "/sys"
+
+CPU_ONLINE = "devices/system/cpu/online"
+NODE_DIR = "devices/system/node"
+MEMORY_DIR = "devices/system/memory"
+PCI_DIR = "bus/pci/devices"
+CPU_TOPOLOGY_FILES = ("physical_package_id", "core_id", "thread_siblings_list")
+NODE_FILES = ("cpulist", "meminfo", "distance")
+PCI_FILES = ("numa_node", "vendor", "device", "class")
+
+_NODE_DIR_RE = re.compile(r"^node(\d+)$")
+_MEMORY_BLOCK_RE = re.compile(r"^memory(\d+)$")
+_MEMTOTAL_RE = re.compile(r"^Node\s+(\d+)\s+MemTotal:\s+(\d+)\s*kB\s*$", re.MULTILINE)
+_PCI_ADDRESS_RE = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+
+
+def read_topology(root: str | os.PathLike = LIVE_SYSFS) -> HostTopology:
+    """Read the NUMA nodes, online CPUs and PCI devices under ``root`` (a sysfs tree).
+
+    Raises TopologyError, naming the file, what is wrong with it and how to fix it, when
+    the tree is incomplete or holds values that do not parse.
+    """
+    return _read(root).topology
+
+
+def read_process_affinity(
+    status_path: str | os.PathLike = "/proc/self/status", *, source: str = "this process"
+) -> ProcessAffinity:
+    """The CPUs and memory nodes a process may use, from ``Cpus_allowed_list``/``Mems_allowed_list``.
+
+    These reflect the process's cpuset and any outer ``numactl``/``taskset``.
+    """
+    path = os.fspath(status_path)
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError as exc:
+        raise TopologyError(
+            f"{path}: cannot be read ({exc.strerror}); pass the status file of a running "
+            f"process, such as /proc/self/status"
+        ) from None
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            values[key.strip()] = value.strip()
+    parsed: dict[str, frozenset[int]] = {}
+    for key in ("Cpus_allowed_list", "Mems_allowed_list"):
+        if key not in values:
+            raise TopologyError(
+                f"{path}: has no {key} line; pass the status file of a running process, "
+                f"such as /proc/self/status"
+            )
+        try:
+            parsed[key] = parse_cpulist(values[key], what=f"{path} {key}")
+        except CpuListError as exc:
+            raise TopologyError(f"{exc}; pass the status file of a running process") from None
+    return ProcessAffinity(cpus=parsed["Cpus_allowed_list"], mems=parsed["Mems_allowed_list"], source=source)
+
+
+@dataclass(frozen=True)
+class TopologyRead:
+    """A topology and the exact sysfs files it came from, so that a capture copies just those."""
+
+    topology: HostTopology
+    files: dict[str, str]
+    """Path relative to the root -> the text read from it."""
+    memory_kb_from_sysconf: Optional[int] = None
+    """Set when a kernel without NUMA or memory blocks gave the memory size only through sysconf."""
+
+
+@dataclass
+class _Reader:
+    """Reads text files below one root, remembering each for a capture; every failure names its file."""
+
+    root: str
+    snapshot: Optional[dict] = None
+    files: dict[str, str] = field(default_factory=dict)
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, rel)
+
+    def fix(self) -> str:
+        if self.snapshot is not None:
+            kernel = self.snapshot.get("kernel_release", "an unknown kernel")
+            when = self.snapshot.get("captured_at", "an unknown time")
+            return (
+                f"this snapshot (captured from kernel {kernel} at {when}) is incomplete or was edited; "
+                f"re-capture it with `{CAPTURE_COMMAND}` on the host it describes"
+            )
+        if os.path.realpath(self.root) == LIVE_SYSFS:
+            return (
+                "this kernel's sysfs lacks it; pass --sysfs-root pointing at a sysfs tree "
+                f"captured with `{CAPTURE_COMMAND}`"
+            )
+        return (
+            "pass --sysfs-root pointing at a sysfs tree (the live /sys, or a snapshot made with "
+            f"`{CAPTURE_COMMAND}`)"
+        )
+
+    def error(self, rel: str, problem: str) -> TopologyError:
+        return TopologyError(f"{self.path(rel)}: {problem}; {self.fix()}")
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(self.path(rel))
+
+    def is_dir(self, rel: str) -> bool:
+        return os.path.isdir(self.path(rel))
+
+    def read(self, rel: str) -> str:
+        try:
+            with open(self.path(rel), encoding="ascii", errors="replace") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise self.error(rel, "missing") from None
+        except IsADirectoryError:
+            raise self.error(rel, "is a directory, expected a file") from None
+        except OSError as exc:
+            raise self.error(rel, f"cannot be read ({exc.strerror})") from None
+        self.files[rel] = text
+        return text
+
+    def listdir(self, rel: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.path(rel)))
+        except NotADirectoryError:
+            raise self.error(rel, "is not a directory") from None
+        except OSError as exc:
+            raise self.error(rel, f"cannot be listed ({exc.strerror})") from None
+
+    def cpulist(self, rel: str) -> frozenset[int]:
+        text = self.read(rel)
+        try:
+            return parse_cpulist(text, what="cpulist")
+        except CpuListError:
+            raise self.error(rel, f"{text.strip()!r} is not a CPU list such as '0-3,8'") from None
+
+    def integer(self, rel: str, *, base: int = 10) -> int:
+        text = self.read(rel).strip()
+        try:
+            return int(text, base)
+        except ValueError:
+            raise self.error(rel, f"{text!r} is not an integer") from None
+
+
+def _read(root: str | os.PathLike) -> TopologyRead:
+    root_text = os.path.abspath(os.fspath(root))
+    if not os.path.isdir(root_text):
+        problem = "is not a directory" if os.path.exists(root_text) else "does not exist"
+        raise TopologyError(
+            f"{root_text}: {problem}; pass --sysfs-root pointing at a sysfs tree (the live /sys, "
+            f"or a snapshot made with `{CAPTURE_COMMAND}`)"
+        )
+    reader = _Reader(root=root_text)
+    reader.snapshot = _read_marker(root_text)
+
+    online = reader.cpulist(CPU_ONLINE)
+    if not online:
+        raise reader.error(CPU_ONLINE, "lists no online CPU")
+
+    memory_from_sysconf: Optional[int] = None
+    if reader.exists(NODE_DIR):
+        nodes = _read_nodes(reader, online)
+    else:
+        memory_kb, memory_from_sysconf = _memory_without_numa(reader)
+        nodes = (NumaNode(node_id=0, cpus=online, memory_kb=memory_kb, distances=()),)
+
+    node_of_cpu = {cpu: node.node_id for node in nodes for cpu in node.cpus}
+    cpus = tuple(_read_cpu(reader, cpu, node_of_cpu.get(cpu), online) for cpu in sorted(online))
+    pci = _read_pci(reader)
+    topology = HostTopology(root=root_text, nodes=nodes, cpus=cpus, online_cpus=online, pci_devices=pci)
+    return TopologyRead(topology=topology, files=dict(reader.files), memory_kb_from_sysconf=memory_from_sysconf)
+
+
+def _read_marker(root: str) -> Optional[dict]:
+    path = os.path.join(root, SNAPSHOT_MARKER)
+    if not os.path.exists(path):
+        return None
+    fix = f"re-capture the snapshot with `{CAPTURE_COMMAND}`"
+    try:
+        with open(path, encoding="utf-8") as f:
+            marker = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise TopologyError(f"{path}: is not a readable snapshot marker ({exc}); {fix}") from None
+    if not isinstance(marker, dict) or not isinstance(marker.get("format"), int):
+        raise TopologyError(f"{path}: has no integer 'format' field; {fix}")
+    if marker["format"] > SNAPSHOT_FORMAT:
+        raise TopologyError(
+            f"{path}: snapshot format {marker['format']} is newer than this version reads "
+            f"({SNAPSHOT_FORMAT}); upgrade sglang or {fix} with this version"
+        )
+    return marker
+
+
+def _read_nodes(reader: _Reader, online: frozenset[int]) -> tuple[NumaNode, ...]:
+    node_ids: list[int] = []
+    for name in reader.listdir(NODE_DIR):
+        match = _NODE_DIR_RE.match(name)
+        if match is None:
+            continue
+        rel = f"{NODE_DIR}/{name}"
+        if not reader.is_dir(rel):
+            raise reader.error(
+                rel, "is not a directory; a NUMA node is a directory holding cpulist, meminfo and distance"
+            )
+        node_ids.append(int(match.group(1)))
+    if not node_ids:
+        raise reader.error(NODE_DIR, "holds no nodeN directory")
+    node_ids.sort()
+
+    nodes = []
+    for node_id in node_ids:
+        base = f"{NODE_DIR}/node{node_id}"
+        # Some architectures keep offline CPUs in the node's list; only online ones can run anything.
+        cpus = reader.cpulist(f"{base}/cpulist") & online
+        meminfo = reader.read(f"{base}/meminfo")
+        match = _MEMTOTAL_RE.search(meminfo)
+        if match is None:
+            raise reader.error(f"{base}/meminfo", "has no 'Node N MemTotal: <size> kB' line")
+        if int(match.group(1)) != node_id:
+            raise reader.error(f"{base}/meminfo", f"describes node {match.group(1)}, not node {node_id}")
+        row_text = reader.read(f"{base}/distance")
+        try:
+            row = [int(word) for word in row_text.split()]
+        except ValueError:
+            raise reader.error(f"{base}/distance", f"{row_text.strip()!r} is not a row of integers") from None
+        # The kernel prints one distance per online node, in node id order.
+        if len(row) != len(node_ids):
+            raise reader.error(
+                f"{base}/distance",
+                f"has {len(row)} distances but there are {len(node_ids)} nodes ({', '.join(map(str, node_ids))})",
+            )
+        nodes.append(
+            NumaNode(
+                node_id=node_id,
+                cpus=cpus,
+                memory_kb=int(match.group(2)),
+                distances=tuple(zip(node_ids, row)),
+            )
+        )
+    return tuple(nodes)
+
+
+def _memory_without_numa(reader: _Reader) -> tuple[int, Optional[int]]:
+    if reader.exists(MEMORY_DIR):
+        block_bytes = reader.integer(f"{MEMORY_DIR}/block_size_bytes", base=16)
+        blocks = 0
+        for name in reader.listdir(MEMORY_DIR):
+            if _MEMORY_BLOCK_RE.match(name) is None:
+                continue
+            if reader.integer(f"{MEMORY_DIR}/{name}/online") == 1:
+                blocks += 1
+        if blocks == 0:
+            raise reader.error(MEMORY_DIR, "holds no online memory block")
+        return blocks * block_bytes // 1024, None
+    if reader.snapshot is not None and isinstance(reader.snapshot.get("memory_kb"), int):
+        return reader.snapshot["memory_kb"], reader.snapshot["memory_kb"]
+    if reader.snapshot is None and os.path.realpath(reader.root) == LIVE_SYSFS:
+        memory_kb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 1024
+        return memory_kb, memory_kb
+    raise reader.error(
+        NODE_DIR,
+        f"missing, and so is {reader.path(MEMORY_DIR)}: the tree says nothing about memory",
+    )
+
+
+def _read_cpu(reader: _Reader, cpu: int, node_id: Optional[int], online: frozenset[int]) -> Cpu:
+    base = f"devices/system/cpu/cpu{cpu}/topology"
+    package_id = reader.integer(f"{base}/physical_package_id")
+    core_id = reader.integer(f"{base}/core_id")
+    siblings = reader.cpulist(f"{base}/thread_siblings_list") & online
+    return Cpu(cpu_id=cpu, node_id=node_id, package_id=package_id, core_id=core_id, thread_siblings=siblings)
+
+
+def _read_pci(reader: _Reader) -> tuple[PciDevice, ...]:
+    if not reader.exists(PCI_DIR):
+        return ()
+    devices = []
+    for name in reader.listdir(PCI_DIR):
+        address = name.lower()
+        rel = f"{PCI_DIR}/{name}"
+        if not _PCI_ADDRESS_RE.match(address):
+            raise reader.error(rel, "is not a PCI address such as 0000:18:00.0")
+        if not reader.is_dir(rel):
+            raise reader.error(rel, "does not lead to a device directory (a dangling link?)")
+        numa_node: Optional[int] = None
+        if reader.exists(f"{rel}/numa_node"):
+            value = reader.integer(f"{rel}/numa_node")
+            numa_node = value if value >= 0 else None
+        devices.append(
+            PciDevice(
+                address=address,
+                numa_node=numa_node,
+                vendor=reader.read(f"{rel}/vendor").strip().lower(),
+                device=reader.read(f"{rel}/device").strip().lower(),
+                pci_class=reader.read(f"{rel}/class").strip().lower(),
+            )
+        )
+    return tuple(sorted(devices, key=lambda dev: dev.address))
