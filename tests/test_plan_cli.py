@@ -154,3 +154,15 @@ def test_live_plan_on_this_host_binds_nothing_for_gpus_and_says_why():
     done = run_plan("--tp-size", 1)
     assert done.returncode == 0, done.stderr
     assert "not bound" in done.stdout
+
+
+H200_SNAPSHOT = os.path.join(os.path.dirname(__file__), "data", "h200_snapshot")
+
+
+def test_real_h200_host_snapshot_binds_nothing_and_says_why(capsys):
+    """Captured on a rented one-GPU H200 VM: one node, 16 CPUs, the GPU's numa_node is -1."""
+    (rank,) = plan_json(capsys, "--tp-size", 1, "--sysfs-root", H200_SNAPSHOT)
+    assert rank["pci"] == "0000:00:06.0" and rank["strategy"] == "none" and rank["numa_node"] is None
+    assert "PCI 0000:00:06.0 reports numa_node -1 (the kernel does not know its node)" in rank["reasons"]
+    (rank,) = plan_json(capsys, "--tp-size", 1, "--sysfs-root", H200_SNAPSHOT, "--numa-affinity-mode", "exclusive")
+    assert rank["numa_node"] == 0 and rank["cpus"] == "0-15" and rank["strategy"] == "exec"
