@@ -1,0 +1,231 @@
+"""Apply a placement to the running process: the in-process strategy and the legacy V1 bind.
+
+``bind_in_process`` is for launchers that cannot start a rank under numactl. It
+binds every thread already running (a pool started by an import would otherwise
+stay unbound), sets the memory policy, and migrates the pages touched so far to
+the target node, since late binding otherwise leaves most of them where the
+process started.
+
+The memory policy is a per-thread attribute that only the thread itself can
+set: it holds for the calling thread and for threads it starts afterwards.
+Threads that were already running keep their own policy, but with their CPUs
+moved to the target node their first-touch allocations land there too. Call
+this first thing in the rank, from its main thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+from sglang.srt.environ import envs
+from sglang.srt.placement.cpulist import format_cpulist
+from sglang.srt.placement.libnuma import LibNumaApi, load_libnuma
+from sglang.srt.placement.types import PlacementError, ProcessPlacement
+
+logger = logging.getLogger(__name__)
+
+_CRASH_SETTING = "SGLANG_CRASH_ON_NUMA_BIND_FAILURE"
+_MAX_THREAD_PASSES = 5
+
+
+@dataclass(frozen=True)
+class BindOutcome:
+    """What ``bind_in_process`` applied to one rank, and what it could not."""
+
+    label: str
+    cpus: frozenset[int]
+    """CPU affinity set on the process's threads; empty when affinity was left alone."""
+    threads: int
+    """Threads whose affinity was set."""
+    mem_policy: str
+    """Memory policy in force afterwards: "bind", "preferred" or "none" (left alone or not settable)."""
+    mem_nodes: frozenset[int]
+    """Nodes of that policy."""
+    pages_not_migrated: Optional[int]
+    """Pages the kernel could not move to the target node; None when no migration was attempted."""
+    notes: tuple[str, ...] = ()
+    """Each step that was skipped or degraded, and why."""
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.notes)
+
+    @property
+    def summary(self) -> str:
+        parts: list[str] = []
+        if self.cpus:
+            parts.append(f"cpus {format_cpulist(self.cpus)} on {self.threads} thread(s)")
+        else:
+            parts.append("cpus unchanged")
+        if self.mem_policy == "none":
+            parts.append("memory policy unchanged")
+        else:
+            parts.append(f"memory {self.mem_policy} on node(s) {format_cpulist(self.mem_nodes)}")
+        if self.pages_not_migrated is not None:
+            parts.append(f"pages migrated ({self.pages_not_migrated} not moved)")
+        text = f"{self.label}: " + ", ".join(parts)
+        if self.notes:
+            text += "; " + "; ".join(self.notes)
+        return text
+
+
+def bind_in_process(
+    placement: ProcessPlacement,
+    *,
+    libnuma: Optional[LibNumaApi] = None,
+    tasks_dir: str = "/proc/self/task",
+    setaffinity: Callable[[int, Iterable[int]], None] = os.sched_setaffinity,
+    migrate: bool = True,
+) -> BindOutcome:
+    """Bind this running process to ``placement``: every thread's CPUs, the memory policy, touched pages.
+
+    Degrades like numactl's ladder (bind -> preferred -> CPU only) and says so in the
+    outcome; with SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 any such step raises PlacementError.
+    ``libnuma``, ``tasks_dir`` and ``setaffinity`` are seams for tests.
+    """
+    label = placement.label
+    if placement.strategy == "none":
+        why = "; ".join(placement.reasons) or "placement strategy is none"
+        outcome = BindOutcome(label, frozenset(), 0, "none", frozenset(), None, (f"not bound: {why}",))
+        logger.info(outcome.summary)
+        return outcome
+
+    crash = envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.get()
+    notes: list[str] = []
+
+    def degrade(what: str) -> None:
+        if crash:
+            raise PlacementError(
+                f"{label}: {what}. {_CRASH_SETTING}=1 makes this fatal; fix the cause, or unset "
+                f"{_CRASH_SETTING} to run with the weaker binding."
+            )
+        logger.warning(f"{label}: {what}")
+        notes.append(what)
+
+    lib: Optional[LibNumaApi] = None
+    if placement.mem_policy != "none":
+        lib = libnuma if libnuma is not None else load_libnuma()
+        if lib is None:
+            degrade("memory policy not set: libnuma.so.1 is not available (install libnuma1)")
+
+    cpus, threads = frozenset(), 0
+    if placement.cpus:
+        threads, error = _set_all_threads_affinity(placement.cpus, tasks_dir=tasks_dir, setaffinity=setaffinity)
+        if error is None:
+            cpus = placement.cpus
+        else:
+            degrade(error)
+
+    mem_policy, mem_nodes = "none", frozenset()
+    if lib is not None:
+        mem_policy, mem_nodes = _set_memory_policy(placement, lib, degrade)
+
+    pages_not_migrated: Optional[int] = None
+    if lib is not None and mem_nodes and migrate:
+        sources = lib.configured_nodes() - mem_nodes
+        if sources:
+            try:
+                pages_not_migrated = lib.migrate_pages(0, sources, mem_nodes)
+            except OSError as exc:
+                degrade(f"pages touched before binding stay where they are: {exc}")
+        else:
+            pages_not_migrated = 0
+
+    outcome = BindOutcome(label, cpus, threads, mem_policy, mem_nodes, pages_not_migrated, tuple(notes))
+    logger.info(outcome.summary)
+    return outcome
+
+
+def _set_all_threads_affinity(
+    cpus: frozenset[int],
+    *,
+    tasks_dir: str,
+    setaffinity: Callable[[int, Iterable[int]], None],
+) -> tuple[int, Optional[str]]:
+    """Set every thread's affinity; returns (threads set, error text or None).
+
+    A thread started during the walk by a thread not yet moved would keep the old
+    CPUs, so the directory is listed again until a pass finds no new thread.
+    """
+    tried: set[int] = set()
+    bound = 0
+    for _ in range(_MAX_THREAD_PASSES):
+        pending = sorted(set(_list_tids(tasks_dir)) - tried)
+        if not pending:
+            break
+        for tid in pending:
+            tried.add(tid)
+            try:
+                setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass  # the thread exited after the listing
+            except OSError as exc:
+                return bound, (
+                    f"cpu affinity {format_cpulist(cpus)} not applied (thread {tid}: {exc.strerror or exc}); "
+                    f"the CPUs may be offline or outside this process's cpuset"
+                )
+            else:
+                bound += 1
+    return bound, None
+
+
+def _list_tids(tasks_dir: str) -> list[int]:
+    return [int(name) for name in os.listdir(tasks_dir) if name.isdigit()]
+
+
+def _set_memory_policy(
+    placement: ProcessPlacement,
+    lib: LibNumaApi,
+    degrade: Callable[[str], None],
+) -> tuple[str, frozenset[int]]:
+    preferred_node = placement.numa_node
+    if preferred_node is None and placement.mem_nodes:
+        preferred_node = min(placement.mem_nodes)
+
+    if placement.mem_policy == "bind":
+        try:
+            lib.set_membind(placement.mem_nodes)
+            return "bind", placement.mem_nodes
+        except OSError as exc:
+            if preferred_node is None:
+                degrade(f"membind to {_nodes(placement.mem_nodes)} rejected by the kernel ({_err(exc)})")
+                return "none", frozenset()
+            degrade(
+                f"membind to {_nodes(placement.mem_nodes)} rejected by the kernel ({_err(exc)}): "
+                f"falling back to preferred node {preferred_node}"
+            )
+
+    if preferred_node is None:
+        degrade("memory policy not set: the placement names no NUMA node")
+        return "none", frozenset()
+    try:
+        lib.set_preferred(preferred_node)
+        return "preferred", frozenset([preferred_node])
+    except OSError as exc:
+        degrade(f"preferred node {preferred_node} rejected by the kernel ({_err(exc)}): CPU binding only")
+        return "none", frozenset()
+
+
+def _nodes(nodes: Iterable[int]) -> str:
+    ordered = sorted(set(nodes))
+    return ("node " if len(ordered) == 1 else "nodes ") + format_cpulist(ordered)
+
+
+def _err(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "")
+    text = exc.strerror or str(exc)
+    return f"{name} {text}".strip()
+
+
+def bind_legacy_v1(node: int, *, libnuma: Optional[LibNumaApi] = None) -> None:
+    """Upstream's old in-child bind: run the calling thread on ``node``'s CPUs and allocate locally."""
+    lib = libnuma if libnuma is not None else load_libnuma()
+    if lib is None:
+        logger.warning(f"NUMA bind to node {node} skipped: libnuma.so.1 is not available (install libnuma1)")
+        return
+    lib.run_on_node(node)
+    lib.set_localalloc()

@@ -1,0 +1,249 @@
+"""A small ctypes binding of libnuma.so.1, loaded once per process.
+
+Only what placement needs is bound, with Python types in and out. Calls that
+libnuma declares ``void`` (``numa_set_membind``, ``numa_set_preferred``) report
+failure only through ``numa_error``, which prints to stderr and keeps going; to
+see the kernel's answer we call libnuma's ``set_mempolicy`` wrapper with the
+same arguments those functions would pass, so a rejected policy raises
+``OSError`` instead of being lost.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as errno_mod
+import functools
+import logging
+import os
+from typing import Iterable, Optional, Protocol, runtime_checkable
+
+logger = logging.getLogger(__name__)
+
+LIBNUMA_NAME = "libnuma.so.1"
+
+# <linux/mempolicy.h>
+MPOL_DEFAULT = 0
+MPOL_PREFERRED = 1
+MPOL_BIND = 2
+MPOL_INTERLEAVE = 3
+MPOL_LOCAL = 4
+MPOL_PREFERRED_MANY = 5
+MPOL_WEIGHTED_INTERLEAVE = 6
+
+
+@runtime_checkable
+class LibNumaApi(Protocol):
+    """What placement code needs from libnuma; the real binding and tests' fakes both provide it."""
+
+    @property
+    def available(self) -> bool: ...
+
+    def max_node(self) -> int: ...
+
+    def configured_nodes(self) -> frozenset[int]: ...
+
+    def node_of_cpu(self, cpu: int) -> int: ...
+
+    def run_on_node(self, node: int) -> None: ...
+
+    def set_localalloc(self) -> None: ...
+
+    def set_membind(self, nodes: Iterable[int]) -> None: ...
+
+    def set_preferred(self, node: int) -> None: ...
+
+    def migrate_pages(self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]) -> int: ...
+
+
+class _Bitmask(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_ulong), ("maskp", ctypes.POINTER(ctypes.c_ulong))]
+
+
+_BitmaskPtr = ctypes.POINTER(_Bitmask)
+
+
+def _oserror(call: str, err: int, detail: str = "") -> OSError:
+    suffix = f" ({detail})" if detail else ""
+    return OSError(err, f"libnuma {call}{suffix} failed: {os.strerror(err)}")
+
+
+class LibNuma:
+    """libnuma.so.1 through ctypes. Build it with :func:`load_libnuma`."""
+
+    def __init__(self, lib: ctypes.CDLL, *, name: str = LIBNUMA_NAME) -> None:
+        self._lib = lib
+        self.name = name
+        self._declare()
+
+    def _declare(self) -> None:
+        lib = self._lib
+        signatures = {
+            "numa_available": (ctypes.c_int, []),
+            "numa_max_node": (ctypes.c_int, []),
+            "numa_num_configured_nodes": (ctypes.c_int, []),
+            "numa_node_of_cpu": (ctypes.c_int, [ctypes.c_int]),
+            "numa_run_on_node": (ctypes.c_int, [ctypes.c_int]),
+            "numa_set_localalloc": (None, []),
+            "numa_allocate_nodemask": (_BitmaskPtr, []),
+            "numa_bitmask_setbit": (_BitmaskPtr, [_BitmaskPtr, ctypes.c_uint]),
+            "numa_bitmask_isbitset": (ctypes.c_int, [_BitmaskPtr, ctypes.c_uint]),
+            "numa_bitmask_free": (None, [_BitmaskPtr]),
+            "numa_migrate_pages": (ctypes.c_int, [ctypes.c_int, _BitmaskPtr, _BitmaskPtr]),
+            "set_mempolicy": (
+                ctypes.c_long,
+                [ctypes.c_int, ctypes.POINTER(ctypes.c_ulong), ctypes.c_ulong],
+            ),
+        }
+        for symbol, (restype, argtypes) in signatures.items():
+            fn = getattr(lib, symbol)
+            fn.restype = restype
+            fn.argtypes = argtypes
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return self._lib.numa_available() >= 0
+
+    def max_node(self) -> int:
+        return int(self._lib.numa_max_node())
+
+    def configured_nodes(self) -> frozenset[int]:
+        """Node ids present on this host (``numa_nodes_ptr``); ids may be sparse."""
+        nodes_ptr = _BitmaskPtr.in_dll(self._lib, "numa_nodes_ptr")
+        if not nodes_ptr:
+            return frozenset(range(self.max_node() + 1))
+        return frozenset(
+            node for node in range(self.max_node() + 1) if self._lib.numa_bitmask_isbitset(nodes_ptr, node)
+        )
+
+    def node_of_cpu(self, cpu: int) -> int:
+        ctypes.set_errno(0)
+        node = self._lib.numa_node_of_cpu(cpu)
+        if node < 0:
+            raise _oserror("numa_node_of_cpu", ctypes.get_errno() or errno_mod.EINVAL, f"cpu {cpu}")
+        return int(node)
+
+    # -- actions ---------------------------------------------------------------------------
+
+    def run_on_node(self, node: int) -> None:
+        """Restrict the calling thread (and threads it starts later) to the CPUs of ``node``."""
+        if self._lib.numa_run_on_node(node) < 0:
+            raise _oserror("numa_run_on_node", ctypes.get_errno(), f"node {node}")
+
+    def set_localalloc(self) -> None:
+        self._lib.numa_set_localalloc()
+
+    def set_membind(self, nodes: Iterable[int]) -> None:
+        """Allocate only from ``nodes`` (MPOL_BIND) for the calling thread."""
+        node_set = frozenset(nodes)
+        self._set_mempolicy(MPOL_BIND, node_set, "numa_set_membind")
+
+    def set_preferred(self, node: int) -> None:
+        """Allocate from ``node`` first, elsewhere when it is full (MPOL_PREFERRED), for the calling thread."""
+        self._set_mempolicy(MPOL_PREFERRED, frozenset([node]), "numa_set_preferred")
+
+    def migrate_pages(self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]) -> int:
+        """Move ``pid``'s pages (0 = this process) from ``from_nodes`` to ``to_nodes``; returns pages not moved."""
+        with self._nodemask(from_nodes) as src, self._nodemask(to_nodes) as dst:
+            result = self._lib.numa_migrate_pages(pid, src, dst)
+        if result < 0:
+            raise _oserror(
+                "numa_migrate_pages",
+                ctypes.get_errno(),
+                f"pid {pid}, {_nodes_text(from_nodes)} -> {_nodes_text(to_nodes)}",
+            )
+        return int(result)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _set_mempolicy(self, mode: int, nodes: frozenset[int], call: str) -> None:
+        with self._nodemask(nodes) as mask:
+            # The kernel reads one bit fewer than maxnode; libnuma passes size + 1 for the same reason.
+            result = self._lib.set_mempolicy(mode, mask.contents.maskp, mask.contents.size + 1)
+        if result < 0:
+            raise _oserror(call, ctypes.get_errno(), _nodes_text(nodes))
+
+    @functools.cached_property
+    def _mask_bits(self) -> int:
+        mask = self._lib.numa_allocate_nodemask()
+        if not mask:
+            raise _oserror("numa_allocate_nodemask", errno_mod.ENOMEM)
+        try:
+            return int(mask.contents.size)
+        finally:
+            self._lib.numa_bitmask_free(mask)
+
+    def _nodemask(self, nodes: Iterable[int]) -> "_NodemaskContext":
+        return _NodemaskContext(self, frozenset(nodes))
+
+
+class _NodemaskContext:
+    """A libnuma nodemask holding ``nodes``, freed on exit."""
+
+    def __init__(self, owner: LibNuma, nodes: frozenset[int]) -> None:
+        self._owner = owner
+        self._nodes = nodes
+        self._mask: Optional[ctypes._Pointer] = None
+
+    def __enter__(self) -> ctypes._Pointer:
+        lib = self._owner._lib
+        bits = self._owner._mask_bits
+        for node in self._nodes:
+            if node < 0 or node >= bits:
+                raise OSError(
+                    errno_mod.EINVAL,
+                    f"libnuma nodemask: node {node} is outside 0-{bits - 1}, the nodes this kernel supports",
+                )
+        mask = lib.numa_allocate_nodemask()
+        if not mask:
+            raise _oserror("numa_allocate_nodemask", errno_mod.ENOMEM)
+        for node in sorted(self._nodes):
+            lib.numa_bitmask_setbit(mask, node)
+        self._mask = mask
+        return mask
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mask is not None:
+            self._owner._lib.numa_bitmask_free(self._mask)
+            self._mask = None
+
+
+def _nodes_text(nodes: Iterable[int]) -> str:
+    ordered = sorted(set(nodes))
+    return "nodes " + ",".join(str(n) for n in ordered) if ordered else "no nodes"
+
+
+def _open(name: str) -> Optional[LibNuma]:
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError as exc:
+        logger.info(f"libnuma not loaded ({name}: {exc}); in-process NUMA memory binding is unavailable")
+        return None
+    try:
+        binding = LibNuma(lib, name=name)
+    except AttributeError as exc:
+        logger.info(f"libnuma at {name} lacks a symbol placement needs ({exc}); treating it as unavailable")
+        return None
+    if not binding.available:
+        logger.info(f"libnuma loaded from {name} but numa_available() < 0: the kernel reports no NUMA support")
+        return None
+    return binding
+
+
+@functools.lru_cache(maxsize=None)
+def _load_cached(name: str) -> Optional[LibNuma]:
+    return _open(name)
+
+
+def load_libnuma(*, name: str = LIBNUMA_NAME) -> Optional[LibNuma]:
+    """libnuma for this process, or None (logged once) when it is missing or NUMA is unavailable.
+
+    ``name`` is a seam: tests point it at a library that does not exist.
+    """
+    return _load_cached(name)
+
+
+def clear_cache() -> None:
+    """Forget the loaded library (tests only; a process normally loads it once)."""
+    _load_cached.cache_clear()

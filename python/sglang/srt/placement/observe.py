@@ -1,0 +1,349 @@
+"""Read a process's effective NUMA binding back from the kernel, and compare it with its placement.
+
+Sources: ``/proc/<pid>/status`` (``Cpus_allowed_list``, ``Mems_allowed_list``),
+the ``get_mempolicy`` system call (the memory policy of the calling thread), and
+``/proc/<pid>/numa_maps`` (where resident pages really are).
+
+Page counts: every mapping's ``N<node>=<pages>`` fields are summed, weighted by
+its ``kernelpagesize_kB``, so the totals are kB resident per node over all mapped
+memory, file-backed included (shared libraries count where their page-cache
+pages sit). The same sum over anonymous mappings only (no ``file=``: heap, stack,
+malloc arenas, tensors) is kept alongside, as that is the memory a rank
+allocates itself.
+
+Never imports torch: it runs in plain interpreters inside test VMs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import platform
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
+from sglang.srt.placement.types import ProcessPlacement
+
+# <linux/mempolicy.h> modes, indexed by number.
+_MODE_NAMES = {
+    0: "default",
+    1: "preferred",
+    2: "bind",
+    3: "interleave",
+    4: "local",
+    5: "preferred_many",
+    6: "weighted_interleave",
+}
+# MPOL_F_STATIC_NODES | MPOL_F_RELATIVE_NODES | MPOL_F_NUMA_BALANCING ride in the high bits of the mode.
+_MODE_FLAGS_MASK = (1 << 15) | (1 << 14) | (1 << 13)
+
+# __NR_get_mempolicy; architectures not listed go through libnuma's wrapper instead.
+_SYS_GET_MEMPOLICY = {
+    "x86_64": 239,
+    "amd64": 239,
+    "aarch64": 236,
+    "arm64": 236,
+    "riscv64": 236,
+}
+
+# Room for 4096 node bits: more than any kernel's MAX_NUMNODES, so get_mempolicy never says EINVAL for size.
+_MASK_BITS = 4096
+_ULONG_BITS = ctypes.sizeof(ctypes.c_ulong) * 8
+
+MemPolicyReader = Callable[[], "tuple[str, frozenset[int]]"]
+
+
+class ObserveError(OSError):
+    """The binding of a process could not be read."""
+
+
+@dataclass(frozen=True)
+class ObservedBinding:
+    """A process's binding as the kernel reports it."""
+
+    cpus: frozenset[int]
+    mems: frozenset[int]
+    """Nodes the process may allocate from at all (its cpuset's ``Mems_allowed_list``)."""
+    policy: str
+    """"default", "bind", "preferred", "interleave", "local", "preferred_many", "weighted_interleave",
+    or "unknown" when it could not be read (another process without a policy reader)."""
+    policy_nodes: frozenset[int]
+    resident_kb: tuple[tuple[int, int], ...] = ()
+    """(node, kB resident on it) over every mapping, sorted by node."""
+    anon_kb: tuple[tuple[int, int], ...] = ()
+    """The same over anonymous mappings only."""
+    pid: str = "self"
+
+    @property
+    def resident_kb_by_node(self) -> dict[int, int]:
+        return dict(self.resident_kb)
+
+    @property
+    def anon_kb_by_node(self) -> dict[int, int]:
+        return dict(self.anon_kb)
+
+    def local_page_ratio(self, nodes: Iterable[int], *, anon_only: bool = False) -> Optional[float]:
+        """Share of resident memory on ``nodes`` (0..1); None when numa_maps showed nothing resident."""
+        counts = self.anon_kb if anon_only else self.resident_kb
+        total = sum(kb for _, kb in counts)
+        if total == 0:
+            return None
+        wanted = frozenset(nodes)
+        return sum(kb for node, kb in counts if node in wanted) / total
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "cpus": format_cpulist(self.cpus),
+            "mems": format_cpulist(self.mems),
+            "policy": self.policy,
+            "policy_nodes": format_cpulist(self.policy_nodes),
+            "resident_kb": {str(node): kb for node, kb in self.resident_kb},
+            "anon_kb": {str(node): kb for node, kb in self.anon_kb},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ObservedBinding":
+        return cls(
+            cpus=parse_cpulist(data["cpus"]),
+            mems=parse_cpulist(data["mems"]),
+            policy=data["policy"],
+            policy_nodes=parse_cpulist(data["policy_nodes"]),
+            resident_kb=tuple(sorted((int(n), int(kb)) for n, kb in data.get("resident_kb", {}).items())),
+            anon_kb=tuple(sorted((int(n), int(kb)) for n, kb in data.get("anon_kb", {}).items())),
+            pid=str(data.get("pid", "self")),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "ObservedBinding":
+        return cls.from_dict(json.loads(text))
+
+
+# -- numa_maps --------------------------------------------------------------------------------
+
+_NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
+
+
+@dataclass(frozen=True)
+class NumaMapsTotals:
+    resident_kb: dict[int, int] = field(default_factory=dict)
+    anon_kb: dict[int, int] = field(default_factory=dict)
+
+
+def parse_numa_maps(text: str) -> NumaMapsTotals:
+    """Sum ``N<node>=<pages>`` over every mapping, in kB (pages times ``kernelpagesize_kB``)."""
+    resident: dict[int, int] = {}
+    anon: dict[int, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 2:
+            continue
+        page_kb = 4
+        is_file = False
+        per_node: list[tuple[int, int]] = []
+        for item in fields[2:]:
+            match = _NODE_FIELD.match(item)
+            if match:
+                per_node.append((int(match.group(1)), int(match.group(2))))
+            elif item.startswith("kernelpagesize_kB="):
+                page_kb = int(item.split("=", 1)[1])
+            elif item.startswith("file="):
+                is_file = True
+        for node, pages in per_node:
+            resident[node] = resident.get(node, 0) + pages * page_kb
+            if not is_file:
+                anon[node] = anon.get(node, 0) + pages * page_kb
+    return NumaMapsTotals(resident_kb=resident, anon_kb=anon)
+
+
+_MAPS_POLICY = re.compile(r"^(default|prefer \(many\)|prefer|bind|weighted interleave|interleave|local)(=[a-z]+)?(?::(\S+))?")
+_MAPS_POLICY_NAMES = {
+    "default": "default",
+    "prefer": "preferred",
+    "prefer (many)": "preferred_many",
+    "bind": "bind",
+    "interleave": "interleave",
+    "weighted interleave": "weighted_interleave",
+    "local": "local",
+}
+
+
+def policy_from_numa_maps(text: str) -> tuple[str, frozenset[int]]:
+    """The task policy as numa_maps shows it on its first mapping (mappings without a policy of their own
+    show the task's); for processes other than the caller, where get_mempolicy cannot be used."""
+    for line in text.splitlines():
+        _, _, rest = line.partition(" ")
+        match = _MAPS_POLICY.match(rest)
+        if match:
+            nodes = parse_cpulist(match.group(3) or "", what="numa_maps policy")
+            return _MAPS_POLICY_NAMES[match.group(1)], nodes
+    return "unknown", frozenset()
+
+
+# -- get_mempolicy ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _get_mempolicy_function() -> Callable[..., int]:
+    arch = platform.machine().lower()
+    number = _SYS_GET_MEMPOLICY.get(arch)
+    if number is not None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syscall = libc.syscall
+        syscall.restype = ctypes.c_long
+
+        def call(mode: Any, mask: Any, maxnode: int, addr: Any, flags: int) -> int:
+            return syscall(
+                ctypes.c_long(number), mode, mask, ctypes.c_ulong(maxnode), addr, ctypes.c_ulong(flags)
+            )
+
+        return call
+    try:
+        lib = ctypes.CDLL("libnuma.so.1", use_errno=True)
+    except OSError as exc:
+        raise ObserveError(
+            f"cannot read the memory policy on {arch}: no get_mempolicy syscall number known and libnuma.so.1 "
+            f"not loadable ({exc})"
+        ) from None
+    fn = lib.get_mempolicy
+    fn.restype = ctypes.c_long
+    return lambda mode, mask, maxnode, addr, flags: fn(mode, mask, ctypes.c_ulong(maxnode), addr, ctypes.c_uint(flags))
+
+
+def read_mempolicy() -> tuple[str, frozenset[int]]:
+    """The calling thread's memory policy and its nodes, from get_mempolicy(2)."""
+    call = _get_mempolicy_function()
+    mode = ctypes.c_int(0)
+    words = _MASK_BITS // _ULONG_BITS
+    mask = (ctypes.c_ulong * words)()
+    # The kernel reads one bit fewer than maxnode, as for set_mempolicy.
+    result = call(ctypes.byref(mode), mask, _MASK_BITS + 1, None, 0)
+    if result < 0:
+        err = ctypes.get_errno()
+        raise ObserveError(err, f"get_mempolicy failed: {os.strerror(err)}")
+    nodes = frozenset(
+        word_index * _ULONG_BITS + bit
+        for word_index, word in enumerate(mask)
+        if word
+        for bit in range(_ULONG_BITS)
+        if word >> bit & 1
+    )
+    number = mode.value & ~_MODE_FLAGS_MASK
+    name = _MODE_NAMES.get(number, f"mode{number}")
+    # Older kernels report local allocation as MPOL_PREFERRED with no nodes.
+    if name == "preferred" and not nodes:
+        name = "local"
+    return name, nodes
+
+
+# -- observe ----------------------------------------------------------------------------------
+
+
+def _status_field(text: str, key: str, path: str) -> str:
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name == key:
+            return value.strip()
+    raise ObserveError(f"{path} has no {key} line")
+
+
+def observe_self(
+    *,
+    proc_root: str = "/proc",
+    pid: str = "self",
+    mempolicy: Optional[MemPolicyReader] = None,
+) -> ObservedBinding:
+    """The binding of this process (or ``pid``) as the kernel sees it.
+
+    The memory policy comes from get_mempolicy for this process (the calling thread's
+    policy), or from the policy numa_maps shows for another pid; ``mempolicy`` replaces
+    that reader (tests).
+    """
+    base = os.path.join(proc_root, str(pid))
+    status_path = os.path.join(base, "status")
+    with open(status_path, encoding="ascii") as f:
+        status = f.read()
+    cpus = parse_cpulist(_status_field(status, "Cpus_allowed_list", status_path), what=status_path)
+    mems = parse_cpulist(_status_field(status, "Mems_allowed_list", status_path), what=status_path)
+
+    maps_path = os.path.join(base, "numa_maps")
+    try:
+        with open(maps_path, encoding="utf-8", errors="replace") as f:
+            maps_text = f.read()
+    except FileNotFoundError:
+        # Kernels built without CONFIG_NUMA have no numa_maps: nothing to count.
+        maps_text = ""
+    totals = parse_numa_maps(maps_text)
+
+    if mempolicy is not None:
+        policy, policy_nodes = mempolicy()
+    elif str(pid) == "self" and proc_root == "/proc":
+        policy, policy_nodes = read_mempolicy()
+    else:
+        policy, policy_nodes = policy_from_numa_maps(maps_text)
+
+    return ObservedBinding(
+        cpus=cpus,
+        mems=mems,
+        policy=policy,
+        policy_nodes=policy_nodes,
+        resident_kb=tuple(sorted(totals.resident_kb.items())),
+        anon_kb=tuple(sorted(totals.anon_kb.items())),
+        pid=str(pid),
+    )
+
+
+# -- compare ----------------------------------------------------------------------------------
+
+
+def compare_binding(placement: ProcessPlacement, observed: ObservedBinding) -> list[str]:
+    """One line per way ``observed`` differs from ``placement``; empty when the rank is where planned.
+
+    A placement with strategy "none" plans nothing, so nothing is checked. With
+    mem_policy "none" only the CPUs are checked. A policy stricter than planned
+    (bind where preferred was planned) is reported too: it can fail allocations
+    the plan meant to let spill over.
+    """
+    if placement.strategy == "none":
+        return []
+    diffs: list[str] = []
+    if placement.cpus and observed.cpus != placement.cpus:
+        diffs.append(f"cpus {_fmt(observed.cpus)} observed, {_fmt(placement.cpus)} planned")
+
+    if placement.mem_policy == "none":
+        return diffs
+    if placement.mem_policy == "bind":
+        want_nodes = placement.mem_nodes
+        want_policies = ("bind",)
+    else:
+        want_nodes = frozenset([placement.numa_node]) if placement.numa_node is not None else placement.mem_nodes
+        want_policies = ("preferred", "preferred_many")
+
+    if not want_nodes <= observed.mems:
+        diffs.append(
+            f"mems allowed {_fmt(observed.mems)} observed, must include {_fmt(want_nodes)} "
+            f"(a cpuset or an outer numactl restricts this process)"
+        )
+    if observed.policy not in want_policies or observed.policy_nodes != want_nodes:
+        diffs.append(
+            f"memory policy {_policy_text(observed.policy, observed.policy_nodes)} observed, "
+            f"{_policy_text(placement.mem_policy, want_nodes)} planned"
+        )
+    return diffs
+
+
+def _fmt(values: frozenset[int]) -> str:
+    return format_cpulist(values) or "(none)"
+
+
+def _policy_text(policy: str, nodes: frozenset[int]) -> str:
+    if not nodes:
+        return policy
+    return f"{policy} on node(s) {format_cpulist(nodes)}"

@@ -1,0 +1,124 @@
+"""A stand-in for libnuma with the kernel's answers, for NUMA shapes this host does not have.
+
+It keeps the memory policy and page counts in Python and records every call;
+it never touches the real process. Where the real library would fail, it fails
+the same way (``OSError`` with the errno the kernel returns):
+
+* a memory policy (bind or preferred) naming no node with memory -> EINVAL, as the
+  kernel intersects the mask with the nodes that have memory and rejects an empty result;
+* ``migrate_pages`` to a node that is not a memory node -> EINVAL;
+* ``node_of_cpu`` for a CPU no node owns -> EINVAL;
+* ``fail={"set_membind": errno.EPERM}`` makes one call fail like a kernel or seccomp
+  profile that refuses it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional
+
+
+@dataclass
+class FakeLibNuma:
+    node_cpus: Mapping[int, Iterable[int]] = field(default_factory=lambda: {0: (0,), 1: (1,)})
+    """CPUs of each node; node ids may be sparse."""
+    memory_nodes: Optional[Iterable[int]] = None
+    """Nodes with memory; None means every node has memory."""
+    fail: Mapping[str, int] = field(default_factory=dict)
+    """Method name -> errno that call fails with."""
+    pages: dict[int, int] = field(default_factory=dict)
+    """Resident pages per node, moved by migrate_pages."""
+    unmovable_pages: int = 0
+    """Pages migrate_pages reports as not moved (pinned or shared pages in the real kernel)."""
+    is_available: bool = True
+
+    calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    policy: str = "default"
+    policy_nodes: frozenset[int] = frozenset()
+    run_on: Optional[frozenset[int]] = None
+    """CPUs the calling thread was restricted to by run_on_node, or None."""
+
+    def __post_init__(self) -> None:
+        self.node_cpus = {int(n): frozenset(cpus) for n, cpus in self.node_cpus.items()}
+        self.memory_nodes = (
+            frozenset(self.node_cpus) if self.memory_nodes is None else frozenset(self.memory_nodes)
+        )
+
+    # -- the LibNumaApi surface --------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return self.is_available
+
+    def max_node(self) -> int:
+        return max(self.node_cpus)
+
+    def configured_nodes(self) -> frozenset[int]:
+        return frozenset(self.node_cpus)
+
+    def node_of_cpu(self, cpu: int) -> int:
+        self._call("node_of_cpu", cpu)
+        for node, cpus in self.node_cpus.items():
+            if cpu in cpus:
+                return node
+        raise self._error("numa_node_of_cpu", errno.EINVAL)
+
+    def run_on_node(self, node: int) -> None:
+        self._call("run_on_node", node)
+        cpus = self.node_cpus.get(node)
+        if not cpus:
+            raise self._error("numa_run_on_node", errno.EINVAL)
+        self.run_on = cpus
+
+    def set_localalloc(self) -> None:
+        self._call("set_localalloc")
+        self.policy, self.policy_nodes = "local", frozenset()
+
+    def set_membind(self, nodes: Iterable[int]) -> None:
+        node_set = frozenset(nodes)
+        self._call("set_membind", node_set)
+        self.policy_nodes = self._memory_mask("numa_set_membind", node_set)
+        self.policy = "bind"
+
+    def set_preferred(self, node: int) -> None:
+        self._call("set_preferred", node)
+        self.policy_nodes = self._memory_mask("numa_set_preferred", frozenset([node]))
+        self.policy = "preferred"
+
+    def migrate_pages(self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]) -> int:
+        src, dst = frozenset(from_nodes), frozenset(to_nodes)
+        self._call("migrate_pages", pid, src, dst)
+        if not dst or not dst <= self.memory_nodes:
+            raise self._error("numa_migrate_pages", errno.EINVAL)
+        target = min(dst)
+        moving = sum(self.pages.get(node, 0) for node in src - dst)
+        stuck = min(self.unmovable_pages, moving)
+        for node in src - dst:
+            self.pages[node] = 0
+        self.pages[target] = self.pages.get(target, 0) + moving - stuck
+        if stuck:
+            first_src = min(src - dst)
+            self.pages[first_src] = stuck
+        return stuck
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def called(self, name: str) -> list[tuple[Any, ...]]:
+        return [args for call, args in self.calls if call == name]
+
+    def _call(self, name: str, *args: Any) -> None:
+        self.calls.append((name, args))
+        if name in self.fail:
+            raise self._error(name, self.fail[name])
+
+    def _memory_mask(self, call: str, nodes: frozenset[int]) -> frozenset[int]:
+        effective = nodes & self.memory_nodes
+        if not effective:
+            raise self._error(call, errno.EINVAL)
+        return effective
+
+    @staticmethod
+    def _error(call: str, err: int) -> OSError:
+        return OSError(err, f"libnuma {call} failed: {os.strerror(err)}")

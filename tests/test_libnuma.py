@@ -1,0 +1,156 @@
+"""The ctypes libnuma binding against the real libnuma.so.1 on this host.
+
+Calls that change the memory policy or CPU affinity run in a child process so
+the test process is left as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sglang.srt.placement import libnuma as libnuma_mod
+from sglang.srt.placement.cpulist import parse_cpulist
+from sglang.srt.placement.libnuma import LibNuma, LibNumaApi, load_libnuma
+
+from fakelibnuma import FakeLibNuma
+
+
+def _sys_nodes() -> frozenset[int]:
+    with open("/sys/devices/system/node/online") as f:
+        return parse_cpulist(f.read())
+
+
+def _node_of_cpu0() -> int:
+    for node in _sys_nodes():
+        with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
+            if 0 in parse_cpulist(f.read()):
+                return node
+    raise AssertionError("cpu 0 belongs to no node in sysfs")
+
+
+def _run_child(code: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_real_libnuma_loads_once_and_reports_this_host():
+    lib = load_libnuma()
+    assert lib is not None, "libnuma.so.1 must be installed (Debian package libnuma1)"
+    assert lib is load_libnuma()
+    assert isinstance(lib, LibNumaApi)
+    assert lib.available
+    assert lib.configured_nodes() == _sys_nodes()
+    assert lib.max_node() == max(_sys_nodes())
+    assert lib.node_of_cpu(0) == _node_of_cpu0()
+
+
+def test_node_of_unknown_cpu_raises_oserror_naming_the_call():
+    lib = load_libnuma()
+    with pytest.raises(OSError) as info:
+        lib.node_of_cpu(1_000_000)
+    assert "numa_node_of_cpu" in str(info.value)
+
+
+def test_missing_library_gives_none_and_one_log_line(caplog):
+    libnuma_mod.clear_cache()
+    try:
+        with caplog.at_level(logging.DEBUG, logger=libnuma_mod.__name__):
+            assert load_libnuma(name="libnuma-absent.so.9") is None
+            assert load_libnuma(name="libnuma-absent.so.9") is None
+        lines = [r for r in caplog.records if "libnuma-absent.so.9" in r.getMessage()]
+        assert len(lines) == 1
+    finally:
+        libnuma_mod.clear_cache()
+
+
+def test_policies_and_migration_through_the_real_library():
+    node = _node_of_cpu0()
+    absent = max(_sys_nodes()) + 1
+    out = _run_child(
+        f"""
+        import json
+        from sglang.srt.placement.libnuma import load_libnuma
+        from sglang.srt.placement.observe import read_mempolicy
+        lib = load_libnuma()
+        result = {{}}
+        lib.set_preferred({node})
+        result["preferred"] = list(read_mempolicy()[0:1]) + sorted(read_mempolicy()[1])
+        lib.set_membind([{node}])
+        result["bind"] = list(read_mempolicy()[0:1]) + sorted(read_mempolicy()[1])
+        result["not_moved"] = lib.migrate_pages(0, [{node}], [{node}])
+        try:
+            lib.set_membind([{absent}])
+        except OSError as exc:
+            result["bind_absent"] = [exc.errno, str(exc)]
+        try:
+            lib.migrate_pages(0, [{node}], [{absent}])
+        except OSError as exc:
+            result["migrate_absent"] = [exc.errno, str(exc)]
+        lib.set_localalloc()
+        result["local"] = read_mempolicy()[0]
+        print(json.dumps(result))
+        """
+    )
+    assert out["preferred"] == ["preferred", node]
+    assert out["bind"] == ["bind", node]
+    assert out["not_moved"] == 0
+    assert out["bind_absent"][0] == 22 and "numa_set_membind" in out["bind_absent"][1]
+    assert out["migrate_absent"][0] in (22, 1) and "numa_migrate_pages" in out["migrate_absent"][1]
+    assert out["local"] in ("local", "default")
+
+
+def test_run_on_node_restricts_the_calling_thread_to_the_node():
+    node = _node_of_cpu0()
+    with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
+        node_cpus = parse_cpulist(f.read())
+    out = _run_child(
+        f"""
+        import json, os
+        from sglang.srt.placement.libnuma import load_libnuma
+        load_libnuma().run_on_node({node})
+        print(json.dumps(sorted(os.sched_getaffinity(0))))
+        """
+    )
+    assert frozenset(out) == node_cpus & os.sched_getaffinity(0)
+
+
+def test_nodemask_rejects_node_ids_the_kernel_cannot_hold():
+    lib = load_libnuma()
+    with pytest.raises(OSError, match="outside"):
+        lib.migrate_pages(0, [0], [1 << 20])
+
+
+def test_fake_follows_the_kernel_where_memory_is_missing():
+    fake = FakeLibNuma(node_cpus={0: (0, 1), 1: (2, 3), 2: ()}, memory_nodes={0, 1})
+    assert fake.configured_nodes() == {0, 1, 2}
+    assert fake.max_node() == 2
+    assert fake.node_of_cpu(3) == 1
+    with pytest.raises(OSError) as info:
+        fake.set_membind([2])
+    assert info.value.errno == 22
+    fake.set_membind([1, 2])
+    assert (fake.policy, fake.policy_nodes) == ("bind", {1})
+    fake.pages.update({0: 100, 1: 5})
+    fake.unmovable_pages = 3
+    assert fake.migrate_pages(0, [0, 2], [1]) == 3
+    assert fake.pages == {0: 3, 1: 102, 2: 0}
+    with pytest.raises(OSError):
+        fake.migrate_pages(0, [0], [2])
+    assert [name for name, _ in fake.calls] == ["node_of_cpu", "set_membind", "set_membind", "migrate_pages", "migrate_pages"]
+
+
+def test_real_binding_is_a_libnuma_class():
+    assert isinstance(load_libnuma(), LibNuma)

@@ -1,0 +1,46 @@
+"""In-process binding on a real two-node kernel (a throw-away VM): pages touched before the bind move.
+
+The script pins itself to cpu 0 (node 0), touches memory, binds in process to
+node 1 (cpus 2-3, membind 1) and reports /proc/self as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang.srt.placement.observe import ObservedBinding
+
+REPO = Path(__file__).resolve().parents[1]
+NUMA_VM = REPO.parent / "shared" / "tools" / "numa-vm"
+SCRIPT = "tests/vm_scripts/inprocess_bind.py"
+
+
+def run_in_vm(*script_args: str) -> dict:
+    assert NUMA_VM.is_file(), f"{NUMA_VM} is missing: the VM tests need ../shared/tools/numa-vm"
+    proc = subprocess.run(
+        [str(NUMA_VM), "--nodes", "2", "--cpus", "4", "--timeout", "150", "--", sys.executable, SCRIPT, *script_args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,  # the first use installs the VM's Debian packages
+    )
+    assert proc.returncode == 0, f"numa-vm exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.vm
+def test_in_process_bind_moves_pages_and_reads_back_as_planned():
+    out = run_in_vm()
+    observed = ObservedBinding.from_dict(out["observed"])
+    assert observed.cpus == {2, 3}
+    assert (observed.policy, observed.policy_nodes) == ("bind", {1})
+    assert out["worker_cpus"] == [2, 3]
+    assert out["diffs"] == []
+    assert out["ratio_before"] < 0.5, "the script's first pages should be on node 0"
+    assert observed.local_page_ratio([1]) >= 0.95, out
+    assert out["summary"].startswith("DP0 PP0 TP0: cpus 2-3")
