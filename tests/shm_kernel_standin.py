@@ -1,0 +1,197 @@
+"""A stand-in for the CPU build of ``sgl_kernel``'s shared-memory collective.
+
+The real CPU kernel cannot be built here, so this module registers ops of the same
+names and schemas with ``torch.library`` and makes the same ``/dev/shm`` traffic:
+
+* ``initialize(int size, int rank) -> ()`` (the released schema) reads
+  ``LOCAL_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the C environment
+  (``getenv``, as the C++ code does), and sets up shared memory only when
+  ``LOCAL_SIZE == size``;
+* ``initialize(int size, int rank, str namespace) -> ()`` takes the segment prefix;
+* ``init_cpu_threads_env(str cpu_ids) -> str`` pins the process and sets the
+  thread count.
+
+Set-up is the CPU build's: ``shm_open(name, O_CREAT | O_RDWR, 0600)`` without
+``O_EXCL``, write a fresh workspace, then open every peer's segment, retrying while
+it does not exist; nothing is unlinked; a second ``initialize`` in a process does
+nothing. ``torch.library`` definitions live per process and one name can be defined
+once, so every process (the test process and each spawned child) calls
+:func:`register` itself, and :func:`unregister` before switching schema.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import struct
+import time
+from typing import Callable, Iterator, Optional
+
+SHM_DIR = "/dev/shm"
+WORKSPACE_BYTES = 4096
+_MAGIC = b"SGLSTAND"
+# magic, pid, rank, size, 200-byte prefix; a float64 slot and a sequence number follow.
+_HEADER = struct.Struct("<8sqii200s")
+_VALUE = struct.Struct("<dq")
+_VALUE_OFFSET = 512
+
+SCHEMAS = {
+    "released": "initialize(int size, int rank) -> ()",
+    "namespaced": "initialize(int size, int rank, str namespace) -> ()",
+}
+
+CALLS: list[dict] = []
+"""One entry per ``initialize``/``init_cpu_threads_env`` call in this process."""
+
+FAIL_NEXT: list[BaseException] = []
+"""Put an exception here to make the next ``initialize`` raise it (after reading its inputs)."""
+
+_state: dict = {"lib": None, "schema": None, "prefix": None, "rank": None, "maps": {}}
+_libc = ctypes.CDLL(None)
+_libc.getenv.restype = ctypes.c_char_p
+_libc.getenv.argtypes = [ctypes.c_char_p]
+
+
+def c_getenv(name: str) -> Optional[str]:
+    """The variable as C code in this process sees it."""
+    value = _libc.getenv(name.encode())
+    return None if value is None else value.decode()
+
+
+def _open_peer(path: str, deadline: float) -> int:
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stand-in kernel: {path} never appeared") from None
+            time.sleep(0.01)
+            continue
+        if os.fstat(fd).st_size >= WORKSPACE_BYTES:
+            return fd
+        os.close(fd)
+        time.sleep(0.01)
+
+
+def _shm_initialize(size: int, rank: int, prefix: str, *, peer_timeout_s: float = 60.0) -> None:
+    own = os.path.join(SHM_DIR, f"{prefix}_{rank}")
+    fd = os.open(own, os.O_CREAT | os.O_RDWR, 0o600)
+    workspace = bytearray(WORKSPACE_BYTES)
+    _HEADER.pack_into(workspace, 0, _MAGIC, os.getpid(), rank, size, prefix.encode())
+    os.write(fd, bytes(workspace))
+    maps = {rank: mmap.mmap(fd, WORKSPACE_BYTES)}
+    os.close(fd)
+    deadline = time.monotonic() + peer_timeout_s
+    for peer in range(size):
+        if peer == rank:
+            continue
+        peer_fd = _open_peer(os.path.join(SHM_DIR, f"{prefix}_{peer}"), deadline)
+        maps[peer] = mmap.mmap(peer_fd, WORKSPACE_BYTES)
+        os.close(peer_fd)
+    _state.update(prefix=prefix, rank=rank, maps=maps)
+
+
+def _record(entry: dict) -> None:
+    CALLS.append(entry)
+    if FAIL_NEXT:
+        raise FAIL_NEXT.pop(0)
+
+
+def _initialize_released(size: int, rank: int) -> None:
+    seen = {name: c_getenv(name) for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
+    addr, port = seen["MASTER_ADDR"] or "", seen["MASTER_PORT"] or ""
+    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}"
+    _record({"op": "initialize", "schema": "released", "size": size, "rank": rank,
+             "segment": f"{prefix}_{rank}", "env": seen})
+    if _state["prefix"] is not None:
+        return
+    local_size = int(seen["LOCAL_SIZE"]) if seen["LOCAL_SIZE"] else 0
+    if size >= 1 and size == local_size:
+        _shm_initialize(size, rank, prefix)
+
+
+def _initialize_namespaced(size: int, rank: int, namespace: str) -> None:
+    seen = {name: c_getenv(name) for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
+    _record({"op": "initialize", "schema": "namespaced", "size": size, "rank": rank,
+             "segment": f"{namespace}_{rank}", "env": seen})
+    if _state["prefix"] is None:
+        _shm_initialize(size, rank, namespace)
+
+
+def _init_cpu_threads_env(cpu_ids: str) -> str:
+    import torch
+
+    from sglang.srt.placement.cpulist import parse_cpulist
+
+    cpus = parse_cpulist(cpu_ids)
+    _record({"op": "init_cpu_threads_env", "cpu_ids": cpu_ids})
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+    return f"stand-in bound {len(cpus)} threads to {cpu_ids}"
+
+
+def register(schema: str, *, threads_env: bool = False) -> None:
+    """Define ``sgl_kernel::initialize`` with ``schema`` ("released" or "namespaced") in
+    this process, and ``init_cpu_threads_env`` too if ``threads_env``."""
+    import torch
+
+    if _state["lib"] is not None:
+        raise RuntimeError(f"stand-in already registered ({_state['schema']}); unregister first")
+    lib = torch.library.Library("sgl_kernel", "DEF")
+    lib.define(SCHEMAS[schema])
+    impl: Callable = _initialize_released if schema == "released" else _initialize_namespaced
+    lib.impl("initialize", impl, "CompositeExplicitAutograd")
+    if threads_env:
+        lib.define("init_cpu_threads_env(str cpu_ids) -> str")
+        lib.impl("init_cpu_threads_env", _init_cpu_threads_env, "CompositeExplicitAutograd")
+    _state.update(lib=lib, schema=schema)
+
+
+def unregister() -> None:
+    """Remove the ops and forget the kernel's per-process state (maps closed)."""
+    lib = _state["lib"]
+    if lib is not None:
+        lib._destroy()
+    for m in _state["maps"].values():
+        m.close()
+    _state.update(lib=None, schema=None, prefix=None, rank=None, maps={})
+    CALLS.clear()
+    FAIL_NEXT.clear()
+
+
+@contextlib.contextmanager
+def registered(schema: str, *, threads_env: bool = False) -> Iterator[list[dict]]:
+    register(schema, threads_env=threads_env)
+    try:
+        yield CALLS
+    finally:
+        unregister()
+
+
+def peer_prefixes() -> dict[int, str]:
+    """The prefix each mapped segment's writer used (proves whose segment it is)."""
+    result = {}
+    for rank, m in _state["maps"].items():
+        magic, _pid, _rank, _size, prefix = _HEADER.unpack_from(m, 0)
+        assert magic == _MAGIC
+        result[rank] = prefix.rstrip(b"\0").decode()
+    return result
+
+
+def shm_sum(value: float, *, sequence: int, barrier: Callable[[], None]) -> float:
+    """A sum over the ranks through the shared segments: write, barrier, read all, barrier."""
+    maps = _state["maps"]
+    _VALUE.pack_into(maps[_state["rank"]], _VALUE_OFFSET, value, sequence)
+    barrier()
+    total = 0.0
+    for rank, m in sorted(maps.items()):
+        peer_value, peer_sequence = _VALUE.unpack_from(m, _VALUE_OFFSET)
+        if peer_sequence != sequence:
+            raise RuntimeError(
+                f"rank {rank} segment holds sequence {peer_sequence}, not {sequence}"
+            )
+        total += peer_value
+    barrier()
+    return total

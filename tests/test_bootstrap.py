@@ -1,0 +1,564 @@
+"""ShmNamespace, init_shm_collective, stale segments, thread binding and init_torch_distributed.
+
+The kernel is the torch.library stand-in of ``shm_kernel_standin`` (real /dev/shm
+segments); other engines are real processes, killed for real.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import bootstrap_children
+import shm_kernel_standin as kernel
+from sglang.srt.distributed import bootstrap
+from sglang.srt.distributed.bootstrap import (
+    NAME_MAX,
+    DistributedInitError,
+    ShmCollectiveError,
+    ShmNamespace,
+    ShmNamespaceError,
+    ShmOwnerError,
+    ThreadBindingError,
+    _init_cpu_threads_env,
+    _set_shm_master_env,
+    bind_rank_threads,
+    init_shm_collective,
+    init_torch_distributed,
+    release_shm_collective,
+    remove_stale_segments,
+    resolve_dist_init_method,
+    tp_groups_are_node_local,
+)
+from sglang.srt.environ import envs
+from sglang.srt.placement.cpulist import CpuListError
+
+SHM = "/dev/shm"
+HERE = os.path.dirname(os.path.abspath(__file__))
+UID = os.getuid()
+
+
+def _unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def namespace():
+    """A namespace no other test or engine uses; its files are removed afterwards."""
+    ns = ShmNamespace(addr="127.0.0.1", port=_unused_port())
+    yield ns
+    release_shm_collective(ns)
+    _remove_namespace_files(ns)
+
+
+@pytest.fixture
+def master_env(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "10.9.9.9")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.setenv("LOCAL_SIZE", "7")
+    return {"MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "29999", "LOCAL_SIZE": "7"}
+
+
+# ------------------------------------------------------------------------------ namespace
+
+
+def test_segment_name_matches_cpu_kernel_format():
+    ns = ShmNamespace.from_init_method("tcp://127.0.0.1:29500")
+    assert ns == ShmNamespace(addr="127.0.0.1", port=29500, uid=UID)
+    assert ns.segment_name(3) == f"deepspeed_allreduce_buffer_{UID}_127.0.0.1_29500_3"
+    assert ns.prefix + "_3" == ns.segment_name(3)
+    assert ns.rank_of(ns.segment_name(12)) == 12
+    assert ns.rank_of(ns.segment_name(1) + "_0") is None
+    assert ns.rank_of(ns.prefix + "_01") is None
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29600"},
+        {"MASTER_ADDR": "0.0.0.0", "MASTER_PORT": "1"},
+    ],
+)
+def test_two_addresses_never_share_a_segment_whatever_the_environment(monkeypatch, env):
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    before = dict(os.environ)
+    a = ShmNamespace.from_init_method("tcp://127.0.0.1:29500")
+    b = ShmNamespace.from_init_method("tcp://127.0.0.1:29600")
+    names_a = {a.segment_name(r) for r in range(64)}
+    names_b = {b.segment_name(r) for r in range(64)}
+    assert not names_a & names_b
+    assert all("_29500_" in n for n in names_a) and all("_29600_" in n for n in names_b)
+    assert dict(os.environ) == before
+
+
+def test_ipv6_and_stages():
+    ns = ShmNamespace.from_init_method("tcp://[::1]:29500")
+    assert (ns.addr, ns.port) == ("::1", 29500)
+    assert ns.segment_name(0) == f"deepspeed_allreduce_buffer_{UID}_::1_29500_0"
+    stage1 = ns.for_stage(1)
+    assert stage1.segment_name(0) == f"deepspeed_allreduce_buffer_{UID}_::1@pp1_29500_0"
+    assert ns.for_stage(0) == ns
+    assert stage1.rank_of(ns.segment_name(0)) is None
+    assert ns.rank_of(stage1.segment_name(0)) is None
+
+
+@pytest.mark.parametrize(
+    "method, needle",
+    [
+        ("tcp://127.0.0.1", "no port"),
+        ("tcp://127.0.0.1:", "not a number"),
+        ("tcp://127.0.0.1:port", "not a number"),
+        ("tcp://127.0.0.1:0", "out of range"),
+        ("tcp://127.0.0.1:65536", "out of range"),
+        ("tcp://[::1]", "no port"),
+        ("tcp://[::1:29500", "without ']'"),
+        ("tcp://::1:29500", "without brackets"),
+        ("tcp://[example.com]:29500", "not an IPv6 address"),
+        ("tcp://:29500", "no host"),
+        ("tcp://a/b:29500", "contains '/'"),
+        ("tcp://" + "h" * 220 + ":29500", "too long"),
+        ("tcp://bad$host:29500", "'$'"),
+        ("tcp://host@x:29500", "'@'"),
+        ("http://host:29500", "unsupported scheme"),
+        ("127.0.0.1:29500", "unsupported scheme"),
+        ("", "expected 'tcp://host:port'"),
+        ("file://", "names no file"),
+    ],
+)
+def test_malformed_init_methods_get_clear_errors(method, needle):
+    with pytest.raises(ShmNamespaceError) as info:
+        ShmNamespace.from_init_method(method)
+    assert needle in str(info.value)
+    assert "dist_init_method" in str(info.value)
+
+
+def test_env_init_method_reads_master_variables_without_writing_them(monkeypatch):
+    environ = {"MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "4000"}
+    ns = ShmNamespace.from_init_method("env://", environ=environ)
+    assert (ns.addr, ns.port) == ("10.0.0.5", 4000)
+    assert environ == {"MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "4000"}
+    bracketed = {"MASTER_ADDR": "[::1]", "MASTER_PORT": "9"}
+    assert ShmNamespace.from_init_method("env://", environ=bracketed).addr == "::1"
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
+    with pytest.raises(ShmNamespaceError, match="MASTER_PORT=''"):
+        ShmNamespace.from_init_method("env://")
+    with pytest.raises(ShmNamespaceError, match="MASTER_PORT"):
+        ShmNamespace.from_init_method("env://", environ={"MASTER_ADDR": "h", "MASTER_PORT": "x"})
+
+
+def test_file_init_method_falls_back_to_a_path_digest(tmp_path):
+    a = ShmNamespace.from_init_method(f"file://{tmp_path}/a")
+    again = ShmNamespace.from_init_method(f"file://{tmp_path}/a")
+    b = ShmNamespace.from_init_method(f"file://{tmp_path}/b")
+    assert a == again and a != b
+    assert a.port == 0 and a.addr.startswith("file.") and len(a.addr) == 21
+    assert a.segment_name(0) != b.segment_name(0)
+
+
+def test_name_max_bounds_the_longest_segment_name():
+    fixed = len(f"deepspeed_allreduce_buffer_{UID}__65535_99999")
+    longest_ok = "h" * (NAME_MAX - fixed)
+    ns = ShmNamespace(addr=longest_ok, port=65535)
+    assert len(ns.segment_name(99999)) == NAME_MAX
+    with pytest.raises(ShmNamespaceError, match="too long"):
+        ShmNamespace(addr=longest_ok + "h", port=65535)
+    with pytest.raises(ShmNamespaceError, match="rank=100000"):
+        ns.segment_name(100000)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"addr": "", "port": 1}, "non-empty"),
+        ({"addr": "h", "port": -1}, "port=-1"),
+        ({"addr": "h", "port": 70000}, "port=70000"),
+        ({"addr": "h", "port": "1"}, "port='1'"),
+        ({"addr": "h", "port": 1, "uid": -1}, "uid=-1"),
+        ({"addr": "h", "port": 1, "pp_rank": -1}, "pp_rank=-1"),
+        ({"addr": "a b", "port": 1}, "' '"),
+    ],
+)
+def test_explicit_construction_is_validated(kwargs, needle):
+    with pytest.raises(ShmNamespaceError) as info:
+        ShmNamespace(**kwargs)
+    assert needle in str(info.value)
+
+
+def test_namespace_is_frozen():
+    ns = ShmNamespace(addr="h", port=1)
+    with pytest.raises(AttributeError):
+        ns.port = 2
+
+
+# ------------------------------------------------------------------ init method resolution
+
+
+def test_resolve_dist_init_method_order():
+    full = dict(dist_init_method="tcp://m:1", dist_init_addr="a:2", host="h", dist_port=3)
+    assert resolve_dist_init_method(override="env://", **full) == "env://"
+    assert resolve_dist_init_method(**full) == "tcp://m:1"
+    assert resolve_dist_init_method(dist_init_addr="a:2", host="h", dist_port=3) == "tcp://a:2"
+    assert resolve_dist_init_method(dist_init_addr="[::1]:2") == "tcp://[::1]:2"
+    assert resolve_dist_init_method(host="h", dist_port=3) == "tcp://h:3"
+    assert resolve_dist_init_method(host="::1", dist_port=3) == "tcp://[::1]:3"
+    assert resolve_dist_init_method(host="[::1]", dist_port=3) == "tcp://[::1]:3"
+    assert resolve_dist_init_method(dist_port=3) == "tcp://127.0.0.1:3"
+    with pytest.raises(DistributedInitError, match="--dist-init-addr"):
+        resolve_dist_init_method(dist_init_addr="nohost")
+    with pytest.raises(DistributedInitError, match="no distributed init address"):
+        resolve_dist_init_method(host="h")
+    with pytest.raises(DistributedInitError, match="out of range"):
+        resolve_dist_init_method(dist_port=0)
+
+
+def test_tp_groups_are_node_local():
+    assert tp_groups_are_node_local(world_size=4, tp_size=4, nnodes=1)
+    assert tp_groups_are_node_local(world_size=8, tp_size=4, nnodes=2)
+    assert not tp_groups_are_node_local(world_size=8, tp_size=8, nnodes=2)
+    assert not tp_groups_are_node_local(world_size=6, tp_size=2, nnodes=4)
+
+
+# -------------------------------------------------------------------- init_shm_collective
+
+
+def test_no_kernel_op_returns_false_with_one_debug_line(namespace, caplog):
+    caplog.set_level(logging.DEBUG, logger="sglang.srt.distributed")
+    assert not hasattr(torch.ops.sgl_kernel, "initialize")
+    assert init_shm_collective(namespace, tp_size=2, tp_rank=1) is False
+    records = [r for r in caplog.records if r.name.startswith("sglang.srt.distributed")]
+    assert [r.levelno for r in records] == [logging.DEBUG]
+    assert "rank 1" in records[0].getMessage()
+    assert not os.path.exists(os.path.join(SHM, namespace.segment_name(1)))
+
+
+def test_released_schema_sees_namespace_only_during_the_call(namespace, master_env):
+    with kernel.registered("released") as calls:
+        assert init_shm_collective(namespace, tp_size=1, tp_rank=0) is True
+        assert {k: os.environ[k] for k in master_env} == master_env
+        assert {k: kernel.c_getenv(k) for k in master_env} == master_env
+        [call] = calls
+        assert call["env"] == {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(namespace.port),
+            "LOCAL_SIZE": "1",
+        }
+        segment = os.path.join(SHM, namespace.segment_name(0))
+        assert call["segment"] == namespace.segment_name(0)
+        assert stat.S_IMODE(os.stat(segment).st_mode) == 0o600
+        assert kernel.peer_prefixes() == {0: namespace.prefix}
+        record = os.path.join(SHM, f"sglang_shm_owners_{UID}", namespace.segment_name(0) + ".owner")
+        owner_dir = os.path.dirname(record)
+        assert stat.S_IMODE(os.stat(owner_dir).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(record).st_mode) == 0o600
+        assert open(record).read().strip() == str(os.getpid())
+        assert release_shm_collective(namespace) == [namespace.segment_name(0)]
+        assert not os.path.exists(segment) and not os.path.exists(record)
+
+
+def test_released_schema_restores_absent_variables(namespace, monkeypatch):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    with kernel.registered("released") as calls:
+        assert init_shm_collective(namespace, tp_size=1, tp_rank=0)
+        assert calls[0]["env"]["MASTER_PORT"] == str(namespace.port)
+    assert dict(os.environ) == before
+    assert all(kernel.c_getenv(n) is None for n in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"))
+
+
+def test_released_schema_restores_environment_on_error(namespace, master_env):
+    with kernel.registered("released") as calls:
+        kernel.FAIL_NEXT.append(RuntimeError("kernel failed"))
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            init_shm_collective(namespace, tp_size=1, tp_rank=0)
+        assert calls[0]["env"]["MASTER_ADDR"] == "127.0.0.1"
+        assert {k: os.environ[k] for k in master_env} == master_env
+        assert {k: kernel.c_getenv(k) for k in master_env} == master_env
+        # The failed rank keeps no owner record, so a retry can claim it.
+        assert release_shm_collective(namespace) == []
+        assert init_shm_collective(namespace, tp_size=1, tp_rank=0)
+
+
+def test_namespaced_schema_gets_the_prefix_and_no_environment(namespace, master_env):
+    stage = namespace.for_stage(2)
+    try:
+        with kernel.registered("namespaced") as calls:
+            assert init_shm_collective(stage, tp_size=1, tp_rank=0) is True
+            [call] = calls
+            assert call["segment"] == stage.segment_name(0)
+            assert call["env"] == master_env
+            assert os.path.exists(os.path.join(SHM, stage.segment_name(0)))
+    finally:
+        release_shm_collective(stage)
+
+
+def test_unknown_kernel_schema_is_refused(namespace):
+    lib = torch.library.Library("sgl_kernel", "DEF")
+    try:
+        lib.define("initialize(int size) -> ()")
+        lib.impl("initialize", lambda size: None, "CompositeExplicitAutograd")
+        expected = r"initialize\(int size, int rank, str namespace\)"
+        with pytest.raises(ShmCollectiveError, match=expected):
+            init_shm_collective(namespace, tp_size=1, tp_rank=0)
+    finally:
+        lib._destroy()
+
+
+@pytest.mark.parametrize("tp_size, tp_rank", [(0, 0), (2, 2), (2, -1), (True, 0)])
+def test_bad_ranks_are_refused(namespace, tp_size, tp_rank):
+    with pytest.raises(DistributedInitError):
+        init_shm_collective(namespace, tp_size=tp_size, tp_rank=tp_rank)
+
+
+# ------------------------------------------------------------------------ stale segments
+
+
+class _Holder:
+    """A real process that initialises one rank and keeps its segment."""
+
+    def __init__(self, schema: str, ns: ShmNamespace, tp_size: int, tp_rank: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "bootstrap_children.py"), "hold", schema,
+             ns.addr, str(ns.port), str(tp_size), str(tp_rank)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        line = self.proc.stdout.readline().strip()
+        assert line == "ready", f"holder said {line!r}"
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+def _remove_namespace_files(ns: ShmNamespace) -> None:
+    for directory in (SHM, os.path.join(SHM, f"sglang_shm_owners_{ns.uid}")):
+        for name in os.listdir(directory) if os.path.isdir(directory) else []:
+            if name.startswith(ns.prefix + "_"):
+                os.unlink(os.path.join(directory, name))
+
+
+@pytest.fixture(scope="module")
+def live_engine():
+    """Another engine, alive for the whole module, on its own address."""
+    ns = ShmNamespace(addr="127.0.0.1", port=_unused_port())
+    holder = _Holder("released", ns, 1, 0)
+    yield ns, holder
+    holder.stop()
+    _remove_namespace_files(ns)
+
+
+def test_killed_engines_segment_is_cleaned_and_a_live_one_elsewhere_untouched(
+    namespace, live_engine, caplog
+):
+    caplog.set_level(logging.INFO, logger="sglang.srt.distributed")
+    live_ns, _live = live_engine
+    # Killed mid-startup: rank 1 of a TP-2 engine, waiting for a rank 0 that never came.
+    killed = _Holder("released", namespace, 2, 1)
+    killed.kill()
+    stale = os.path.join(SHM, namespace.segment_name(1))
+    live_segment = os.path.join(SHM, live_ns.segment_name(0))
+    assert os.path.exists(stale) and os.path.exists(live_segment)
+    sweep = remove_stale_segments(namespace)
+    assert sweep.removed == (namespace.segment_name(1),)
+    assert not os.path.exists(stale)
+    assert not os.path.exists(
+        os.path.join(SHM, f"sglang_shm_owners_{UID}", namespace.segment_name(1) + ".owner")
+    )
+    assert os.path.exists(live_segment)
+    assert remove_stale_segments(live_ns).live == (live_ns.segment_name(0),)
+    assert os.path.exists(live_segment)
+    assert any("Removed stale" in r.getMessage() for r in caplog.records)
+
+
+def test_restarted_rank_replaces_a_dead_owners_segment(namespace, caplog):
+    caplog.set_level(logging.INFO, logger="sglang.srt.distributed")
+    killed = _Holder("released", namespace, 1, 0)
+    killed.kill()
+    segment = os.path.join(SHM, namespace.segment_name(0))
+    old_inode = os.stat(segment).st_ino
+    with kernel.registered("released"):
+        assert init_shm_collective(namespace, tp_size=1, tp_rank=0)
+        assert os.stat(segment).st_ino != old_inode
+        assert any(
+            "rank 0: removed stale shared-memory segment" in r.getMessage() for r in caplog.records
+        )
+
+
+def test_same_namespace_with_a_live_owner_is_refused(live_engine):
+    live_ns, live = live_engine
+    segment = os.path.join(SHM, live_ns.segment_name(0))
+    with kernel.registered("released") as calls:
+        with pytest.raises(ShmOwnerError, match=f"pid {live.proc.pid}.*same address"):
+            init_shm_collective(live_ns, tp_size=1, tp_rank=0, owner_wait_s=0.2)
+        assert calls == []
+    assert os.path.exists(segment)
+
+
+def test_segment_without_owner_record_is_left_alone(namespace, caplog):
+    caplog.set_level(logging.WARNING, logger="sglang.srt.distributed")
+    legacy = os.path.join(SHM, namespace.segment_name(0))
+    fd = os.open(legacy, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+    sweep = remove_stale_segments(namespace)
+    assert sweep.unknown == (namespace.segment_name(0),) and sweep.removed == ()
+    assert os.path.exists(legacy)
+    assert any("no owner record" in r.getMessage() for r in caplog.records)
+
+
+def test_owner_directory_must_be_private(tmp_path, namespace):
+    owner_dir = tmp_path / f"sglang_shm_owners_{namespace.uid}"
+    owner_dir.mkdir(mode=0o777)
+    owner_dir.chmod(0o777)
+    with kernel.registered("released"):
+        with pytest.raises(ShmOwnerError, match="mode 0700"):
+            init_shm_collective(namespace, tp_size=1, tp_rank=0, shm_dir=str(tmp_path))
+
+
+# ------------------------------------------------------------------------ thread binding
+
+
+def _run_bind(cpu_ids: str, with_op: bool) -> dict:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(
+        target=bootstrap_children.bind_threads, args=(cpu_ids, with_op, queue)
+    )
+    process.start()
+    result = queue.get(timeout=60)
+    process.join(timeout=30)
+    assert "error" not in result, result.get("error")
+    return result
+
+
+def test_bind_rank_threads_pins_every_thread():
+    cpu = max(os.sched_getaffinity(0))
+    result = _run_bind(str(cpu), with_op=False)
+    assert result["applied"] == str(cpu)
+    assert len(result["affinities"]) >= 4
+    assert set(map(tuple, result["affinities"].values())) == {(cpu,)}
+    assert result["late"] == [cpu]
+    assert result["num_threads"] == 1
+    info = [line for line in result["logs"] if line.startswith("INFO")]
+    assert len(info) == 1
+    assert f"rank 1: bound OMP/ATen threads to CPUs {cpu} " in info[0]
+    assert "numa_index=0" in info[0] and "world_size=2" in info[0]
+
+
+def test_bind_rank_threads_uses_the_kernel_op_when_registered():
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu_ids = ",".join(map(str, cpus))
+    result = _run_bind(cpu_ids, with_op=True)
+    expected = f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])
+    assert result["calls"] == [{"op": "init_cpu_threads_env", "cpu_ids": expected}]
+    assert result["num_threads"] == len(cpus)
+    assert any("via sgl_kernel.init_cpu_threads_env" in line for line in result["logs"])
+
+
+@pytest.mark.parametrize(
+    "cpu_ids, error, needle",
+    [
+        ("", ThreadBindingError, "names no CPU"),
+        ("99999", ThreadBindingError, "not available to this process"),
+        ("0-a", CpuListError, "rank 3 cpu_ids"),
+    ],
+)
+def test_bind_rank_threads_rejects_bad_lists(cpu_ids, error, needle):
+    before = os.sched_getaffinity(0)
+    with pytest.raises(error, match=needle):
+        bind_rank_threads(cpu_ids, tp_rank=3, numa_index=0, world_size=4)
+    assert os.sched_getaffinity(0) == before
+
+
+# ------------------------------------------------------------------ init_torch_distributed
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"tp_size": 2, "tp_rank": 0, "world_size": 3}, "not a multiple"),
+        ({"tp_size": 2, "tp_rank": 1, "world_size": 4, "rank": 2}, "rank % tp_size"),
+        ({"tp_size": 2, "tp_rank": 0, "world_size": 4, "rank": 4}, "0 <= rank"),
+        ({"tp_size": 1, "tp_rank": 0, "device": "tpu", "dist_port": 5}, "backend="),
+        ({"tp_size": 1, "tp_rank": 0}, "no distributed init address"),
+    ],
+)
+def test_init_torch_distributed_checks_settings_before_any_rendezvous(kwargs, needle):
+    with pytest.raises(DistributedInitError, match=needle):
+        init_torch_distributed(**kwargs)
+    assert not torch.distributed.is_initialized()
+
+
+def test_init_torch_distributed_single_rank_uses_override_and_keeps_environment(master_env):
+    port = _unused_port()
+    before = dict(os.environ)
+    override = f"tcp://127.0.0.1:{port}"
+    try:
+        with kernel.registered("released") as calls:
+            with envs.SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE.override(override):
+                before = dict(os.environ)
+                boot = init_torch_distributed(
+                    tp_size=1, tp_rank=0, device="cpu", dist_init_addr="10.1.1.1:1", timeout=30
+                )
+                assert dict(os.environ) == before
+            assert boot.init_method == override and boot.backend == "gloo"
+            assert boot.namespace == ShmNamespace(addr="127.0.0.1", port=port)
+            assert boot.shm_collective is True and boot.bound_cpus is None
+            assert calls[0]["segment"] == boot.namespace.segment_name(0)
+            assert torch.distributed.get_world_size() == 1
+    finally:
+        release_shm_collective()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+# -------------------------------------------------------------------------- deprecated shims
+
+
+def test_set_shm_master_env_shim_is_deprecated_and_keeps_upstream_behaviour(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.warns(DeprecationWarning, match="ShmNamespace"):
+        _set_shm_master_env("tcp://10.0.0.1:2")
+    assert os.environ["MASTER_ADDR"] == "10.0.0.1"
+    assert os.environ["MASTER_PORT"] == "1"
+
+
+def test_init_cpu_threads_env_shim_uses_the_namespace(namespace, master_env):
+    with kernel.registered("released") as calls:
+        with pytest.warns(DeprecationWarning, match="bind_rank_threads"):
+            _init_cpu_threads_env(
+                tp_size=1, tp_rank=0, local_omp_cpuid=None,
+                dist_init_method=f"tcp://{namespace.addr}:{namespace.port}",
+            )
+        assert calls[0]["segment"] == namespace.segment_name(0)
+        assert {k: os.environ[k] for k in master_env} == master_env
+
+
+def test_shims_are_exported_for_old_callers():
+    assert bootstrap._set_shm_master_env is _set_shm_master_env
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShmNamespace.from_init_method("tcp://h:1")
