@@ -20,7 +20,13 @@ import pytest
 from sglang.srt.environ import envs
 from sglang.srt.placement import apply as apply_mod
 from sglang.srt.placement import libnuma as libnuma_mod
-from sglang.srt.placement.apply import BindOutcome, bind_in_process, bind_legacy_v1
+from sglang.srt.placement.apply import (
+    BindOutcome,
+    ThreadAffinityError,
+    bind_in_process,
+    bind_legacy_v1,
+    set_all_threads_affinity,
+)
 from sglang.srt.placement.types import PlacementError, ProcessPlacement
 
 from fakelibnuma import FakeLibNuma
@@ -225,6 +231,34 @@ def test_threads_started_during_the_walk_are_bound_too(tmp_path):
     assert seen == [1, 2] and outcome.threads == 2
 
 
+def test_set_all_threads_affinity_moves_every_real_thread():
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    try:
+        assert set_all_threads_affinity(TARGET_CPUS) >= 2
+        assert os.sched_getaffinity(worker.native_id) == TARGET_CPUS
+        assert os.sched_getaffinity(0) == TARGET_CPUS
+    finally:
+        stop.set()
+        worker.join()
+
+
+def test_set_all_threads_affinity_refusal_names_the_thread_and_the_count(tmp_path):
+    for tid in ("1", "2", "3"):
+        (tmp_path / tid).mkdir()
+
+    def setaffinity(tid, cpus):
+        if tid == 2:
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    with pytest.raises(ThreadAffinityError) as info:
+        set_all_threads_affinity(TARGET_CPUS, tasks_dir=str(tmp_path), setaffinity=setaffinity)
+    assert isinstance(info.value, OSError) and info.value.errno == errno.EINVAL
+    assert info.value.tid == 2 and info.value.threads_set == 1
+    assert info.value.strerror == "thread 2: Invalid argument"
+
+
 def test_cpus_the_kernel_refuses_are_reported():
     fake = two_node_fake()
     before = os.sched_getaffinity(0)
@@ -242,11 +276,11 @@ def test_outcome_is_frozen():
         outcome.threads = 0
 
 
-def test_legacy_v1_runs_on_node_then_allocates_locally():
+def test_legacy_v1_runs_on_node_then_prefers_its_memory():
     fake = two_node_fake()
     bind_legacy_v1(1, libnuma=fake)
-    assert [name for name, _ in fake.calls] == ["run_on_node", "set_localalloc"]
-    assert fake.run_on == {HOST_CPUS[-1]} and fake.policy == "local"
+    assert [name for name, _ in fake.calls] == ["run_on_node", "set_preferred"]
+    assert fake.run_on == {HOST_CPUS[-1]} and fake.policy == "preferred" and fake.policy_nodes == {1}
 
 
 def test_legacy_v1_without_libnuma_warns_and_returns(no_libnuma, caplog):
@@ -254,7 +288,8 @@ def test_legacy_v1_without_libnuma_warns_and_returns(no_libnuma, caplog):
     with caplog.at_level(logging.WARNING, logger=apply_mod.__name__):
         bind_legacy_v1(0)
     assert os.sched_getaffinity(0) == before
-    assert any("node 0" in r.getMessage() and "libnuma" in r.getMessage() for r in caplog.records)
+    assert any("numa not available on this system, skip bind action" in r.getMessage() and "node 0" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_real_libnuma_bind_in_a_child_matches_its_placement():

@@ -562,3 +562,14 @@ def test_shims_are_exported_for_old_callers():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ShmNamespace.from_init_method("tcp://h:1")
+
+
+def test_moved_names_are_the_same_objects_through_bootstrap():
+    from sglang.srt.distributed import shm_namespace, shm_segments
+
+    for module in (shm_namespace, shm_segments):
+        for name in module.__all__:
+            if name in bootstrap.__all__:
+                assert getattr(bootstrap, name) is getattr(module, name), name
+    moved = set(shm_namespace.__all__) | set(shm_segments.__all__)
+    assert moved - set(bootstrap.__all__) == {"claim_segment"}

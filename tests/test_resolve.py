@@ -233,7 +233,7 @@ def test_socket_mode_binds_every_node_of_the_package():
 def test_v1_strategy_when_bind_v2_is_off(two_sockets):
     with envs.SGLANG_NUMA_BIND_V2.override(False):
         placements = plan(two_sockets, numa_node=[0, 0, 1, 1])
-    assert all(p.strategy == "v1" and not p.numactl_args for p in placements)
+    assert all(p.strategy == "v1" and not p.numactl_args and p.mem_policy == "preferred" for p in placements)
     assert placements[2].numa_node == 1
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from sglang.srt.environ import EnvError, envs
 from sglang.srt.placement.cpulist import CpuListError, format_cpulist, parse_cpulist
@@ -145,13 +146,36 @@ def cmd_verify(args: argparse.Namespace) -> int:
     launchers = ("mp", "ray") if args.launcher == "both" else (args.launcher,)
     inputs = plan_inputs(args)
     rows: list[dict] = []
-    for launcher in launchers:
-        rows.extend(verify_ranks(server_args, launcher=launcher, timeout_s=args.timeout, plan_kwargs=inputs))
+    with contextlib.ExitStack() as stack:
+        if "ray" in launchers:
+            stack.enter_context(_local_ray_cluster(server_args))
+        for launcher in launchers:
+            rows.extend(verify_ranks(server_args, launcher=launcher, timeout_s=args.timeout, plan_kwargs=inputs))
     if args.json:
         print(json.dumps({"ranks": rows}, indent=2))
     else:
         print(format_verify_rows(rows))
     return 0 if all(row["ok"] for row in rows) else 1
+
+
+@contextlib.contextmanager
+def _local_ray_cluster(server_args: ServerArgs) -> Iterator[None]:
+    """Use the Ray cluster this process is connected to, or start a local one for the ranks and stop it after."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--launcher ray needs Ray: pip install 'sglang-placement[ray]'") from None
+    if ray.is_initialized():
+        yield
+        return
+    from sglang.srt.placement.resolve import local_ranks
+
+    num_cpus = max(len(local_ranks(server_args)), len(os.sched_getaffinity(0)))
+    ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def cmd_capture(args: argparse.Namespace) -> int:

@@ -114,11 +114,18 @@ def bind_in_process(
 
     cpus, threads = frozenset(), 0
     if placement.cpus:
-        threads, error = _set_all_threads_affinity(placement.cpus, tasks_dir=tasks_dir, setaffinity=setaffinity)
-        if error is None:
+        refused: Optional[ThreadAffinityError] = None
+        try:
+            threads = set_all_threads_affinity(placement.cpus, tasks_dir=tasks_dir, setaffinity=setaffinity)
+        except ThreadAffinityError as exc:
+            threads, refused = exc.threads_set, exc
+        if refused is None:
             cpus = placement.cpus
         else:
-            degrade(error)
+            degrade(
+                f"cpu affinity {format_cpulist(placement.cpus)} not applied ({refused.strerror}); "
+                f"the CPUs may be offline or outside this process's cpuset"
+            )
 
     mem_policy, mem_nodes = "none", frozenset()
     if lib is not None:
@@ -140,16 +147,28 @@ def bind_in_process(
     return outcome
 
 
-def _set_all_threads_affinity(
+class ThreadAffinityError(OSError):
+    """The kernel refused one thread's CPU affinity; ``threads_set`` threads had been moved before it."""
+
+    def __init__(self, cause: OSError, *, tid: int, threads_set: int) -> None:
+        super().__init__(cause.errno, f"thread {tid}: {cause.strerror or cause}")
+        self.tid = tid
+        self.threads_set = threads_set
+
+
+def set_all_threads_affinity(
     cpus: frozenset[int],
     *,
-    tasks_dir: str,
-    setaffinity: Callable[[int, Iterable[int]], None],
-) -> tuple[int, Optional[str]]:
-    """Set every thread's affinity; returns (threads set, error text or None).
+    tasks_dir: str = "/proc/self/task",
+    setaffinity: Callable[[int, Iterable[int]], None] = os.sched_setaffinity,
+) -> int:
+    """Set the CPU affinity of every thread of this process to ``cpus``; returns how many threads were set.
 
-    A thread started during the walk by a thread not yet moved would keep the old
-    CPUs, so the directory is listed again until a pass finds no new thread.
+    Threads started later inherit it from their creator. A thread started during the
+    walk by a thread not yet moved would keep the old CPUs, so the directory is
+    listed again until a pass finds no new thread. Threads that exit during the walk
+    are skipped; any other refusal raises :class:`ThreadAffinityError` (an OSError).
+    ``tasks_dir`` and ``setaffinity`` are seams for tests.
     """
     tried: set[int] = set()
     bound = 0
@@ -164,13 +183,10 @@ def _set_all_threads_affinity(
             except ProcessLookupError:
                 pass  # the thread exited after the listing
             except OSError as exc:
-                return bound, (
-                    f"cpu affinity {format_cpulist(cpus)} not applied (thread {tid}: {exc.strerror or exc}); "
-                    f"the CPUs may be offline or outside this process's cpuset"
-                )
+                raise ThreadAffinityError(exc, tid=tid, threads_set=bound) from exc
             else:
                 bound += 1
-    return bound, None
+    return bound
 
 
 def _list_tids(tasks_dir: str) -> list[int]:
@@ -222,10 +238,14 @@ def _err(exc: OSError) -> str:
 
 
 def bind_legacy_v1(node: int, *, libnuma: Optional[LibNumaApi] = None) -> None:
-    """Upstream's old in-child bind: run the calling thread on ``node``'s CPUs and allocate locally."""
+    """Upstream's old in-child bind: run on ``node``'s CPUs and prefer ``node``'s memory."""
     lib = libnuma if libnuma is not None else load_libnuma()
     if lib is None:
-        logger.warning(f"NUMA bind to node {node} skipped: libnuma.so.1 is not available (install libnuma1)")
+        # Upstream's wording, which operators grep for.
+        logger.warning(
+            f"numa not available on this system, skip bind action (node {node}: libnuma.so.1 is not available; "
+            f"install libnuma1)"
+        )
         return
     lib.run_on_node(node)
-    lib.set_localalloc()
+    lib.set_preferred(node)

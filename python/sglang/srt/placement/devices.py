@@ -394,7 +394,7 @@ def _cuda_physical(*, gpu_id: int, env: Mapping[str, str], ray_ids: Optional[Seq
         )
     if gpu_id >= len(entries):
         ignored = len(entries) < len([p for p in visible.split(",")])
-        note = f" (CUDA ignores the entries from the first invalid one on)" if ignored else ""
+        note = " (CUDA ignores the entries from the first invalid one on)" if ignored else ""
         raise DeviceIdentityError(
             f"CUDA_VISIBLE_DEVICES={visible!r} makes {len(entries)} GPU(s) visible{note}, "
             f"but a rank uses GPU id {gpu_id}; list more GPUs or lower --base-gpu-id / --tp-size."

@@ -436,8 +436,9 @@ def _finish(*, rank: RankIdentity, pci: Optional[str], node_id: int, cpus: froze
         )
 
     if not policy.bind_v2:
-        reasons.append("SGLANG_NUMA_BIND_V2=0: legacy V1 bind inside the child (numa_run_on_node + localalloc)")
-        return placed("v1", "none", ())
+        reasons.append("SGLANG_NUMA_BIND_V2=0: legacy V1 bind inside the child "
+                       "(numa_run_on_node + numa_set_preferred)")
+        return placed("v1", "preferred" if mem_nodes else "none", (node_id,))
 
     if policy.exec_supported and capabilities.numactl is not None:
         outcome = capabilities.numactl.ladder(

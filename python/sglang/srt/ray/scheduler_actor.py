@@ -17,7 +17,6 @@ initialisation error under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import logging
@@ -25,11 +24,11 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import ray
 
-from sglang.srt.environ import envs
+from sglang.srt.environ import envs, scoped_environ
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
 
@@ -42,21 +41,6 @@ _THREAD_CHECKED_STRATEGIES = ("exec", "in-process")
 
 
 # --------------------------------------------------------------------------- the resolve task
-
-
-@contextlib.contextmanager
-def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
-    """The driver's placement settings for the length of one task; the (reused) worker gets its own back."""
-    previous = {name: os.environ.get(name) for name in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def accelerator_ids_here(resource: str) -> tuple[str, ...]:
@@ -91,7 +75,7 @@ def resolve_on_node(
     """
     started = time.perf_counter()
     accelerator_ids = accelerator_ids_here(accelerator_resource)
-    with _environment(env):
+    with scoped_environ(env):
         placement = (resolver or _default_resolver)(
             server_args,
             dp_rank=rank.dp_rank,

@@ -1,0 +1,189 @@
+"""ShmNamespace: the value that names one engine's ``/dev/shm`` segments, built from its init address.
+
+The CPU build of ``sgl_kernel`` names its segments
+``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, where ``<uid>`` is the
+real user id of the process (``getuid()``) and ``<addr>``/``<port>`` are, for the
+released kernel, read from ``MASTER_ADDR``/``MASTER_PORT``. Two engines on one
+host must therefore never hand the kernel the same address and port, so the
+name is an explicit value derived from the engine's own init address rather
+than from whatever the process environment happens to hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+from typing import Any, Mapping, Optional
+
+from sglang.srt.utils.network import AddressError, parse_port, parse_tcp_init_method
+
+SHM_SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
+NAME_MAX = 255
+# Ranks up to 99999 are reserved room in every name, so a namespace that passes
+# validation never yields an over-long segment name later.
+_RANK_DIGITS = 5
+_MAX_RANK = 10**_RANK_DIGITS - 1
+# Reserved for the pipeline-stage suffix; never valid in a host name or address.
+_STAGE_MARK = "@pp"
+_ADDR_RE = re.compile(r"[A-Za-z0-9._:%-]+")
+
+
+class ShmNamespaceError(ValueError):
+    """A value that names shared-memory segments is not usable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmNamespace:
+    """Names one engine's (one pipeline stage's) shared-memory segments.
+
+    ``addr`` and ``port`` come from the engine's init address; ``uid`` is the real
+    user id the kernel puts in the name; ``pp_rank`` > 0 gives each pipeline stage
+    of one engine its own segments (stage 0 keeps the released kernel's names).
+    ``port`` 0 means the rendezvous is not over TCP (see :meth:`from_init_method`).
+    """
+
+    addr: str
+    port: int
+    uid: int = dataclasses.field(default_factory=os.getuid)
+    pp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.addr, str) or not self.addr:
+            raise ShmNamespaceError(
+                f"ShmNamespace.addr={self.addr!r}: expected a non-empty host name or address"
+            )
+        if "/" in self.addr:
+            raise ShmNamespaceError(
+                f"ShmNamespace.addr={self.addr!r} contains '/', which cannot appear in a "
+                f"/dev/shm segment name; use the host's name or IP address"
+            )
+        if not _ADDR_RE.fullmatch(self.addr):
+            bad = sorted({c for c in self.addr if not _ADDR_RE.fullmatch(c)})
+            raise ShmNamespaceError(
+                f"ShmNamespace.addr={self.addr!r} contains {''.join(bad)!r}; only letters, "
+                f"digits and . _ - : % are allowed in a /dev/shm segment name"
+            )
+        for name, value, low, high in (
+            ("port", self.port, 0, 65535),
+            ("uid", self.uid, 0, 2**32 - 1),
+            ("pp_rank", self.pp_rank, 0, _MAX_RANK),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ShmNamespaceError(
+                    f"ShmNamespace.{name}={value!r}: expected an integer from {low} to {high}"
+                )
+        longest = len(self.segment_name(_MAX_RANK))
+        if longest > NAME_MAX:
+            raise ShmNamespaceError(
+                f"ShmNamespace.addr={self.addr!r} is too long: segment names would be up to "
+                f"{longest} characters, over the {NAME_MAX} allowed in /dev/shm; give "
+                f"--dist-init-addr (or --host) as an IP address or a shorter host name"
+            )
+
+    @classmethod
+    def from_init_method(
+        cls,
+        method: str,
+        *,
+        uid: Optional[int] = None,
+        pp_rank: int = 0,
+        environ: Optional[Mapping[str, str]] = None,
+    ) -> "ShmNamespace":
+        """The namespace of the engine whose ``torch.distributed`` init method is ``method``.
+
+        ``tcp://host:port`` and ``tcp://[ipv6]:port`` give ``(host, port)``. Fallbacks:
+        ``env://`` reads (never writes) ``MASTER_ADDR``/``MASTER_PORT`` from ``environ``
+        (default ``os.environ``), as torch does for that method; ``file:///path`` has no
+        address, so the address becomes ``file.<16 hex of sha256(path)>`` and the port 0.
+        """
+        what = f"dist_init_method={method!r}"
+        extra: dict[str, Any] = {"pp_rank": pp_rank}
+        if uid is not None:
+            extra["uid"] = uid
+        if not isinstance(method, str) or not method.strip():
+            raise ShmNamespaceError(
+                f"dist_init_method={method!r}: expected 'tcp://host:port', 'env://' "
+                f"or 'file://path'"
+            )
+        method = method.strip()
+        scheme = method.split("://", 1)[0].lower() if "://" in method else ""
+        try:
+            if scheme == "tcp":
+                host, port = parse_tcp_init_method(method, what=what)
+            elif scheme == "env":
+                host, port = _env_address(what, os.environ if environ is None else environ)
+            elif scheme == "file":
+                host, port = _file_address(what, method[len("file://") :]), 0
+            else:
+                raise ShmNamespaceError(
+                    f"{what}: unsupported scheme; expected 'tcp://host:port', "
+                    f"'tcp://[ipv6]:port', 'env://' or 'file:///path'"
+                )
+        except AddressError as exc:
+            raise ShmNamespaceError(str(exc)) from None
+        try:
+            return cls(addr=host, port=port, **extra)
+        except ShmNamespaceError as exc:
+            raise ShmNamespaceError(f"{what}: {exc}") from None
+
+    def for_stage(self, pp_rank: int) -> "ShmNamespace":
+        """The namespace of pipeline stage ``pp_rank`` of the same engine."""
+        return dataclasses.replace(self, pp_rank=pp_rank)
+
+    @property
+    def kernel_addr(self) -> str:
+        """The address part of segment names (``MASTER_ADDR`` for the released kernel)."""
+        return self.addr if self.pp_rank == 0 else f"{self.addr}{_STAGE_MARK}{self.pp_rank}"
+
+    @property
+    def kernel_port(self) -> str:
+        return str(self.port)
+
+    @property
+    def prefix(self) -> str:
+        """Every segment name of this namespace is ``prefix + "_" + rank``."""
+        return f"{SHM_SEGMENT_PREFIX}_{self.uid}_{self.kernel_addr}_{self.kernel_port}"
+
+    def segment_name(self, rank: int) -> str:
+        """The ``/dev/shm`` name the CPU kernel uses for ``rank``."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= _MAX_RANK:
+            raise ShmNamespaceError(f"rank={rank!r}: expected an integer from 0 to {_MAX_RANK}")
+        return f"{self.prefix}_{rank}"
+
+    def rank_of(self, name: str) -> Optional[int]:
+        """The rank if ``name`` is one of this namespace's segment names, else None."""
+        head = self.prefix + "_"
+        if not name.startswith(head):
+            return None
+        tail = name[len(head) :]
+        if not tail.isdigit() or len(tail) > _RANK_DIGITS or (len(tail) > 1 and tail[0] == "0"):
+            return None
+        return int(tail)
+
+
+def _env_address(what: str, environ: Mapping[str, str]) -> tuple[str, int]:
+    """``env://``: torch reads the rendezvous address from MASTER_ADDR/MASTER_PORT."""
+    host = environ.get("MASTER_ADDR", "")
+    port_text = environ.get("MASTER_PORT", "")
+    if not host or not port_text:
+        raise ShmNamespaceError(
+            f"{what} takes the address from MASTER_ADDR and MASTER_PORT, but "
+            f"MASTER_ADDR={host!r}, MASTER_PORT={port_text!r}; set both, or use "
+            f"a tcp://host:port init method"
+        )
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, parse_port(port_text, what="MASTER_PORT")
+
+
+def _file_address(what: str, path: str) -> str:
+    """``file://``: no address, so a digest of the path stands in for one."""
+    if not path:
+        raise ShmNamespaceError(f"{what} names no file; expected 'file:///path'")
+    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    return f"file.{digest}"
+
+
+__all__ = ["NAME_MAX", "SHM_SEGMENT_PREFIX", "ShmNamespace", "ShmNamespaceError"]

@@ -1,0 +1,497 @@
+"""The multiprocessing launcher: one spawned scheduler process per local rank, each under its placement.
+
+How an ``exec`` placement reaches the child. CPython's spawn start method runs
+``multiprocessing.util.spawnv_passfds(spawn.get_executable(), cmd, fds)``; the
+executable is process-global and its argv[0] is that same path, so numactl's
+options cannot ride in it, and swapping it (upstream's approach, with a script
+written to /tmp) races between threads and breaks on a ``noexec`` /tmp. Instead
+a pass-through wrapper around ``spawnv_passfds`` is installed once; a thread
+that is starting a placed child arms it with that child's numactl argv (a
+thread-local value, cleared in ``finally``), and the wrapper prepends the argv
+only to a spawn command line (``spawn_main``), never to the resource tracker or
+anything else. No file is written, no shell runs, the spawn executable is never
+changed, and launches in other threads are not affected.
+
+A child that numactl refuses to start dies before Python runs; its sentinel
+tells the parent at once, and the same numactl argv is run again with ``true``
+to capture numactl's own message for the error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.spawn
+import multiprocessing.util
+import os
+import shutil
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from sglang.srt.environ import envs
+from sglang.srt.managers.scheduler import RankLaunchError, RankResult, run_scheduler_process
+from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+DIAGNOSE_TIMEOUT_S = 10.0
+SHUTDOWN_GRACE_S = 5.0
+
+_SPAWN_MARKER = "spawn_main"
+
+
+# --------------------------------------------------------------------------- the spawn hook
+
+
+@dataclass
+class SpawnPrefixUse:
+    """One armed prefix and how many spawned children it has wrapped so far."""
+
+    prefix: tuple[str, ...]
+    applied: int = 0
+
+
+class _Armed(threading.local):
+    use: Optional[SpawnPrefixUse] = None
+
+
+_armed = _Armed()
+_install_lock = threading.Lock()
+_original_spawnv_passfds: Optional[Callable[..., int]] = None
+
+
+def _is_spawn_command(args: Sequence[Any]) -> bool:
+    return any(_SPAWN_MARKER in str(arg) for arg in args)
+
+
+def _placed_spawnv_passfds(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
+    original = _original_spawnv_passfds
+    if original is None:  # pragma: no cover - the hook is only reachable once installed
+        raise RuntimeError("the multiprocessing spawn hook was called before it was installed")
+    use = _armed.use
+    if use is None or not _is_spawn_command(args):
+        return original(path, args, passfds)
+    # CPython hands the executable over as bytes (os.fsencode); keep to that type.
+    pid = original(os.fsencode(use.prefix[0]), [*use.prefix, *args], passfds)
+    use.applied += 1
+    return pid
+
+
+def install_spawn_hook() -> None:
+    """Put the pass-through wrapper in front of ``multiprocessing.util.spawnv_passfds`` (idempotent)."""
+    global _original_spawnv_passfds
+    with _install_lock:
+        current = getattr(multiprocessing.util, "spawnv_passfds", None)
+        if current is None:
+            raise PlacementError(
+                "this Python's multiprocessing has no util.spawnv_passfds, so spawned schedulers cannot be "
+                "started under numactl; set SGLANG_NUMA_BIND_V2=0 to bind inside the child instead"
+            )
+        if current is _placed_spawnv_passfds:
+            return
+        _original_spawnv_passfds = current
+        multiprocessing.util.spawnv_passfds = _placed_spawnv_passfds
+
+
+def spawn_hook_installed() -> bool:
+    return multiprocessing.util.spawnv_passfds is _placed_spawnv_passfds
+
+
+@contextlib.contextmanager
+def spawn_with_prefix(prefix: Sequence[str]) -> Iterator[SpawnPrefixUse]:
+    """Start every ``spawn`` child this thread creates inside the block as ``prefix + [python, ...]``.
+
+    Nests (the inner prefix wins) and restores the previous state on any exit.
+    """
+    prefix = tuple(str(part) for part in prefix)
+    if not prefix:
+        raise ValueError("spawn_with_prefix needs a non-empty argv prefix (the program to exec first)")
+    install_spawn_hook()
+    use = SpawnPrefixUse(prefix=prefix)
+    saved = _armed.use
+    _armed.use = use
+    try:
+        yield use
+    finally:
+        _armed.use = saved
+
+
+def armed_prefix() -> Optional[tuple[str, ...]]:
+    """The prefix this thread would apply to a spawned child right now (None when unarmed)."""
+    use = _armed.use
+    return None if use is None else use.prefix
+
+
+# --------------------------------------------------------------------------- launching ranks
+
+
+def _numactl_prefix(placement: ProcessPlacement) -> list[str]:
+    from sglang.srt.placement.numactl import numactl_prefix
+
+    return numactl_prefix(placement)
+
+
+def _preflight(placement: ProcessPlacement) -> Optional[str]:
+    """numactl's complaint about this placement's options, from the placement core's cached dry run; None if fine.
+
+    Catching a refusal before the spawn matters beyond speed: CPython writes the
+    pickled child state into a pipe whose read end it keeps open until the write
+    is done, so a payload larger than the pipe buffer would block ``start()``
+    forever once numactl has exited.
+    """
+    from sglang.srt.placement.numactl import default_prober
+
+    prober = default_prober()
+    if prober is None:
+        return None
+    result = prober.probe(placement.numactl_args)
+    return None if result.ok else result.message
+
+
+def _true_path() -> str:
+    return shutil.which("true") or "/bin/true"
+
+
+def diagnose_exec_failure(prefix: Sequence[str]) -> Optional[str]:
+    """numactl's own complaint for ``prefix``, by running it again in front of ``true``; None if it now works."""
+    try:
+        done = subprocess.run(
+            [*prefix, _true_path()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=DIAGNOSE_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{prefix[0]} could not be run: {exc}"
+    if done.returncode == 0:
+        return None
+    return _complaint(done.stderr.decode(errors="replace")) or f"{prefix[0]} exited with status {done.returncode}"
+
+
+def _complaint(stderr: str) -> str:
+    # numactl follows a refusal with its whole usage text; the lines before it are the reason.
+    lines = []
+    for line in stderr.splitlines():
+        if line.startswith("usage:"):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    return "; ".join(lines) or stderr.strip()
+
+
+def _exec_prefix_or_fallback(placement: ProcessPlacement) -> tuple[ProcessPlacement, Optional[list[str]]]:
+    """The numactl argv for an exec placement; when numactl vanished since planning, bind in-process instead."""
+    if placement.strategy != "exec":
+        return placement, None
+    try:
+        return placement, _numactl_prefix(placement)
+    except FileNotFoundError as exc:
+        if envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.get():
+            raise PlacementError(f"{exc} (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1)") from exc
+        reason = "numactl was not found at launch: binding in-process instead"
+        logger.warning(f"{placement.label}: {reason}")
+        fallback = placement.replace(
+            strategy="in-process", numactl_args=(), reasons=(*placement.reasons, reason)
+        )
+        return fallback, None
+
+
+@dataclass
+class LaunchedRank:
+    """A started scheduler process and what the parent needs to follow it."""
+
+    rank: RankIdentity
+    placement: Optional[ProcessPlacement]
+    process: Any
+    reader: Any
+    prefix: Optional[list[str]]
+    info: Optional[dict] = None
+    finished: bool = False
+    eof: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.rank.label
+
+
+def start_scheduler_process(
+    server_args: Any,
+    *,
+    target: Callable[..., Any],
+    rank: RankIdentity,
+    placement: Optional[ProcessPlacement],
+    context: Any = None,
+) -> LaunchedRank:
+    """Spawn one scheduler rank under its placement; returns at once (readiness comes through its pipe)."""
+    ctx = context or multiprocessing.get_context("spawn")
+    if placement is not None:
+        placement, prefix = _exec_prefix_or_fallback(placement)
+    else:
+        prefix = None
+    if prefix is not None:
+        complaint = _preflight(placement)
+        if complaint is not None:
+            raise _refusal_error(rank.label, prefix=prefix, complaint=complaint, exit_status=None)
+    reader, writer = ctx.Pipe(duplex=False)
+    process = ctx.Process(
+        target=run_scheduler_process,
+        kwargs=dict(
+            server_args=server_args,
+            placement_json=placement.to_json() if placement is not None else None,
+            rank=rank,
+            target=target,
+            pipe_writer=writer,
+        ),
+        name=f"sglang-scheduler-{rank.label.replace(' ', '-')}",
+    )
+    try:
+        if prefix is not None:
+            with spawn_with_prefix(prefix) as use:
+                process.start()
+            if use.applied != 1:
+                raise PlacementError(
+                    f"{rank.label}: the spawn hook wrapped {use.applied} processes instead of 1; the multiprocessing "
+                    f"start method must be spawn for exec placements (numactl {' '.join(prefix[1:])})"
+                )
+        else:
+            process.start()
+    except BaseException:
+        reader.close()
+        writer.close()
+        if process.pid is not None:
+            _stop(process)
+        raise
+    # The parent's copy of the write end must go, or a dead child's pipe never reads as EOF.
+    writer.close()
+    how = f"under {' '.join(prefix)}" if prefix else f"strategy {placement.strategy if placement else 'none'}"
+    logger.info(f"{rank.label}: scheduler process {process.pid} started {how}")
+    return LaunchedRank(rank=rank, placement=placement, process=process, reader=reader, prefix=prefix)
+
+
+def launch_scheduler_processes(
+    server_args: Any,
+    *,
+    target: Callable[..., Any],
+    placements: Optional[Sequence[ProcessPlacement]] = None,
+    ranks: Optional[Sequence[RankIdentity]] = None,
+    context: Any = None,
+) -> list[LaunchedRank]:
+    """Start every local rank; if any start fails, the ones already started are stopped before raising."""
+    if placements is None:
+        placements = _plan(server_args)
+    if ranks is None:
+        ranks = _ranks_for(server_args, placements)
+    if len(ranks) != len(placements):
+        raise ValueError(f"{len(ranks)} ranks but {len(placements)} placements: give one placement per rank")
+    launched: list[LaunchedRank] = []
+    try:
+        for rank, placement in zip(ranks, placements):
+            launched.append(
+                start_scheduler_process(server_args, target=target, rank=rank, placement=placement, context=context)
+            )
+    except BaseException:
+        shutdown_ranks(launched)
+        raise
+    return launched
+
+
+def wait_ready(launched: Sequence[LaunchedRank], *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S) -> list[RankResult]:
+    """Wait until every rank reports readiness; on the first failure or the deadline, stop all and raise."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        pending = [r for r in launched if r.info is None]
+        while pending:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                names = ", ".join(r.label for r in pending)
+                raise RankLaunchError(f"{names}: no readiness report within {timeout_s:.0f} s", label=pending[0].label)
+            handles = _wait_handles(pending)
+            multiprocessing.connection.wait(handles, timeout=remaining)
+            for r in pending:
+                _poll_rank(r, expect="ready")
+            pending = [r for r in launched if r.info is None]
+    except BaseException:
+        shutdown_ranks(launched)
+        raise
+    return [RankResult(placement=r.placement, rank=r.rank, info=r.info or {}) for r in launched]
+
+
+def wait_finished(launched: Sequence[LaunchedRank], *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S) -> None:
+    """Wait until every rank's event loop returns and its process exits; on failure stop all and raise."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        pending = [r for r in launched if not r.finished]
+        while pending:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                names = ", ".join(r.label for r in pending)
+                raise RankLaunchError(f"{names}: event loop still running after {timeout_s:.0f} s", label=pending[0].label)
+            handles = _wait_handles(pending)
+            multiprocessing.connection.wait(handles, timeout=remaining)
+            for r in pending:
+                _poll_rank(r, expect="done")
+            pending = [r for r in launched if not r.finished]
+        for r in launched:
+            r.process.join(SHUTDOWN_GRACE_S)
+            if r.process.exitcode not in (0, None):
+                raise RankLaunchError(f"{r.label}: exited with status {r.process.exitcode}", label=r.label)
+    except BaseException:
+        shutdown_ranks(launched)
+        raise
+    shutdown_ranks(launched)
+
+
+def _poll_rank(r: LaunchedRank, *, expect: str) -> None:
+    """Take one step for ``r``: read a message if one is there, or notice that the process is gone."""
+    if _read_one(r):
+        return
+    if r.process.is_alive():
+        return
+    # The child is gone; its last words may still be in the pipe.
+    while _read_one(r):
+        if (expect == "ready" and r.info is not None) or (expect == "done" and r.finished):
+            return
+    raise _death_error(r, stage="starting" if r.info is None else "running")
+
+
+def _read_one(r: LaunchedRank) -> bool:
+    """Handle one message from ``r`` if one is waiting; False when there is none (or the pipe is at EOF)."""
+    if r.eof:
+        return False
+    try:
+        if not r.reader.poll(0):
+            return False
+        message = r.reader.recv()
+    except (EOFError, OSError):
+        r.eof = True
+        return False
+    _handle_message(r, message)
+    return True
+
+
+def _wait_handles(pending: Sequence[LaunchedRank]) -> list[Any]:
+    return [r.reader for r in pending if not r.eof] + [r.process.sentinel for r in pending]
+
+
+def _handle_message(r: LaunchedRank, message: Any) -> None:
+    status = message.get("status") if isinstance(message, dict) else None
+    if status == "ready":
+        r.info = dict(message.get("info") or {})
+    elif status == "done":
+        r.finished = True
+    elif status == "error":
+        stage = message.get("stage", "start")
+        what = "failed to start" if stage == "start" else "failed while running"
+        error = str(message.get("error", "unknown error"))
+        tb = str(message.get("traceback", ""))
+        raise RankLaunchError(
+            f"{r.label}: scheduler {what}: {error}\n--- traceback from the rank ---\n{tb}",
+            label=r.label, error=error, child_traceback=tb,
+        )
+    else:
+        raise RankLaunchError(f"{r.label}: unexpected message from the scheduler process: {message!r}", label=r.label)
+
+
+def _death_error(r: LaunchedRank, *, stage: str) -> RankLaunchError:
+    r.process.join(SHUTDOWN_GRACE_S)
+    code = r.process.exitcode
+    if r.prefix is not None and r.info is None:
+        complaint = diagnose_exec_failure(r.prefix)
+        if complaint is not None:
+            return _refusal_error(r.label, prefix=r.prefix, complaint=complaint, exit_status=code)
+    return RankLaunchError(
+        f"{r.label}: scheduler process {r.process.pid} died while {stage} with exit status {code} "
+        f"before reporting (see its stderr above)",
+        label=r.label,
+    )
+
+
+def _refusal_error(label: str, *, prefix: Sequence[str], complaint: str, exit_status: Optional[int]) -> RankLaunchError:
+    status = "" if exit_status is None else f" (exit status {exit_status})"
+    return RankLaunchError(
+        f"{label}: numactl refused to start the scheduler{status}: {complaint} "
+        f"(command: {' '.join(prefix)} <python>); fix or remove the binding for this rank, "
+        f"e.g. --numa-node, SGLANG_NUMA_AFFINITY_MODE, or SGLANG_NUMA_BIND_V2=0",
+        label=label, error=complaint,
+    )
+
+
+def _stop(process: Any) -> None:
+    if process.is_alive():
+        process.terminate()
+        process.join(SHUTDOWN_GRACE_S)
+    if process.is_alive():
+        process.kill()
+        process.join(SHUTDOWN_GRACE_S)
+    else:
+        process.join(0)
+
+
+def shutdown_ranks(launched: Sequence[LaunchedRank]) -> None:
+    """Stop every rank that is still running and release the parent's pipe ends."""
+    for r in launched:
+        try:
+            _stop(r.process)
+        finally:
+            try:
+                r.reader.close()
+            except OSError:
+                pass
+            with contextlib.suppress(ValueError, AttributeError):
+                r.process.close()
+
+
+def run_ranks_mp(
+    server_args: Any,
+    *,
+    target: Callable[..., Any],
+    placements: Optional[Sequence[ProcessPlacement]] = None,
+    ranks: Optional[Sequence[RankIdentity]] = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    context: Any = None,
+) -> list[RankResult]:
+    """Start every local rank under its placement, wait for readiness, run the event loops out, shut down.
+
+    Raises :class:`RankLaunchError` naming the failed rank (with its traceback,
+    or numactl's message) and leaves no process behind.
+    """
+    launched = launch_scheduler_processes(
+        server_args, target=target, placements=placements, ranks=ranks, context=context
+    )
+    results = wait_ready(launched, timeout_s=timeout_s)
+    wait_finished(launched, timeout_s=timeout_s)
+    return results
+
+
+def _plan(server_args: Any) -> Sequence[ProcessPlacement]:
+    from sglang.srt.placement.resolve import plan_engine
+
+    return plan_engine(server_args, launcher="mp")
+
+
+def _ranks_for(server_args: Any, placements: Sequence[ProcessPlacement]) -> list[RankIdentity]:
+    """Each placement's rank identity as the engine numbers it; by position when the engine has no such rank."""
+    known: dict[tuple[int, int, int], RankIdentity] = {}
+    try:
+        from sglang.srt.placement.resolve import local_ranks
+    except ImportError:
+        local_ranks = None
+    if local_ranks is not None:
+        known = {(r.dp_rank, r.pp_rank, r.tp_rank): r for r in local_ranks(server_args)}
+    ranks = []
+    for index, p in enumerate(placements):
+        rank = known.get((p.dp_rank, p.pp_rank, p.tp_rank))
+        if rank is None:
+            rank = RankIdentity(
+                dp_rank=p.dp_rank, pp_rank=p.pp_rank, tp_rank=p.tp_rank, gpu_id=p.gpu_id, global_rank=index
+            )
+        ranks.append(rank)
+    return ranks
