@@ -303,50 +303,44 @@ def launch_scheduler_processes(
     return launched
 
 
-def wait_ready(launched: Sequence[LaunchedRank], *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S) -> list[RankResult]:
-    """Wait until every rank reports readiness; on the first failure or the deadline, stop all and raise."""
+def _wait_all(launched: Sequence[LaunchedRank], *, pending_of: Callable[[LaunchedRank], bool], expect: str,
+              timeout_s: Optional[float], late: str) -> None:
+    """Poll every rank until none is ``pending_of``; on the first failure or the deadline, stop all and raise."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        pending = [r for r in launched if r.info is None]
+        pending = [r for r in launched if pending_of(r)]
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 names = ", ".join(r.label for r in pending)
-                raise RankLaunchError(f"{names}: no readiness report within {timeout_s:.0f} s", label=pending[0].label)
-            handles = _wait_handles(pending)
-            multiprocessing.connection.wait(handles, timeout=remaining)
+                raise RankLaunchError(f"{names}: {late} {timeout_s:.0f} s", label=pending[0].label)
+            multiprocessing.connection.wait(_wait_handles(pending), timeout=remaining)
             for r in pending:
-                _poll_rank(r, expect="ready")
-            pending = [r for r in launched if r.info is None]
+                _poll_rank(r, expect=expect)
+            pending = [r for r in launched if pending_of(r)]
     except BaseException:
         shutdown_ranks(launched)
         raise
+
+
+def wait_ready(launched: Sequence[LaunchedRank], *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S) -> list[RankResult]:
+    """Wait until every rank reports readiness; on the first failure or the deadline, stop all and raise."""
+    _wait_all(launched, pending_of=lambda r: r.info is None, expect="ready", timeout_s=timeout_s,
+              late="no readiness report within")
     return [RankResult(placement=r.placement, rank=r.rank, info=r.info or {}) for r in launched]
 
 
 def wait_finished(launched: Sequence[LaunchedRank], *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S) -> None:
     """Wait until every rank's event loop returns and its process exits; on failure stop all and raise."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    _wait_all(launched, pending_of=lambda r: not r.finished, expect="done", timeout_s=timeout_s,
+              late="event loop still running after")
     try:
-        pending = [r for r in launched if not r.finished]
-        while pending:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                names = ", ".join(r.label for r in pending)
-                raise RankLaunchError(f"{names}: event loop still running after {timeout_s:.0f} s", label=pending[0].label)
-            handles = _wait_handles(pending)
-            multiprocessing.connection.wait(handles, timeout=remaining)
-            for r in pending:
-                _poll_rank(r, expect="done")
-            pending = [r for r in launched if not r.finished]
         for r in launched:
             r.process.join(SHUTDOWN_GRACE_S)
             if r.process.exitcode not in (0, None):
                 raise RankLaunchError(f"{r.label}: exited with status {r.process.exitcode}", label=r.label)
-    except BaseException:
+    finally:
         shutdown_ranks(launched)
-        raise
-    shutdown_ranks(launched)
 
 
 def _poll_rank(r: LaunchedRank, *, expect: str) -> None:

@@ -161,6 +161,19 @@ def _placement_summary(placement: ProcessPlacement) -> str:
     )
 
 
+def configure_scheduler_rank(server_args: Any, *, rank: RankIdentity,
+                             placement: Optional[ProcessPlacement]) -> str:
+    """``configure_scheduler_process`` for a launcher's rank: the one call both launchers make in the child."""
+    return configure_scheduler_process(
+        server_args,
+        rank.gpu_id,
+        rank.tp_rank,
+        pp_rank=rank.pp_rank,
+        dp_rank=rank.dp_rank if getattr(server_args, "dp_size", 1) > 1 else None,
+        placement=placement,
+    )
+
+
 def run_scheduler_process(
     *,
     server_args: Any,
@@ -179,14 +192,7 @@ def run_scheduler_process(
     placement = ProcessPlacement.from_json(placement_json) if placement_json else None
     stage = "start"
     try:
-        configure_scheduler_process(
-            server_args,
-            rank.gpu_id,
-            rank.tp_rank,
-            pp_rank=rank.pp_rank,
-            dp_rank=rank.dp_rank if getattr(server_args, "dp_size", 1) > 1 else None,
-            placement=placement,
-        )
+        configure_scheduler_rank(server_args, rank=rank, placement=placement)
         scheduler = target(server_args=server_args, placement=placement, rank=rank)
         info = _ready_info(scheduler)
         pipe_writer.send({"status": "ready", "info": info})

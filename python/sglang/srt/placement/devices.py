@@ -374,14 +374,18 @@ def parse_cuda_visible_devices(text: str) -> tuple[str, ...]:
     return tuple(entries)
 
 
+def _ray_entry(ray_ids: Sequence[str], gpu_id: int) -> str:
+    if gpu_id >= len(ray_ids):
+        raise DeviceIdentityError(
+            f"Ray assigned this actor GPU ids {list(ray_ids)} but the rank uses GPU id {gpu_id}; "
+            f"request as many GPUs per actor as the rank's device index needs."
+        )
+    return str(ray_ids[gpu_id]).strip()
+
+
 def _cuda_physical(*, gpu_id: int, env: Mapping[str, str], ray_ids: Optional[Sequence[str]]) -> _Physical:
     if ray_ids:
-        if gpu_id >= len(ray_ids):
-            raise DeviceIdentityError(
-                f"Ray assigned this actor GPU ids {list(ray_ids)} but the rank uses GPU id {gpu_id}; "
-                f"request as many GPUs per actor as the rank's device index needs."
-            )
-        entry = str(ray_ids[gpu_id]).strip()
+        entry = _ray_entry(ray_ids, gpu_id)
         return _physical_entry(entry, origin=f"Ray GPU id {entry!r} (index {gpu_id} of {list(ray_ids)})")
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
@@ -412,12 +416,7 @@ def _physical_entry(entry: str, *, origin: str) -> _Physical:
 
 def _xpu_physical(*, gpu_id: int, env: Mapping[str, str], ray_ids: Optional[Sequence[str]]) -> _Physical:
     if ray_ids:
-        if gpu_id >= len(ray_ids):
-            raise DeviceIdentityError(
-                f"Ray assigned this actor GPU ids {list(ray_ids)} but the rank uses GPU id {gpu_id}; "
-                f"request as many GPUs per actor as the rank's device index needs."
-            )
-        entry = str(ray_ids[gpu_id]).strip()
+        entry = _ray_entry(ray_ids, gpu_id)
         card = _ze_card(entry, what=f"Ray GPU id {entry!r}")
         return _Physical(text=entry, index=card, origin=f"Ray GPU id {entry!r} (index {gpu_id} of {list(ray_ids)})")
     mask = env.get("ZE_AFFINITY_MASK", "").strip()

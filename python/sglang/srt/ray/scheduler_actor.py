@@ -255,17 +255,10 @@ class SchedulerActor:
         resolved_accelerator_ids: Sequence[str],
         accelerator_resource: str,
     ) -> None:
-        from sglang.srt.managers.scheduler import configure_scheduler_process
+        from sglang.srt.managers.scheduler import configure_scheduler_rank
 
         rank = self._rank
-        configure_scheduler_process(
-            server_args,
-            rank.gpu_id,
-            rank.tp_rank,
-            pp_rank=rank.pp_rank,
-            dp_rank=rank.dp_rank if getattr(server_args, "dp_size", 1) > 1 else None,
-            placement=placement,
-        )
+        configure_scheduler_rank(server_args, rank=rank, placement=placement)
         self._binding = check_binding(
             placement,
             resolved_node_id=resolved_node_id,
