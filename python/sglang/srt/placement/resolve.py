@@ -343,7 +343,7 @@ def resolve_placement(
     """
     pci = accelerator.pci if accelerator is not None else None
 
-    def unbound(reasons: Sequence[str], *, failure: bool, node: Optional[int] = None) -> ProcessPlacement:
+    def unbound(reasons: Sequence[str], *, failure: bool) -> ProcessPlacement:
         if failure and policy.crash_on_failure:
             raise PlacementError(
                 f"{rank.label}: cannot bind ({'; '.join(reasons)}); SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 makes this "
@@ -351,7 +351,7 @@ def resolve_placement(
             )
         return ProcessPlacement(
             dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank, gpu_id=rank.gpu_id, pci=pci,
-            numa_node=node, cpus=frozenset(), mem_nodes=frozenset(), mem_policy="none", strategy="none",
+            numa_node=None, cpus=frozenset(), mem_nodes=frozenset(), mem_policy="none", strategy="none",
             reasons=tuple(reasons), launcher=policy.launcher, warning=failure,
         )
 
@@ -390,7 +390,7 @@ def resolve_placement(
     if node is None:
         return unbound(reasons + [f"node {choice.node} does not exist on this host"], failure=True)
     if not node.has_cpus:
-        return unbound(reasons + [f"node {node.node_id} has memory but no CPUs"], failure=True, node=node.node_id)
+        return unbound(reasons + [f"node {node.node_id} has memory but no CPUs"], failure=True)
     if (
         policy.affinity_mode == "node"
         and policy.numa_nodes is None
@@ -399,7 +399,7 @@ def resolve_placement(
         return unbound(
             reasons + ["this host has one NUMA node with CPUs: node binding cannot help "
                        "(exclusive mode still splits it between ranks)"],
-            failure=False, node=node.node_id,
+            failure=False,
         )
     cpus, mem_nodes, whole, cpu_reasons = _node_cpu_set(
         topology=topology, node=node, policy=policy, affinity=affinity, exclusive_slice=exclusive_slice
@@ -409,7 +409,7 @@ def resolve_placement(
         return unbound(
             reasons + [f"{affinity.source} allows none of node {node.node_id}'s CPUs "
                        f"({format_cpulist(node.cpus)}; allowed {format_cpulist(affinity.cpus)})"],
-            failure=True, node=node.node_id,
+            failure=True,
         )
     return _finish(rank=rank, pci=pci, node_id=node.node_id, cpus=cpus, mem_nodes=mem_nodes, whole=whole,
                    reasons=reasons, policy=policy, capabilities=capabilities, topology=topology, unbound=unbound)
