@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the project needs on a fresh Debian machine: numactl, a virtual environment in .venv,
-# the CPU build of torch 2.13.0, the package itself and its ray/test extras. Safe to run again.
+# the CPU build of torch 2.13.0, the package itself and its ray, test and nvml extras. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +19,6 @@ stamp=.venv/.sglang-placement-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     # torch is pinned to the CPU build; an unpinned torch would pull a multi-GB CUDA build.
-    .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[ray,test]"
+    .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[ray,test,nvml]"
     touch "$stamp"
 fi

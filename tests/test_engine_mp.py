@@ -279,25 +279,45 @@ print(json.dumps({"tmp_options": tmp_options, "cpus": [r.info["cpus"] for r in r
 """
 
 # Runs as root in a private mount namespace: /tmp becomes a fresh noexec tmpfs and /dev/shm a fresh
-# tmpfs, for the launch only, so that their listings show exactly what the launch left there.
-MOUNT_AND_RUN = (
-    "mount -t tmpfs -o noexec,nosuid,nodev,mode=1777 sglang-test-tmp /tmp"
-    " && mount -t tmpfs -o nosuid,nodev,mode=1777 sglang-test-shm /dev/shm"
-    ' && exec "$@"'
-)
+# tmpfs, for the launch only, so that their listings show exactly what the launch left there. Folders
+# of /tmp that this test itself runs from (a checkout or a virtual environment under /tmp) are bound
+# back in at the same path, from the directory the shell sits in before /tmp is covered.
+MOUNT_HELPER = r"""
+import json, os, subprocess, sys
+tops = json.loads(sys.argv[1])
+held = {top: os.open(top, os.O_RDONLY | os.O_DIRECTORY) for top in tops}
+subprocess.run(["mount", "-t", "tmpfs", "-o", "noexec,nosuid,nodev,mode=1777", "sglang-test-tmp", "/tmp"], check=True)
+for top, fd in held.items():
+    os.mkdir(top, 0o755)
+    subprocess.run(["mount", "--no-canonicalize", "--bind", f"/proc/self/fd/{fd}", top], check=True, pass_fds=(fd,))
+    os.close(fd)
+subprocess.run(["mount", "-t", "tmpfs", "-o", "nosuid,nodev,mode=1777", "sglang-test-shm", "/dev/shm"], check=True)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _tops_under_tmp(paths):
+    """The first-level folders of /tmp that hold any of ``paths``."""
+    tops = set()
+    for path in paths:
+        real = os.path.realpath(path)
+        if real.startswith("/tmp/"):
+            tops.add("/tmp/" + real.split("/")[2])
+    return sorted(tops)
 
 
 def test_launch_works_with_noexec_tmp_and_leaves_no_files():
     if shutil.which("unshare") is None or os.geteuid() != 0:
         raise RuntimeError("this test needs root and unshare(1) to mount a private noexec /tmp")
+    tops = _tops_under_tmp([REPO, sys.prefix, sys.executable, Path(__file__).parent])
     proc = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", MOUNT_AND_RUN, "sh",
-         sys.executable, "-c", NOEXEC_SCRIPT, str(Path(__file__).parent)],
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", MOUNT_HELPER,
+         json.dumps(tops), sys.executable, "-c", NOEXEC_SCRIPT, str(Path(__file__).parent)],
         capture_output=True, text=True, timeout=180, cwd=str(REPO),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert any("noexec" in opt for opt in out["tmp_options"])
     assert out["cpus"] == ["0", "1"]
-    assert out["before"] == [[], []]
-    assert out["after"] == [[], []]
+    assert out["before"] == [[os.path.basename(t) for t in tops], []]
+    assert out["after"] == out["before"]
