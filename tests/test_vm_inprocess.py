@@ -6,31 +6,17 @@ node 1 (cpus 2-3, membind 1) and reports /proc/self as JSON.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from numavm import run_script_in_vm
 
 from sglang.srt.placement.observe import ObservedBinding
 
-REPO = Path(__file__).resolve().parents[1]
-NUMA_VM = REPO.parent / "shared" / "tools" / "numa-vm"
 SCRIPT = "tests/vm_scripts/inprocess_bind.py"
 
 
 def run_in_vm(*script_args: str) -> dict:
-    assert NUMA_VM.is_file(), f"{NUMA_VM} is missing: the VM tests need ../shared/tools/numa-vm"
-    proc = subprocess.run(
-        [str(NUMA_VM), "--nodes", "2", "--cpus", "4", "--timeout", "150", "--", sys.executable, SCRIPT, *script_args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,  # the first use installs the VM's Debian packages
-    )
-    assert proc.returncode == 0, f"numa-vm exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script_in_vm(SCRIPT, *script_args, vm_args=["--nodes", "2", "--cpus", "4"], vm_timeout_s=150)
 
 
 @pytest.mark.vm

@@ -7,31 +7,17 @@ in-process, from a parent pinned to node 0, and verifies each from inside.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-NUMA_VM = REPO.parent / "shared" / "tools" / "numa-vm"
+from numavm import run_script_in_vm
+
 SCRIPT = "tests/vm_scripts/mp_page_locality.py"
 PCI_ON_NODE_1 = "0000:81:00.0"  # the first device behind numa-vm's first --pci-numa bridge
 
 
 def run_in_vm(*script_args: str) -> dict:
-    assert NUMA_VM.is_file(), f"{NUMA_VM} is missing: the VM tests need ../shared/tools/numa-vm"
-    proc = subprocess.run(
-        [str(NUMA_VM), "--nodes", "2", "--cpus", "4", "--pci-numa", "1:e1000e", "--timeout", "400", "--",
-         sys.executable, SCRIPT, *script_args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,  # the first use installs the VM's Debian packages
-    )
-    assert proc.returncode == 0, f"numa-vm exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script_in_vm(SCRIPT, *script_args, vm_args=["--nodes", "2", "--cpus", "4", "--pci-numa", "1:e1000e"],
+                            vm_timeout_s=400)
 
 
 @pytest.mark.vm
