@@ -182,3 +182,20 @@ def test_init_threads_binding_rejects_bad_groups():
     with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0|x"):
         with pytest.raises(ValueError, match="not a cpulist"):
             init_threads_binding(numa_index=1, world_size=2)
+
+
+def test_gpu_helpers_answer_for_the_gpu_they_are_given(tmp_path, monkeypatch):
+    """Upstream's helpers take a GPU id: GPU 2 of a two-socket host is on node 1, whichever rank asks."""
+    import fakesys
+
+    root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    server_args = ServerArgs(tp_size=4)
+    with envs.SGLANG_SYSFS_ROOT.override(str(root)):
+        assert [get_numa_node_if_available(server_args, gpu) for gpu in range(4)] == [0, 0, 1, 1]
+        placement = numa_utils._resolve_for_gpu(server_args, 2)
+        # This process may only use CPUs of node 0, so the rank stays unbound; its reasons name GPU 2's node.
+        assert (placement.tp_rank, placement.gpu_id, placement.pci) == (2, 2, "0000:38:00.0")
+        assert "node 1 from PCI 0000:38:00.0" in placement.reasons
+        with pytest.raises(ValueError, match="no rank of node 0 uses GPU 7"):
+            numa_utils._resolve_for_gpu(server_args, 7)

@@ -101,21 +101,12 @@ def plan_inputs(args: argparse.Namespace) -> dict:
         )
     else:
         affinity = read_process_affinity()
-    runtime = None
-    if snapshot:
-        capabilities = HostCapabilities.snapshot(root)
-    else:
-        capabilities = HostCapabilities.live()
-        if args.device != "cpu" and args.gpus is None:
-            from sglang.srt.placement.devices import default_runtime
-
-            runtime = default_runtime(args.device)
+    capabilities = HostCapabilities.snapshot(root) if snapshot else HostCapabilities.live()
     return dict(
         topology=topology,
         affinity=affinity,
         capabilities=capabilities,
         gpus=_parse_gpus(args.gpus),
-        runtime=runtime,
         affinity_mode=args.numa_affinity_mode,
     )
 

@@ -471,6 +471,20 @@ def _finish(*, rank: RankIdentity, pci: Optional[str], node_id: int, cpus: froze
 # A host's ranks
 
 
+LIVE_RUNTIME = "live"
+"""plan_engine's default runtime: NVML when planning this host's own /sys, nothing for a snapshot."""
+
+
+def _runtime_for(runtime, *, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]):
+    if runtime != LIVE_RUNTIME:
+        return runtime
+    if device == "cpu" or gpus is not None or os.path.realpath(topology.root) != "/sys":
+        return None
+    from sglang.srt.placement.devices import default_runtime
+
+    return default_runtime(device)
+
+
 def plan_engine(
     server_args,
     *,
@@ -481,7 +495,7 @@ def plan_engine(
     accelerators: Optional[Sequence[Accelerator]] = None,
     gpus: Optional[Sequence[str]] = None,
     env: Optional[Mapping[str, str]] = None,
-    runtime=None,
+    runtime=LIVE_RUNTIME,
     affinity_mode: Optional[str] = None,
     exec_supported: bool = True,
     ray_accelerator_ids: Optional[Mapping[int, Sequence[str]]] = None,
@@ -504,6 +518,7 @@ def plan_engine(
     )
     ranks = local_ranks(server_args)
     env = os.environ if env is None else env
+    runtime = _runtime_for(runtime, device=policy.device, topology=topology, gpus=gpus)
 
     accel_by_rank: dict[RankIdentity, Optional[Accelerator]] = {}
     if policy.device != "cpu":
@@ -571,11 +586,48 @@ def resolve_rank(
     else:
         raise ValueError(
             f"DP{dp_rank} PP{pp_rank} TP{tp_rank} is not a rank of node {server_args.node_rank} "
-            f"(tp={server_args.tp_size}, pp={server_args.pp_size}, dp={server_args.dp_size}, nnodes={server_args.nnodes})"
+            f"({_layout(server_args)})"
         )
+    if gpu_id is not None and gpu_id != rank.gpu_id:
+        raise ValueError(f"{rank.label} uses GPU {rank.gpu_id}, not GPU {gpu_id} ({_layout(server_args)})")
     ids = {index: list(ray_accelerator_ids)} if ray_accelerator_ids else None
     placements = plan_engine(server_args, launcher=launcher, ray_accelerator_ids=ids, **plan_kwargs)
     return placements[index]
+
+
+def rank_of_gpu(server_args, gpu_id: int) -> RankIdentity:
+    """The local rank that uses GPU ``gpu_id`` (upstream's helpers are called with a GPU id, not a rank)."""
+    for rank in local_ranks(server_args):
+        if rank.gpu_id == gpu_id:
+            return rank
+    used = sorted(r.gpu_id for r in local_ranks(server_args) if r.gpu_id is not None)
+    raise ValueError(
+        f"no rank of node {server_args.node_rank} uses GPU {gpu_id} ({_layout(server_args)} uses GPUs "
+        f"{format_cpulist(used) or 'none'}); check --base-gpu-id and --gpu-id-step"
+    )
+
+
+def device_numa_node(server_args, *, gpu_id: int, topology: Optional[HostTopology] = None,
+                     env: Optional[Mapping[str, str]] = None, runtime=LIVE_RUNTIME) -> NodeChoice:
+    """The NUMA node placement would choose for GPU ``gpu_id``, and why; probes and binds nothing."""
+    from sglang.srt.placement.devices import identify_accelerators
+
+    if topology is None:
+        from sglang.srt.placement.topology import read_topology
+
+        topology = read_topology(envs.SGLANG_SYSFS_ROOT.get())
+    policy = PlacementPolicy.from_env(server_args, launcher="mp")
+    rank = rank_of_gpu(server_args, gpu_id)
+    (accelerator,) = identify_accelerators(
+        device=policy.device, topology=topology, gpu_ids=[gpu_id], env=os.environ if env is None else env,
+        runtime=_runtime_for(runtime, device=policy.device, topology=topology, gpus=None),
+    )
+    return choose_node(topology=topology, rank=rank, accelerator=accelerator, policy=policy)
+
+
+def _layout(server_args) -> str:
+    return (f"tp={server_args.tp_size}, pp={server_args.pp_size}, dp={server_args.dp_size}, "
+            f"nnodes={server_args.nnodes}")
 
 
 def log_placements(placements: Iterable[ProcessPlacement]) -> None:

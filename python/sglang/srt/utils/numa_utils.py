@@ -21,9 +21,11 @@ logger = logging.getLogger(__name__)
 
 
 def _resolve_for_gpu(server_args: Any, gpu_id: int) -> ProcessPlacement:
-    from sglang.srt.placement.resolve import resolve_rank
+    from sglang.srt.placement.resolve import rank_of_gpu, resolve_rank
 
-    return resolve_rank(server_args, dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=gpu_id, launcher="mp")
+    rank = rank_of_gpu(server_args, gpu_id)
+    return resolve_rank(server_args, dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank,
+                        gpu_id=gpu_id, launcher="mp")
 
 
 @contextlib.contextmanager
@@ -99,8 +101,8 @@ def numa_bind_to_node(node: int) -> None:
 def get_numa_node_if_available(server_args: Any, gpu_id: int) -> Optional[int]:
     """The NUMA node of GPU ``gpu_id``: ``--numa-node`` first, then discovery when SGLANG_AUTO_NUMA_BIND is on.
 
-    None when the host has nothing to bind (one node, unknown device node, no
-    permission, binding already set from outside); the placement's reasons say which.
+    None when the device's node is unknown (no PCI address, or the kernel reports -1);
+    the debug log says why.
     """
     numa_nodes = getattr(server_args, "numa_node", None)
     if numa_nodes is not None:
@@ -112,11 +114,12 @@ def get_numa_node_if_available(server_args: Any, gpu_id: int) -> Optional[int]:
         return numa_nodes[gpu_id]
     if not envs.SGLANG_AUTO_NUMA_BIND.get():
         return None
-    placement = _resolve_for_gpu(server_args, gpu_id)
-    if not placement.bound or placement.numa_node is None:
-        logger.debug(f"GPU {gpu_id}: no NUMA node to bind ({'; '.join(placement.reasons)})")
-        return None
-    return placement.numa_node
+    from sglang.srt.placement.resolve import device_numa_node
+
+    choice = device_numa_node(server_args, gpu_id=gpu_id)
+    if choice.node is None:
+        logger.debug(f"GPU {gpu_id}: no NUMA node ({'; '.join(choice.reasons)})")
+    return choice.node
 
 
 def get_libnuma() -> Any:
