@@ -27,7 +27,6 @@ import multiprocessing.spawn
 import multiprocessing.util
 import os
 import shutil
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -40,7 +39,6 @@ from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIde
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
-DIAGNOSE_TIMEOUT_S = 10.0
 SHUTDOWN_GRACE_S = 5.0
 
 _SPAWN_MARKER = "spawn_main"
@@ -145,46 +143,17 @@ def _preflight(placement: ProcessPlacement) -> Optional[str]:
     is done, so a payload larger than the pipe buffer would block ``start()``
     forever once numactl has exited.
     """
-    from sglang.srt.placement.numactl import default_prober
+    from sglang.srt.placement.numactl import exec_refusal
 
-    prober = default_prober()
-    if prober is None:
-        return None
-    result = prober.probe(placement.numactl_args)
-    return None if result.ok else result.message
-
-
-def _true_path() -> str:
-    return shutil.which("true") or "/bin/true"
+    return exec_refusal(placement)
 
 
 def diagnose_exec_failure(prefix: Sequence[str]) -> Optional[str]:
     """numactl's own complaint for ``prefix``, by running it again in front of ``true``; None if it now works."""
-    try:
-        done = subprocess.run(
-            [*prefix, _true_path()],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            timeout=DIAGNOSE_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"{prefix[0]} could not be run: {exc}"
-    if done.returncode == 0:
-        return None
-    return _complaint(done.stderr.decode(errors="replace")) or f"{prefix[0]} exited with status {done.returncode}"
+    from sglang.srt.placement.numactl import run_numactl
 
-
-def _complaint(stderr: str) -> str:
-    # numactl follows a refusal with its whole usage text; the lines before it are the reason.
-    lines = []
-    for line in stderr.splitlines():
-        if line.startswith("usage:"):
-            break
-        if line.strip():
-            lines.append(line.strip())
-    return "; ".join(lines) or stderr.strip()
+    result = run_numactl([*prefix, shutil.which("true") or "/bin/true"])
+    return None if result.ok else result.message
 
 
 def _exec_prefix_or_fallback(placement: ProcessPlacement) -> tuple[ProcessPlacement, Optional[list[str]]]:

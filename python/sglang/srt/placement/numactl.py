@@ -53,19 +53,30 @@ class LadderOutcome:
     """False when even the CPU-only form was refused (the placement then cannot use exec)."""
 
 
-def _run_probe(argv: Sequence[str]) -> ProbeResult:
+def run_numactl(argv: Sequence[str]) -> ProbeResult:
+    """Run ``argv`` (numactl, options, a program) once; numactl's reason when it refuses."""
     try:
         done = subprocess.run(
             list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             timeout=PROBE_TIMEOUT_S, check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return ProbeResult(ok=False, message=str(exc))
+        return ProbeResult(ok=False, message=f"{argv[0]} could not be run: {exc}")
     if done.returncode == 0:
         return ProbeResult(ok=True, message="")
-    text = done.stderr.decode(errors="replace").strip()
-    first = text.splitlines()[0] if text else f"exit status {done.returncode}"
-    return ProbeResult(ok=False, message=first)
+    return ProbeResult(ok=False, message=_reason(done.stderr.decode(errors="replace"))
+                       or f"{argv[0]} exited with status {done.returncode}")
+
+
+def _reason(stderr: str) -> str:
+    # numactl follows a refusal with its whole usage text; the lines before it are the reason.
+    lines = []
+    for line in stderr.splitlines():
+        if line.startswith("usage:"):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    return "; ".join(lines)
 
 
 class NumactlProber:
@@ -76,7 +87,7 @@ class NumactlProber:
         *,
         numactl_path: str,
         true_path: Optional[str] = None,
-        run: Callable[[Sequence[str]], ProbeResult] = _run_probe,
+        run: Callable[[Sequence[str]], ProbeResult] = run_numactl,
     ) -> None:
         self.numactl_path = numactl_path
         self.true_path = true_path or shutil.which("true") or "/bin/true"
@@ -161,6 +172,18 @@ def default_prober() -> Optional[NumactlProber]:
         if _default_prober is None or _default_prober.numactl_path != path:
             _default_prober = NumactlProber(numactl_path=path)
         return _default_prober
+
+
+def exec_refusal(placement) -> Optional[str]:
+    """numactl's reason for refusing an exec placement's options on this host, from the cached probe; None if fine.
+
+    Planning on this host already probed these options, so this costs nothing there.
+    """
+    prober = default_prober()
+    if prober is None or not placement.numactl_args:
+        return None
+    result = prober.probe(placement.numactl_args)
+    return None if result.ok else result.message
 
 
 def numactl_prefix(placement, *, numactl_path: Optional[str] = None) -> list[str]:

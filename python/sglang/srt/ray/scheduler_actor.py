@@ -68,10 +68,10 @@ def resolve_on_node(
 ) -> dict[str, Any]:
     """Resolve ``rank`` on this node (run as a Ray task in the rank's bundle); a JSON-friendly dict.
 
-    ``exec_argv`` is [numactl, *options, python] for an exec placement, after a
-    dry run of the same numactl options on this node: a worker that numactl
-    refuses to start never registers with Ray, and the launch would only learn
-    of it at its deadline.
+    ``exec_argv`` is [numactl, *options, python] for an exec placement whose
+    options numactl accepts on this node (the probe resolving it already ran):
+    a worker that numactl refuses to start never registers with Ray, and the
+    launch would only learn of it at its deadline.
     """
     started = time.perf_counter()
     accelerator_ids = accelerator_ids_here(accelerator_resource)
@@ -102,14 +102,13 @@ def resolve_on_node(
 
 
 def _exec_argv_here(placement: ProcessPlacement) -> tuple[Optional[list[str]], Optional[str]]:
-    from sglang.srt.entrypoints.engine import diagnose_exec_failure
-    from sglang.srt.placement.numactl import numactl_prefix
+    from sglang.srt.placement.numactl import exec_refusal, numactl_prefix
 
     try:
         prefix = numactl_prefix(placement)
     except FileNotFoundError as exc:
         return None, str(exc)
-    complaint = diagnose_exec_failure(prefix)
+    complaint = exec_refusal(placement)
     if complaint is not None:
         return None, f"numactl {' '.join(placement.numactl_args)} does not start on this node: {complaint}"
     return [*prefix, sys.executable], None
