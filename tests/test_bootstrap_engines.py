@@ -24,6 +24,20 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+def collect_results(processes, queue) -> list[dict]:
+    """One report per started child; every child joined (or killed); no child may report an error."""
+    try:
+        results = [queue.get(timeout=120) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, "\n".join(errors)
+    return results
+
+
 @pytest.mark.parametrize("schema", ["released", "namespaced"])
 def test_two_engines_tp2_never_share_segments(monkeypatch, schema):
     engine_ports = _free_ports(3)
@@ -46,15 +60,7 @@ def test_two_engines_tp2_never_share_segments(monkeypatch, schema):
             )
             process.start()
             processes.append(process)
-    try:
-        results = [queue.get(timeout=120) for _ in processes]
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    errors = [r["error"] for r in results if "error" in r]
-    assert not errors, "\n".join(errors)
+    results = collect_results(processes, queue)
     assert all(process.exitcode == 0 for process in processes)
 
     by_key = {(r["engine"], r["rank"]): r for r in results}
@@ -116,15 +122,7 @@ def test_pipeline_stages_of_one_engine_get_their_own_segments(monkeypatch):
     ]
     for process in processes:
         process.start()
-    try:
-        results = [queue.get(timeout=120) for _ in processes]
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    errors = [r["error"] for r in results if "error" in r]
-    assert not errors, "\n".join(errors)
+    results = collect_results(processes, queue)
     by_rank = {r["rank"]: r for r in results}
     base = ShmNamespace(addr="127.0.0.1", port=port)
     assert by_rank[0]["segment"] == base.segment_name(0)

@@ -305,6 +305,26 @@ def _get_each(refs: Sequence[Any], ranks: Sequence[RankIdentity], *, deadline: O
     return values
 
 
+def _wait_all(launch: RayLaunch, *, call: Callable[[LaunchedActor], Any], on_done: Callable[[LaunchedActor, Any], None],
+              timeout_s: Optional[float], late: Callable[[list[LaunchedActor]], str]) -> None:
+    """Call a remote method on every actor and hand each result to ``on_done`` as it comes; on the first
+    failure or the deadline, shut all down and raise."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        by_ref = {call(a): a for a in launch.actors}
+        pending = list(by_ref)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=_remaining(deadline))
+            if not done:
+                stuck = [by_ref[ref] for ref in pending]
+                raise RankLaunchError(late(stuck), label=stuck[0].label)
+            for ref in done:
+                on_done(by_ref[ref], ref)
+    except BaseException:
+        shutdown_ray(launch)
+        raise
+
+
 def wait_ready_ray(launch: RayLaunch, *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S) -> list[RankResult]:
     """Wait until every actor reports readiness; on the first failure or the deadline, shut all down and raise.
 
@@ -312,28 +332,16 @@ def wait_ready_ray(launch: RayLaunch, *, timeout_s: Optional[float] = DEFAULT_TI
     warning here (the actor refused to start instead under
     SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1).
     """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def late(stuck: list[LaunchedActor]) -> str:
+        hint = ""
+        if any(a.py_executable for a in stuck):
+            hint = (" A worker that numactl or the interpreter refused to start never registers with Ray: "
+                    "see the raylet log (raylet.out) on the rank's node.")
+        return f"{', '.join(a.label for a in stuck)}: scheduler actor not ready within {timeout_s:.0f} s.{hint}"
+
     started = time.perf_counter()
-    try:
-        by_ref = {a.actor.ready.remote(): a for a in launch.actors}
-        pending = list(by_ref)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=_remaining(deadline))
-            if not done:
-                late = [by_ref[ref] for ref in pending]
-                hint = ""
-                if any(a.py_executable for a in late):
-                    hint = (" A worker that numactl or the interpreter refused to start never registers with Ray: "
-                            "see the raylet log (raylet.out) on the rank's node.")
-                raise RankLaunchError(
-                    f"{', '.join(a.label for a in late)}: scheduler actor not ready within {timeout_s:.0f} s.{hint}",
-                    label=late[0].label,
-                )
-            for ref in done:
-                _take_report(by_ref[ref], ref)
-    except BaseException:
-        shutdown_ray(launch)
-        raise
+    _wait_all(launch, call=lambda a: a.actor.ready.remote(), on_done=_take_report, timeout_s=timeout_s, late=late)
     launch.timings["ready_s"] = time.perf_counter() - started
     return [RankResult(placement=a.placement, rank=a.rank, info=a.info or {}) for a in launch.actors]
 
@@ -366,26 +374,17 @@ def _take_report(a: LaunchedActor, ref: Any) -> None:
 
 def wait_finished_ray(launch: RayLaunch, *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S) -> None:
     """Run every actor's event loop until it returns; on failure or the deadline, shut all down and raise."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        by_ref = {a.actor.event_loop.remote(): a for a in launch.actors}
-        pending = list(by_ref)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=_remaining(deadline))
-            if not done:
-                labels = ", ".join(by_ref[ref].label for ref in pending)
-                raise RankLaunchError(f"{labels}: event loop still running after {timeout_s:.0f} s",
-                                      label=by_ref[pending[0]].label)
-            for ref in done:
-                a = by_ref[ref]
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayError as exc:
-                    raise RankLaunchError(f"{a.label}: scheduler event loop failed: {exc}", label=a.label,
-                                          error=str(exc)) from exc
-    except BaseException:
-        shutdown_ray(launch)
-        raise
+
+    def finished(a: LaunchedActor, ref: Any) -> None:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            raise RankLaunchError(f"{a.label}: scheduler event loop failed: {exc}", label=a.label,
+                                  error=str(exc)) from exc
+
+    _wait_all(launch, call=lambda a: a.actor.event_loop.remote(), on_done=finished, timeout_s=timeout_s,
+              late=lambda stuck: f"{', '.join(a.label for a in stuck)}: event loop still running after "
+                                 f"{timeout_s:.0f} s")
 
 
 def shutdown_ray(launch: RayLaunch, *, wait_s: float = SHUTDOWN_WAIT_S) -> None:
