@@ -166,3 +166,11 @@ def test_real_h200_host_snapshot_binds_nothing_and_says_why(capsys):
     assert "PCI 0000:00:06.0 reports numa_node -1 (the kernel does not know its node)" in rank["reasons"]
     (rank,) = plan_json(capsys, "--tp-size", 1, "--sysfs-root", H200_SNAPSHOT, "--numa-affinity-mode", "exclusive")
     assert rank["numa_node"] == 0 and rank["cpus"] == "0-15" and rank["strategy"] == "exec"
+
+
+def test_verify_refuses_a_snapshot_since_it_runs_ranks_on_this_host(tmp_path):
+    root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
+    done = subprocess.run([sys.executable, "-m", "sglang.srt.placement", "verify", "--tp-size", "2",
+                           "--sysfs-root", str(root)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"use `plan --sysfs-root {root}` to see another host's plan" in done.stderr

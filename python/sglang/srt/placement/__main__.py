@@ -134,6 +134,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from sglang.srt.placement.verify import format_verify_rows, verify_ranks
 
     server_args = ServerArgs.from_cli_args(args)
+    root = args.sysfs_root or envs.SGLANG_SYSFS_ROOT.get()
+    if os.path.realpath(root) != "/sys":
+        raise UsageError(
+            f"verify starts the ranks on this host, so it plans from this host's /sys, not {root}; "
+            f"use `plan --sysfs-root {root}` to see another host's plan"
+        )
     launchers = ("mp", "ray") if args.launcher == "both" else (args.launcher,)
     inputs = plan_inputs(args)
     rows: list[dict] = []
