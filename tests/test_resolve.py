@@ -439,3 +439,14 @@ def test_policy_rejects_unknown_launcher_and_mode():
 
 def test_rank_identity_label():
     assert RankIdentity(dp_rank=1, pp_rank=0, tp_rank=3, gpu_id=3).label == "DP1 PP0 TP3"
+
+
+def test_resolve_rank_probes_only_its_own_options(two_sockets):
+    fake = AcceptAll()
+    capabilities = HostCapabilities(numactl=fake.prober, libnuma=True)
+    with envs.SGLANG_NUMA_AFFINITY_MODE.override("exclusive"):
+        p = resolve.resolve_rank(ServerArgs(tp_size=4), dp_rank=0, pp_rank=0, tp_rank=1, launcher="ray",
+                                 topology=two_sockets, affinity=everything(two_sockets), capabilities=capabilities,
+                                 env={})
+    assert p.cpus == frozenset({4, 5, 6, 7, 12, 13, 14, 15})
+    assert [c[1:-1] for c in fake.calls] == [("--physcpubind=4-7,12-15", "--membind=0")]

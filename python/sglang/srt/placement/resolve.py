@@ -499,8 +499,13 @@ def plan_engine(
     affinity_mode: Optional[str] = None,
     exec_supported: bool = True,
     ray_accelerator_ids: Optional[Mapping[int, Sequence[str]]] = None,
+    only: Optional[int] = None,
 ) -> tuple[ProcessPlacement, ...]:
-    """Every rank this host runs, resolved against this host (or the given topology)."""
+    """Every rank this host runs, resolved against this host (or the given topology).
+
+    ``only`` resolves just the rank at that index of ``local_ranks`` (its neighbours still shape
+    exclusive slices), so a rank resolving itself probes numactl for its own options alone.
+    """
     from sglang.srt.placement.devices import identify_accelerators
 
     if topology is None:
@@ -563,7 +568,8 @@ def plan_engine(
             topology=topology, affinity=affinity, rank=rank, accelerator=accel_by_rank.get(rank), policy=policy,
             capabilities=capabilities, exclusive_slice=slices.get(rank), cpu_rank_set=cpu_sets.get(rank),
         )
-        for rank in ranks
+        for index, rank in enumerate(ranks)
+        if only is None or index == only
     )
 
 
@@ -591,8 +597,8 @@ def resolve_rank(
     if gpu_id is not None and gpu_id != rank.gpu_id:
         raise ValueError(f"{rank.label} uses GPU {rank.gpu_id}, not GPU {gpu_id} ({_layout(server_args)})")
     ids = {index: list(ray_accelerator_ids)} if ray_accelerator_ids else None
-    placements = plan_engine(server_args, launcher=launcher, ray_accelerator_ids=ids, **plan_kwargs)
-    return placements[index]
+    (placement,) = plan_engine(server_args, launcher=launcher, ray_accelerator_ids=ids, only=index, **plan_kwargs)
+    return placement
 
 
 def rank_of_gpu(server_args, gpu_id: int) -> RankIdentity:
