@@ -21,8 +21,7 @@ import torch
 
 import bootstrap_children
 import shm_kernel_standin as kernel
-from sglang.srt.distributed import bootstrap
-from sglang.srt.distributed.bootstrap import (
+from sglang.srt.distributed.shm_collective import (
     NAME_MAX,
     DistributedInitError,
     ShmCollectiveError,
@@ -30,8 +29,6 @@ from sglang.srt.distributed.bootstrap import (
     ShmNamespaceError,
     ShmOwnerError,
     ThreadBindingError,
-    _init_cpu_threads_env,
-    _set_shm_master_env,
     bind_rank_threads,
     init_shm_collective,
     init_torch_distributed,
@@ -535,41 +532,3 @@ def test_init_torch_distributed_single_rank_uses_override_and_keeps_environment(
 
 
 # -------------------------------------------------------------------------- deprecated shims
-
-
-def test_set_shm_master_env_shim_is_deprecated_and_keeps_upstream_behaviour(monkeypatch):
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    monkeypatch.setenv("MASTER_PORT", "1")
-    with pytest.warns(DeprecationWarning, match="ShmNamespace"):
-        _set_shm_master_env("tcp://10.0.0.1:2")
-    assert os.environ["MASTER_ADDR"] == "10.0.0.1"
-    assert os.environ["MASTER_PORT"] == "1"
-
-
-def test_init_cpu_threads_env_shim_uses_the_namespace(namespace, master_env):
-    with kernel.registered("released") as calls:
-        with pytest.warns(DeprecationWarning, match="bind_rank_threads"):
-            _init_cpu_threads_env(
-                tp_size=1, tp_rank=0, local_omp_cpuid=None,
-                dist_init_method=f"tcp://{namespace.addr}:{namespace.port}",
-            )
-        assert calls[0]["segment"] == namespace.segment_name(0)
-        assert {k: os.environ[k] for k in master_env} == master_env
-
-
-def test_shims_are_exported_for_old_callers():
-    assert bootstrap._set_shm_master_env is _set_shm_master_env
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        ShmNamespace.from_init_method("tcp://h:1")
-
-
-def test_moved_names_are_the_same_objects_through_bootstrap():
-    from sglang.srt.distributed import shm_namespace, shm_segments
-
-    for module in (shm_namespace, shm_segments):
-        for name in module.__all__:
-            if name in bootstrap.__all__:
-                assert getattr(bootstrap, name) is getattr(module, name), name
-    moved = set(shm_namespace.__all__) | set(shm_segments.__all__)
-    assert moved - set(bootstrap.__all__) == {"claim_segment"}

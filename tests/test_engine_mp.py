@@ -14,15 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from sglang.srt.entrypoints import engine
-from sglang.srt.entrypoints.engine import (
-    armed_prefix,
-    run_ranks_mp,
-    spawn_hook_installed,
-    spawn_with_prefix,
-)
+from sglang.srt.placement import numactl
+from sglang.srt.scheduler_launch.mp import run_ranks_mp
+from sglang.srt.scheduler_launch.spawn_hook import armed_prefix, spawn_hook_installed, spawn_with_prefix
 from sglang.srt.environ import envs
-from sglang.srt.managers.scheduler import RankLaunchError
+from sglang.srt.scheduler_launch.common import RankLaunchError
 from sglang.srt.placement.types import PlacementError
 from sglang.srt.server_args import ServerArgs
 
@@ -149,7 +145,7 @@ def test_numactl_refusal_is_caught_before_the_spawn():
 def test_child_that_numactl_kills_is_reported_with_its_message(monkeypatch):
     # Past the dry run (a race, or a refusal only the real start meets), the child dies before Python
     # starts: its sentinel ends the wait and numactl's own words are fetched again.
-    monkeypatch.setattr(engine, "_preflight", lambda placement: None)
+    monkeypatch.setattr(numactl, "exec_refusal", lambda placement: None)
     with pytest.raises(RankLaunchError) as info:
         run_ranks_mp(
             ServerArgs(tp_size=2), target=report_target,
@@ -265,7 +261,7 @@ NOEXEC_SCRIPT = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
 from mp_launch_targets import exec_placement, report_target
-from sglang.srt.entrypoints.engine import run_ranks_mp
+from sglang.srt.scheduler_launch.mp import run_ranks_mp
 from sglang.srt.server_args import ServerArgs
 
 with open("/proc/self/mountinfo") as f:

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from sglang.srt.entrypoints.engine import armed_prefix
+from sglang.srt.scheduler_launch.spawn_hook import armed_prefix
 from sglang.srt.environ import envs
 from sglang.srt.placement.types import PlacementError
 from sglang.srt.server_args import ServerArgs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity
-from sglang.srt.ray.engine import (
+from sglang.srt.scheduler_launch.ray_launcher import (
     accelerator_resource,
     exec_argv_problem,
     forwarded_env,
@@ -123,7 +123,7 @@ def test_a_thread_left_on_other_cpus_is_reported_even_when_the_main_thread_is_bo
     import os
     import threading
 
-    from sglang.srt.ray.scheduler_actor import thread_mismatches
+    from sglang.srt.scheduler_launch.common import thread_mismatches
 
     everything = frozenset(os.sched_getaffinity(0))
     if len(everything) < 2:

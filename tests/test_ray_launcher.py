@@ -18,8 +18,8 @@ from ray import cloudpickle
 
 import ray_helpers
 from sglang.srt.environ import envs
-from sglang.srt.managers.scheduler import RankLaunchError
-from sglang.srt.ray.engine import (
+from sglang.srt.scheduler_launch.common import RankLaunchError
+from sglang.srt.scheduler_launch.ray_launcher import (
     ACTOR_NAME_PREFIX,
     launch_scheduler_actors,
     run_ranks_ray,
@@ -144,7 +144,7 @@ def test_forced_in_process_binds_every_thread_of_the_worker(cluster):
 
 
 def test_actor_not_where_its_placement_says_is_reported(cluster, caplog):
-    caplog.set_level(logging.WARNING, logger="sglang.srt.ray.engine")
+    caplog.set_level(logging.WARNING, logger="sglang.srt.scheduler_launch.ray_launcher")
     launch = launch_scheduler_actors(
         cpu_args(), target=ray_helpers.reporting_target, timeout_s=TIMEOUT_S, resolver=ray_helpers.lying_resolver
     )

@@ -6,10 +6,11 @@ import multiprocessing
 
 import pytest
 
-from sglang.srt.entrypoints.engine import run_ranks_mp
+from sglang.srt.scheduler_launch.mp import run_ranks_mp
 from sglang.srt.environ import envs
-from sglang.srt.managers import scheduler
-from sglang.srt.managers.scheduler import RankResult, run_scheduler_process, scheduler_log_prefix
+from sglang.srt.scheduler_launch import child as scheduler
+from sglang.srt.scheduler_launch.child import run_scheduler_process, scheduler_log_prefix
+from sglang.srt.scheduler_launch.common import RankResult
 from sglang.srt.placement.types import RankIdentity
 from sglang.srt.server_args import ServerArgs
 

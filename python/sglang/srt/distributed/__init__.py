@@ -1,6 +1,6 @@
 """Per-rank distributed bootstrap (see ``bootstrap``). Importing this package does not import torch."""
 
-from sglang.srt.distributed.bootstrap import (
+from sglang.srt.distributed.shm_collective import (
     DistributedBootstrap,
     DistributedInitError,
     ShmNamespace,

@@ -17,7 +17,7 @@ import os
 import re
 from typing import Any, Mapping, Optional
 
-from sglang.srt.utils.network import AddressError, parse_port, parse_tcp_init_method
+from sglang.srt.distributed.init_address import AddressError, parse_port, parse_tcp_init_method
 
 SHM_SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
 NAME_MAX = 255

@@ -132,6 +132,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from sglang.srt.placement.verify import format_verify_rows, verify_ranks
+    from sglang.srt.scheduler_launch.verify_runners import RUNNERS
 
     server_args = ServerArgs.from_cli_args(args)
     root = args.sysfs_root or envs.SGLANG_SYSFS_ROOT.get()
@@ -147,7 +148,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if "ray" in launchers:
             stack.enter_context(_local_ray_cluster(server_args))
         for launcher in launchers:
-            rows.extend(verify_ranks(server_args, launcher=launcher, timeout_s=args.timeout, plan_kwargs=inputs))
+            rows.extend(verify_ranks(server_args, launcher=launcher, timeout_s=args.timeout, plan_kwargs=inputs,
+                                     runners=RUNNERS))
     if args.json:
         print(json.dumps({"ranks": rows}, indent=2))
     else:

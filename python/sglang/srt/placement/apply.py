@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from sglang.srt.environ import envs
+from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.libnuma import LibNumaApi, load_libnuma
 from sglang.srt.placement.types import PlacementError, ProcessPlacement
@@ -94,7 +94,7 @@ def bind_in_process(
         logger.info(outcome.summary)
         return outcome
 
-    crash = envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.get()
+    crash = settings.bind_failure_is_fatal()
     notes: list[str] = []
 
     def degrade(what: str) -> None:

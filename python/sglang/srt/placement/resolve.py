@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from sglang.srt.environ import envs
+from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import CpuListError, format_cpulist, parse_cpulist
 from sglang.srt.placement.numactl import AssumedNumactl, NumactlProber, cpu_option, default_prober
 from sglang.srt.placement.types import (
@@ -57,12 +57,12 @@ class PlacementPolicy:
         return cls(
             launcher=launcher,
             device=server_args.device,
-            bind_v2=envs.SGLANG_NUMA_BIND_V2.get(),
-            auto_numa_bind=envs.SGLANG_AUTO_NUMA_BIND.get(),
-            crash_on_failure=envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.get(),
-            affinity_mode=affinity_mode or envs.SGLANG_NUMA_AFFINITY_MODE.get(),
+            bind_v2=settings.bind_v2(),
+            auto_numa_bind=settings.auto_numa_bind(),
+            crash_on_failure=settings.bind_failure_is_fatal(),
+            affinity_mode=affinity_mode or settings.affinity_mode(),
             numa_nodes=tuple(server_args.numa_node) if server_args.numa_node is not None else None,
-            cpu_threads_bind=envs.SGLANG_CPU_OMP_THREADS_BIND.get(),
+            cpu_threads_bind=settings.cpu_threads_bind(),
             exec_supported=exec_supported,
         )
 
@@ -511,7 +511,7 @@ def plan_engine(
     if topology is None:
         from sglang.srt.placement.topology import read_topology
 
-        topology = read_topology(envs.SGLANG_SYSFS_ROOT.get())
+        topology = read_topology(settings.sysfs_root())
     if affinity is None:
         from sglang.srt.placement.topology import read_process_affinity
 
@@ -621,7 +621,7 @@ def device_numa_node(server_args, *, gpu_id: int, topology: Optional[HostTopolog
     if topology is None:
         from sglang.srt.placement.topology import read_topology
 
-        topology = read_topology(envs.SGLANG_SYSFS_ROOT.get())
+        topology = read_topology(settings.sysfs_root())
     policy = PlacementPolicy.from_env(server_args, launcher="mp")
     rank = rank_of_gpu(server_args, gpu_id)
     (accelerator,) = identify_accelerators(

@@ -8,7 +8,6 @@ get. Rows carry the plan's fields and what was observed, one per rank.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -100,41 +99,6 @@ def verify_row(result: Any, *, launcher: str) -> dict:
     return row
 
 
-# Host-independent planning inputs that a Ray rank's own resolution on its node must honour too;
-# host facts (topology, affinity, capabilities, runtime) are the driver's and are read again there.
-_NODE_INDEPENDENT_PLAN_KEYS = ("gpus", "affinity_mode")
-
-
-def _run_mp(server_args: Any, *, placements: Optional[Sequence[ProcessPlacement]], timeout_s: float,
-            plan_kwargs: Mapping[str, Any]) -> list:
-    from sglang.srt.entrypoints.engine import run_ranks_mp
-
-    if placements is None:
-        from sglang.srt.placement.resolve import plan_engine
-
-        placements = plan_engine(server_args, launcher="mp", **plan_kwargs)
-    return run_ranks_mp(server_args, target=probe_target, placements=placements, timeout_s=timeout_s)
-
-
-def resolve_on_actor_node(server_args: Any, *, gpus: Any = None, affinity_mode: Optional[str] = None,
-                          **kwargs: Any) -> ProcessPlacement:
-    """Ray-side resolver (importable, top level): resolve_rank with the driver's --gpus and affinity mode."""
-    from sglang.srt.placement.resolve import resolve_rank
-
-    return resolve_rank(server_args, gpus=gpus, affinity_mode=affinity_mode, **kwargs)
-
-
-def _run_ray(server_args: Any, *, placements: Optional[Sequence[ProcessPlacement]], timeout_s: float,
-             plan_kwargs: Mapping[str, Any]) -> list:
-    from sglang.srt.ray.engine import run_ranks_ray
-
-    if placements is not None:
-        raise ValueError("Ray ranks resolve their placement on the actor's node; verify cannot hand them a plan")
-    forwarded = {k: plan_kwargs[k] for k in _NODE_INDEPENDENT_PLAN_KEYS if plan_kwargs.get(k) is not None}
-    resolver = functools.partial(resolve_on_actor_node, **forwarded) if forwarded else None
-    return run_ranks_ray(server_args, target=probe_target, timeout_s=timeout_s, resolver=resolver)
-
-
 def verify_ranks(
     server_args: Any,
     *,
@@ -142,7 +106,7 @@ def verify_ranks(
     placements: Optional[Sequence[ProcessPlacement]] = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     plan_kwargs: Optional[Mapping[str, Any]] = None,
-    runners: Optional[dict[str, Callable[..., list]]] = None,
+    runners: Mapping[str, Callable[..., list]],
 ) -> list[dict]:
     """Start every local rank through ``launcher`` ("mp", "ray" or "both") with the probe; one row per rank.
 
@@ -152,7 +116,10 @@ def verify_ranks(
     """
     if launcher not in LAUNCHER_CHOICES:
         raise ValueError(f"--launcher={launcher!r} is not valid: choose one of {', '.join(LAUNCHER_CHOICES)}")
-    run = {"mp": _run_mp, "ray": _run_ray, **(runners or {})}
+    missing = [name for name in (("mp", "ray") if launcher == "both" else (launcher,)) if name not in runners]
+    if missing:
+        raise ValueError(f"no runner for launcher(s) {', '.join(missing)}: pass runners={{name: run}}")
+    run = runners
     names = ("mp", "ray") if launcher == "both" else (launcher,)
     rows: list[dict] = []
     for name in names:

@@ -48,7 +48,7 @@ def configure_subprocess(
         yield
         return
 
-    from sglang.srt.entrypoints.engine import spawn_hook_installed, spawn_with_prefix
+    from sglang.srt.scheduler_launch.spawn_hook import spawn_hook_installed, spawn_with_prefix
     from sglang.srt.placement.numactl import numactl_prefix
 
     prefix = numactl_prefix(placement)

@@ -19,7 +19,6 @@ import dataclasses
 import datetime
 import logging
 import os
-import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
 from sglang.srt.distributed.shm_namespace import (
@@ -39,7 +38,7 @@ from sglang.srt.distributed.shm_segments import (
 from sglang.srt.environ import envs, scoped_environ
 from sglang.srt.placement.apply import set_all_threads_affinity
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
-from sglang.srt.utils.network import (
+from sglang.srt.distributed.init_address import (
     AddressError,
     parse_port,
     parse_tcp_init_method,
@@ -403,56 +402,15 @@ def init_torch_distributed(
     )
 
 
-# ------------------------------------------------------------------ deprecated upstream shims
+def start_shm_collective(*, dist_init_method: Optional[str], tp_size: int, tp_rank: int) -> bool:
+    """Bootstrap's CPU path: the shared-memory collective of this rank, named by the engine's own init method.
 
-
-def _set_shm_master_env(dist_init_method: Optional[str]) -> None:
-    """Deprecated: upstream's way of naming segments through ``MASTER_ADDR``/``MASTER_PORT``.
-
-    Kept with its old behaviour (``setdefault`` into ``os.environ``) for callers that
-    still call ``sgl_kernel.initialize`` themselves; use :class:`ShmNamespace` and
-    :func:`init_shm_collective`, which leave the environment alone.
+    This is what upstream's ``_init_cpu_threads_env`` delegates to instead of
+    setting ``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_SIZE`` in ``os.environ``.
+    Returns whether the kernel op was called (see :func:`init_shm_collective`).
     """
-    warnings.warn(
-        "_set_shm_master_env is deprecated: build a ShmNamespace and call "
-        "init_shm_collective, which does not change os.environ",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    prefix = "tcp://"
-    if dist_init_method and dist_init_method.startswith(prefix):
-        try:
-            addr, port = parse_tcp_init_method(dist_init_method)
-        except AddressError:
-            return
-        os.environ.setdefault("MASTER_ADDR", addr)
-        os.environ.setdefault("MASTER_PORT", str(port))
-
-
-def _init_cpu_threads_env(
-    *,
-    tp_size: int,
-    tp_rank: int,
-    local_omp_cpuid: Union[None, str, Iterable[int]],
-    dist_init_method: Optional[str] = None,
-) -> None:
-    """Deprecated: use :func:`bind_rank_threads` and :func:`init_shm_collective`."""
-    warnings.warn(
-        "_init_cpu_threads_env is deprecated: use bind_rank_threads and "
-        "init_shm_collective (or init_torch_distributed)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    if local_omp_cpuid:
-        cpu_ids = (
-            local_omp_cpuid if isinstance(local_omp_cpuid, str)
-            else format_cpulist(local_omp_cpuid)
-        )
-        bind_rank_threads(cpu_ids, tp_rank=tp_rank, numa_index=None, world_size=tp_size)
-    if dist_init_method:
-        init_shm_collective(
-            ShmNamespace.from_init_method(dist_init_method), tp_size=tp_size, tp_rank=tp_rank
-        )
+    namespace = ShmNamespace.from_init_method(dist_init_method or "env://")
+    return init_shm_collective(namespace, tp_size=tp_size, tp_rank=tp_rank)
 
 
 __all__ = [
@@ -474,5 +432,6 @@ __all__ = [
     "release_shm_collective",
     "remove_stale_segments",
     "resolve_dist_init_method",
+    "start_shm_collective",
     "tp_groups_are_node_local",
 ]

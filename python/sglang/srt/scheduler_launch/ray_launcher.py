@@ -32,13 +32,19 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sglang.srt.environ import EnvField, Envs
-from sglang.srt.managers.scheduler import RankLaunchError, RankResult
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity
-from sglang.srt.ray.scheduler_actor import SchedulerActor, Target, resolve_on_node_task
+from sglang.srt.ray.scheduler_actor import SchedulerActor, Target
+from sglang.srt.scheduler_launch.common import (
+    DEFAULT_TIMEOUT_S,
+    ExecCommand,
+    RankLaunchError,
+    RankResult,
+    decide_start,
+)
+from sglang.srt.scheduler_launch.ray_node import resolve_on_node_task
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 600.0
 SHUTDOWN_WAIT_S = 15.0
 ACTOR_NAME_PREFIX = "sglang_scheduler"
 
@@ -126,16 +132,16 @@ def start_decision(
     placement = ProcessPlacement.from_json(resolved["placement_json"])
     if placement.strategy != "exec":
         return placement, None
-    if force_in_process:
-        why = "the launcher was asked to bind in-process"
-    else:
-        why = resolved.get("exec_problem") or exec_argv_problem(resolved.get("exec_argv") or ())
-        if why is None:
-            return placement, py_executable(resolved["exec_argv"])
-        why = f"cannot start the Ray worker under numactl: {why}"
-        logger.warning(f"{rank.label}: {why}; binding in-process instead")
-    reason = f"{why}: in-process bind with libnuma"
-    return placement.replace(strategy="in-process", numactl_args=(), reasons=(*placement.reasons, reason)), None
+    command: Optional[ExecCommand] = None
+    if not force_in_process:
+        argv = resolved.get("exec_argv")
+        problem = resolved.get("exec_problem") or exec_argv_problem(argv or ())
+        command = ExecCommand(argv=tuple(argv), refusal=None) if problem is None else ExecCommand(
+            argv=None, refusal=f"cannot start the Ray worker under numactl: {problem}")
+    started = decide_start(placement, command, log=logger.warning)
+    if started.strategy != "exec":
+        return started, None
+    return started, py_executable(command.argv)
 
 
 # --------------------------------------------------------------------------- the launch

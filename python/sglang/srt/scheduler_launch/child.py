@@ -1,9 +1,9 @@
-"""The scheduler process: its identity (title, log prefix), its placement, and the multiprocessing child entry.
+"""A launched rank's own side: its identity (title, log prefix), its placement applied, and the spawned child's entry.
 
-Upstream this module holds sglang's ``Scheduler``; here the scheduler object is
-whatever ``target`` the launcher hands in (see the launcher protocol in
-``entrypoints/engine.py``), so that placement and bootstrap can be exercised
-without a model.
+The scheduler object is whatever ``target`` the launcher hands in (a callable
+``target(server_args=, placement=, rank=)`` returning an object with optional
+``ready_info()`` and ``event_loop()``), so that placement can be exercised
+with or without a model.
 """
 
 from __future__ import annotations
@@ -11,40 +11,20 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import faulthandler
-import json
 import logging
 import signal
 import sys
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from sglang.srt.environ import envs
+from sglang.srt.placement import settings
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity
+from sglang.srt.scheduler_launch.common import ready_info_of
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True)
-class RankResult:
-    """One rank that reported readiness: where it was placed, who it is, and what it reported."""
-
-    placement: Optional[ProcessPlacement]
-    rank: RankIdentity
-    info: dict = field(default_factory=dict)
-
-
-class RankLaunchError(RuntimeError):
-    """A scheduler rank failed to start or to finish; the message names the rank and carries its traceback."""
-
-    def __init__(self, message: str, *, label: str = "", error: str = "", child_traceback: str = "") -> None:
-        super().__init__(message)
-        self.label = label
-        self.error = error
-        self.child_traceback = child_traceback
 
 
 def scheduler_log_prefix(
@@ -118,7 +98,7 @@ def configure_scheduler_process(
     who = prefix.strip() or f"TP{tp_rank}"
 
     if placement is None:
-        if not envs.SGLANG_NUMA_BIND_V2.get() and gpu_id is not None:
+        if not settings.bind_v2() and gpu_id is not None:
             from sglang.srt.utils.numa_utils import get_numa_node_if_available, numa_bind_to_node
 
             numa_node = get_numa_node_if_available(server_args, gpu_id)
@@ -194,7 +174,7 @@ def run_scheduler_process(
     try:
         configure_scheduler_rank(server_args, rank=rank, placement=placement)
         scheduler = target(server_args=server_args, placement=placement, rank=rank)
-        info = _ready_info(scheduler)
+        info = ready_info_of(scheduler)
         pipe_writer.send({"status": "ready", "info": info})
         stage = "run"
         event_loop = getattr(scheduler, "event_loop", None)
@@ -214,15 +194,6 @@ def run_scheduler_process(
             pipe_writer.close()
         except OSError:
             pass
-
-
-def _ready_info(scheduler: Any) -> dict:
-    ready_info = getattr(scheduler, "ready_info", None)
-    info = ready_info() if ready_info is not None else {}
-    if not isinstance(info, dict):
-        raise TypeError(f"ready_info() returned {type(info).__name__}; it must return a JSON-serialisable dict")
-    json.dumps(info)  # fails here, in the child, with the offending value named, rather than in the parent
-    return info
 
 
 def _libc() -> Optional[ctypes.CDLL]:

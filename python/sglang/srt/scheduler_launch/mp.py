@@ -1,16 +1,7 @@
 """The multiprocessing launcher: one spawned scheduler process per local rank, each under its placement.
 
-How an ``exec`` placement reaches the child. CPython's spawn start method runs
-``multiprocessing.util.spawnv_passfds(spawn.get_executable(), cmd, fds)``; the
-executable is process-global and its argv[0] is that same path, so numactl's
-options cannot ride in it, and swapping it (upstream's approach, with a script
-written to /tmp) races between threads and breaks on a ``noexec`` /tmp. Instead
-a pass-through wrapper around ``spawnv_passfds`` is installed once; a thread
-that is starting a placed child arms it with that child's numactl argv (a
-thread-local value, cleared in ``finally``), and the wrapper prepends the argv
-only to a spawn command line (``spawn_main``), never to the resource tracker or
-anything else. No file is written, no shell runs, the spawn executable is never
-changed, and launches in other threads are not affected.
+An ``exec`` placement reaches the child through ``spawn_hook``: the spawn
+command line is started under numactl, and the child keeps its pid.
 
 A child that numactl refuses to start dies before Python runs; its sentinel
 tells the parent at once, and the same numactl argv is run again with ``true``
@@ -23,154 +14,49 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.spawn
-import multiprocessing.util
-import os
-import shutil
-import threading
+import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from sglang.srt.environ import envs
-from sglang.srt.managers.scheduler import RankLaunchError, RankResult, run_scheduler_process
 from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
+from sglang.srt.scheduler_launch.child import run_scheduler_process
+from sglang.srt.scheduler_launch.common import (
+    DEFAULT_TIMEOUT_S,
+    RankLaunchError,
+    RankResult,
+    decide_start,
+    exec_command,
+    numactl_complaint,
+)
+from sglang.srt.scheduler_launch.spawn_hook import spawn_with_prefix
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_S = 5.0
-
-_SPAWN_MARKER = "spawn_main"
-
-
-# --------------------------------------------------------------------------- the spawn hook
-
-
-@dataclass
-class SpawnPrefixUse:
-    """One armed prefix and how many spawned children it has wrapped so far."""
-
-    prefix: tuple[str, ...]
-    applied: int = 0
-
-
-class _Armed(threading.local):
-    use: Optional[SpawnPrefixUse] = None
-
-
-_armed = _Armed()
-_install_lock = threading.Lock()
-_original_spawnv_passfds: Optional[Callable[..., int]] = None
-
-
-def _is_spawn_command(args: Sequence[Any]) -> bool:
-    return any(_SPAWN_MARKER in str(arg) for arg in args)
-
-
-def _placed_spawnv_passfds(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
-    original = _original_spawnv_passfds
-    if original is None:  # pragma: no cover - the hook is only reachable once installed
-        raise RuntimeError("the multiprocessing spawn hook was called before it was installed")
-    use = _armed.use
-    if use is None or not _is_spawn_command(args):
-        return original(path, args, passfds)
-    # CPython hands the executable over as bytes (os.fsencode); keep to that type.
-    pid = original(os.fsencode(use.prefix[0]), [*use.prefix, *args], passfds)
-    use.applied += 1
-    return pid
-
-
-def install_spawn_hook() -> None:
-    """Put the pass-through wrapper in front of ``multiprocessing.util.spawnv_passfds`` (idempotent)."""
-    global _original_spawnv_passfds
-    with _install_lock:
-        current = getattr(multiprocessing.util, "spawnv_passfds", None)
-        if current is None:
-            raise PlacementError(
-                "this Python's multiprocessing has no util.spawnv_passfds, so spawned schedulers cannot be "
-                "started under numactl; set SGLANG_NUMA_BIND_V2=0 to bind inside the child instead"
-            )
-        if current is _placed_spawnv_passfds:
-            return
-        _original_spawnv_passfds = current
-        multiprocessing.util.spawnv_passfds = _placed_spawnv_passfds
-
-
-def spawn_hook_installed() -> bool:
-    return multiprocessing.util.spawnv_passfds is _placed_spawnv_passfds
-
-
-@contextlib.contextmanager
-def spawn_with_prefix(prefix: Sequence[str]) -> Iterator[SpawnPrefixUse]:
-    """Start every ``spawn`` child this thread creates inside the block as ``prefix + [python, ...]``.
-
-    Nests (the inner prefix wins) and restores the previous state on any exit.
-    """
-    prefix = tuple(str(part) for part in prefix)
-    if not prefix:
-        raise ValueError("spawn_with_prefix needs a non-empty argv prefix (the program to exec first)")
-    install_spawn_hook()
-    use = SpawnPrefixUse(prefix=prefix)
-    saved = _armed.use
-    _armed.use = use
-    try:
-        yield use
-    finally:
-        _armed.use = saved
-
-
-def armed_prefix() -> Optional[tuple[str, ...]]:
-    """The prefix this thread would apply to a spawned child right now (None when unarmed)."""
-    use = _armed.use
-    return None if use is None else use.prefix
 
 
 # --------------------------------------------------------------------------- launching ranks
 
 
-def _numactl_prefix(placement: ProcessPlacement) -> list[str]:
-    from sglang.srt.placement.numactl import numactl_prefix
+def _start_plan(rank: RankIdentity, placement: ProcessPlacement) -> tuple[ProcessPlacement, Optional[list[str]]]:
+    """The placement the child starts with and the numactl prefix in front of it (None unless exec).
 
-    return numactl_prefix(placement)
-
-
-def _preflight(placement: ProcessPlacement) -> Optional[str]:
-    """numactl's complaint about this placement's options, from the placement core's cached dry run; None if fine.
-
-    Catching a refusal before the spawn matters beyond speed: CPython writes the
-    pickled child state into a pipe whose read end it keeps open until the write
-    is done, so a payload larger than the pipe buffer would block ``start()``
-    forever once numactl has exited.
+    A refusal is caught here, before the spawn, rather than as a dead child:
+    CPython writes the pickled child state into a pipe whose read end it keeps
+    open until the write is done, so a large payload would block ``start()``
+    once numactl has exited.
     """
-    from sglang.srt.placement.numactl import exec_refusal
-
-    return exec_refusal(placement)
-
-
-def diagnose_exec_failure(prefix: Sequence[str]) -> Optional[str]:
-    """numactl's own complaint for ``prefix``, by running it again in front of ``true``; None if it now works."""
-    from sglang.srt.placement.numactl import run_numactl
-
-    result = run_numactl([*prefix, shutil.which("true") or "/bin/true"])
-    return None if result.ok else result.message
-
-
-def _exec_prefix_or_fallback(placement: ProcessPlacement) -> tuple[ProcessPlacement, Optional[list[str]]]:
-    """The numactl argv for an exec placement; when numactl vanished since planning, bind in-process instead."""
     if placement.strategy != "exec":
         return placement, None
-    try:
-        return placement, _numactl_prefix(placement)
-    except FileNotFoundError as exc:
-        if envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.get():
-            raise PlacementError(f"{exc} (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1)") from exc
-        reason = "numactl was not found at launch: binding in-process instead"
-        logger.warning(f"{placement.label}: {reason}")
-        fallback = placement.replace(
-            strategy="in-process", numactl_args=(), reasons=(*placement.reasons, reason)
-        )
-        return fallback, None
+    command = exec_command(placement, python=sys.executable)
+    if command.argv is None and not command.numactl_missing:
+        from sglang.srt.placement.numactl import numactl_prefix
+
+        raise _refusal_error(rank.label, prefix=numactl_prefix(placement), complaint=command.refusal or "",
+                             exit_status=None)
+    started = decide_start(placement, command, log=logger.warning)
+    return started, (list(command.prefix) if started.strategy == "exec" and command.prefix else None)
 
 
 @dataclass
@@ -201,14 +87,9 @@ def start_scheduler_process(
 ) -> LaunchedRank:
     """Spawn one scheduler rank under its placement; returns at once (readiness comes through its pipe)."""
     ctx = context or multiprocessing.get_context("spawn")
+    prefix: Optional[list[str]] = None
     if placement is not None:
-        placement, prefix = _exec_prefix_or_fallback(placement)
-    else:
-        prefix = None
-    if prefix is not None:
-        complaint = _preflight(placement)
-        if complaint is not None:
-            raise _refusal_error(rank.label, prefix=prefix, complaint=complaint, exit_status=None)
+        placement, prefix = _start_plan(rank, placement)
     reader, writer = ctx.Pipe(duplex=False)
     process = ctx.Process(
         target=run_scheduler_process,
@@ -367,7 +248,7 @@ def _death_error(r: LaunchedRank, *, stage: str) -> RankLaunchError:
     r.process.join(SHUTDOWN_GRACE_S)
     code = r.process.exitcode
     if r.prefix is not None and r.info is None:
-        complaint = diagnose_exec_failure(r.prefix)
+        complaint = numactl_complaint(r.prefix)
         if complaint is not None:
             return _refusal_error(r.label, prefix=r.prefix, complaint=complaint, exit_status=code)
     return RankLaunchError(

@@ -1,14 +1,9 @@
-"""Small network helpers: port probing and ``host:port`` parsing.
-
-Imports nothing but the standard library, so that ``from sglang.srt.utils import
-is_port_available`` (done by sglang-router at module load) stays cheap.
-"""
+"""Parsing an engine's init address (``host:port``, ``tcp://host:port``, ``[v6]:port``) with errors that name the setting."""
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-import socket
 
 logger = logging.getLogger(__name__)
 
@@ -17,59 +12,6 @@ _MAX_PORT = 65535
 
 class AddressError(ValueError):
     """A ``host:port`` value or an init method is malformed."""
-
-
-def _passive_addresses(port: int) -> list[tuple[int, tuple]]:
-    """The (family, sockaddr) pairs a server listening on every address would bind."""
-    try:
-        infos = socket.getaddrinfo(
-            None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE
-        )
-    except socket.gaierror:
-        infos = []
-    seen: set[tuple[int, tuple]] = set()
-    result: list[tuple[int, tuple]] = []
-    for family, _type, _proto, _name, sockaddr in infos:
-        if family not in (socket.AF_INET, socket.AF_INET6):
-            continue
-        key = (family, tuple(sockaddr))
-        if key not in seen:
-            seen.add(key)
-            result.append(key)
-    if not result:
-        result.append((socket.AF_INET, ("0.0.0.0", port)))
-    return result
-
-
-def _can_bind(family: int, sockaddr: tuple) -> bool:
-    try:
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError:
-        # The family is resolved but unusable here (IPv6 disabled in the kernel):
-        # nothing can listen on it, so it cannot hold the port.
-        return True
-    with sock:
-        # Same option a server sets, so a port left in TIME_WAIT counts as free.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            # Probe IPv6 on its own: a dual-stack bind would also test IPv4,
-            # which has its own entry.
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        try:
-            sock.bind(sockaddr)
-            sock.listen(1)
-        except (OSError, OverflowError):
-            return False
-    return True
-
-
-def is_port_available(port: int) -> bool:
-    """True if ``port`` can be bound (TCP) on every address family this host resolves
-    for a passive bind (normally ``0.0.0.0`` and ``::``); False if anything listens on
-    it on any of them, or if ``port`` is not a valid port number."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= _MAX_PORT:
-        return False
-    return all(_can_bind(family, sockaddr) for family, sockaddr in _passive_addresses(port))
 
 
 def parse_port(text: str, *, what: str) -> int:
