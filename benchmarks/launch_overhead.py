@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from sglang.srt.entrypoints.engine import run_ranks_mp
+from sglang.srt.scheduler_launch.mp import run_ranks_mp
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.types import ProcessPlacement
 from sglang.srt.server_args import ServerArgs

@@ -17,7 +17,7 @@ import ray
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import ray_helpers  # noqa: E402
 
-from sglang.srt.ray.engine import launch_scheduler_actors, shutdown_ray, wait_ready_ray, wait_finished_ray  # noqa: E402
+from sglang.srt.scheduler_launch.ray_launcher import launch_scheduler_actors, shutdown_ray, wait_ready_ray, wait_finished_ray  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 
