@@ -19,7 +19,7 @@ import dataclasses
 import datetime
 import logging
 import os
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from sglang.srt.distributed.shm_namespace import (
     NAME_MAX,
@@ -41,7 +41,6 @@ from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.distributed.init_address import (
     AddressError,
     parse_port,
-    parse_tcp_init_method,
     split_host_port,
     tcp_init_method,
 )

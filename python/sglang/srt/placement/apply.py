@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Optional
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.libnuma import LibNumaApi, load_libnuma
-from sglang.srt.placement.types import PlacementError, ProcessPlacement
+from sglang.srt.placement.types import MemPolicy, PlacementError, ProcessPlacement, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class BindOutcome:
             parts.append(f"cpus {format_cpulist(self.cpus)} on {self.threads} thread(s)")
         else:
             parts.append("cpus unchanged")
-        if self.mem_policy == "none":
+        if self.mem_policy == MemPolicy.NONE:
             parts.append("memory policy unchanged")
         else:
             parts.append(f"memory {self.mem_policy} on node(s) {format_cpulist(self.mem_nodes)}")
@@ -88,7 +88,7 @@ def bind_in_process(
     ``libnuma``, ``tasks_dir`` and ``setaffinity`` are seams for tests.
     """
     label = placement.label
-    if placement.strategy == "none":
+    if placement.strategy == Strategy.NONE:
         why = "; ".join(placement.reasons) or "placement strategy is none"
         outcome = BindOutcome(label, frozenset(), 0, "none", frozenset(), None, (f"not bound: {why}",))
         logger.info(outcome.summary)
@@ -107,7 +107,7 @@ def bind_in_process(
         notes.append(what)
 
     lib: Optional[LibNumaApi] = None
-    if placement.mem_policy != "none":
+    if placement.mem_policy != MemPolicy.NONE:
         lib = libnuma if libnuma is not None else load_libnuma()
         if lib is None:
             degrade("memory policy not set: libnuma.so.1 is not available (install libnuma1)")
@@ -202,7 +202,7 @@ def _set_memory_policy(
     if preferred_node is None and placement.mem_nodes:
         preferred_node = min(placement.mem_nodes)
 
-    if placement.mem_policy == "bind":
+    if placement.mem_policy == MemPolicy.BIND:
         try:
             lib.set_membind(placement.mem_nodes)
             return "bind", placement.mem_nodes

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from sglang.srt.placement.cpulist import format_cpulist
+from sglang.srt.placement.types import Strategy, MemPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,9 @@ def cpu_option(*, cpus: Iterable[int], whole_nodes: Optional[Sequence[int]]) -> 
 
 
 def memory_options(*, mem_policy: str, mem_nodes: Iterable[int], preferred_node: Optional[int]) -> tuple[str, ...]:
-    if mem_policy == "bind":
+    if mem_policy == MemPolicy.BIND:
         return (f"--membind={format_cpulist(mem_nodes)}",)
-    if mem_policy == "preferred" and preferred_node is not None:
+    if mem_policy == MemPolicy.PREFERRED and preferred_node is not None:
         return (f"--preferred={preferred_node}",)
     return ()
 
@@ -118,9 +119,9 @@ class NumactlProber:
         """Try bind, then preferred, then CPU only; stop at the first the kernel accepts."""
         mem_nodes = tuple(sorted(mem_nodes))
         steps: list[str] = []
-        if mem_policy == "bind":
+        if mem_policy == MemPolicy.BIND:
             steps = ["bind", "preferred", "none"]
-        elif mem_policy == "preferred":
+        elif mem_policy == MemPolicy.PREFERRED:
             steps = ["preferred", "none"]
         else:
             steps = ["none"]
@@ -134,7 +135,7 @@ class NumactlProber:
                 return LadderOutcome(mem_policy=step, args=args, reasons=tuple(reasons), ok=True)
             label = {"bind": "membind", "preferred": "preferred", "none": "CPU-only binding"}[step]
             reasons.append(f"numactl {label} rejected by the kernel ({result.message})")
-        return LadderOutcome(mem_policy="none", args=(), reasons=tuple(reasons), ok=False)
+        return LadderOutcome(mem_policy=MemPolicy.NONE, args=(), reasons=tuple(reasons), ok=False)
 
 
 class AssumedNumactl:
@@ -188,7 +189,7 @@ def exec_refusal(placement) -> Optional[str]:
 
 def numactl_prefix(placement, *, numactl_path: Optional[str] = None) -> list[str]:
     """argv that starts a program under ``placement``: [numactl, *options]; the program follows."""
-    if placement.strategy != "exec" or not placement.numactl_args:
+    if placement.strategy != Strategy.EXEC or not placement.numactl_args:
         raise ValueError(
             f"{placement.label}: strategy {placement.strategy!r} has no numactl command; only exec placements do"
         )

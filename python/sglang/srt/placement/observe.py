@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
-from sglang.srt.placement.types import ProcessPlacement
+from sglang.srt.placement.types import MemPolicy, ProcessPlacement, Strategy
 
 # <linux/mempolicy.h> modes, indexed by number.
 _MODE_NAMES = {
@@ -311,15 +311,15 @@ def compare_binding(placement: ProcessPlacement, observed: ObservedBinding) -> l
     (bind where preferred was planned) is reported too: it can fail allocations
     the plan meant to let spill over.
     """
-    if placement.strategy == "none":
+    if placement.strategy == Strategy.NONE:
         return []
     diffs: list[str] = []
     if placement.cpus and observed.cpus != placement.cpus:
         diffs.append(f"cpus {_fmt(observed.cpus)} observed, {_fmt(placement.cpus)} planned")
 
-    if placement.mem_policy == "none":
+    if placement.mem_policy == MemPolicy.NONE:
         return diffs
-    if placement.mem_policy == "bind":
+    if placement.mem_policy == MemPolicy.BIND:
         want_nodes = placement.mem_nodes
         want_policies = ("bind",)
     else:

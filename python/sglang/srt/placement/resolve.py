@@ -12,14 +12,16 @@ from sglang.srt.placement.cpulist import CpuListError, format_cpulist, parse_cpu
 from sglang.srt.placement.numactl import AssumedNumactl, NumactlProber, cpu_option, default_prober
 from sglang.srt.placement.types import (
     AFFINITY_MODES,
-    LAUNCHERS,
     Accelerator,
     HostTopology,
+    LAUNCHERS,
+    MemPolicy,
     NumaNode,
     PlacementError,
     ProcessAffinity,
     ProcessPlacement,
     RankIdentity,
+    Strategy,
 )
 
 logger = logging.getLogger(__name__)
@@ -351,7 +353,7 @@ def resolve_placement(
             )
         return ProcessPlacement(
             dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank, gpu_id=rank.gpu_id, pci=pci,
-            numa_node=None, cpus=frozenset(), mem_nodes=frozenset(), mem_policy="none", strategy="none",
+            numa_node=None, cpus=frozenset(), mem_nodes=frozenset(), mem_policy=MemPolicy.NONE, strategy=Strategy.NONE,
             reasons=tuple(reasons), launcher=policy.launcher, warning=failure,
         )
 
@@ -447,10 +449,10 @@ def _finish(*, rank: RankIdentity, pci: Optional[str], node_id: int, cpus: froze
         )
         reasons.extend(outcome.reasons)
         if outcome.ok:
-            if outcome.mem_policy == "preferred":
+            if outcome.mem_policy == MemPolicy.PREFERRED:
                 reasons.append(f"falling back to preferred node {node_id}")
                 return placed("exec", "preferred", (node_id,), outcome.args, warning=True)
-            degraded = outcome.mem_policy == "none" and mem_policy != "none"
+            degraded = outcome.mem_policy == MemPolicy.NONE and mem_policy != MemPolicy.NONE
             if degraded:
                 reasons.append("falling back to CPU-only binding")
             reasons.append(f"exec under numactl {' '.join(outcome.args)}")
@@ -464,7 +466,7 @@ def _finish(*, rank: RankIdentity, pci: Optional[str], node_id: int, cpus: froze
         reasons.append("in-process bind with libnuma")
         return placed("in-process", mem_policy, mem_nodes)
     reasons.append("libnuma is not available: in-process CPU affinity only")
-    return placed("in-process", "none", (), warning=mem_policy != "none")
+    return placed("in-process", "none", (), warning=mem_policy != MemPolicy.NONE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -650,7 +652,7 @@ def describe(p: ProcessPlacement) -> str:
     """The one-line human form of a placement."""
     gpu = f" GPU {p.gpu_id}" if p.gpu_id is not None else ""
     pci = f" ({p.pci})" if p.pci else ""
-    if p.strategy == "none":
+    if p.strategy == Strategy.NONE:
         head = f"[{p.label}]{gpu}{pci}: not bound"
     else:
         mem = {"bind": f"membind {format_cpulist(p.mem_nodes)}",

@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 
-MEM_POLICIES = ("bind", "preferred", "none")
-STRATEGIES = ("exec", "in-process", "v1", "none")
+
+
+class MemPolicy(enum.StrEnum):
+    """The memory policy a placement sets: bind to its nodes, prefer its node, or leave memory alone."""
+
+    BIND = "bind"
+    PREFERRED = "preferred"
+    NONE = "none"
+
+
+class Strategy(enum.StrEnum):
+    """How a placement is applied: numactl before the interpreter, libnuma inside it, the legacy V1 bind, or not at all."""
+
+    EXEC = "exec"
+    IN_PROCESS = "in-process"
+    V1 = "v1"
+    NONE = "none"
+
+
+MEM_POLICIES = tuple(p.value for p in MemPolicy)
+STRATEGIES = tuple(s.value for s in Strategy)
 LAUNCHERS = ("mp", "ray")
 AFFINITY_MODES = ("node", "exclusive", "socket")
 DEVICES = ("cuda", "xpu", "cpu")
@@ -160,8 +180,8 @@ class ProcessPlacement:
     numa_node: Optional[int]
     cpus: frozenset[int]
     mem_nodes: frozenset[int]
-    mem_policy: str
-    strategy: str
+    mem_policy: MemPolicy
+    strategy: Strategy
     reasons: tuple[str, ...]
     numactl_args: tuple[str, ...] = ()
     """numactl options (no executable) that apply this placement; empty unless strategy is exec."""
@@ -170,14 +190,17 @@ class ProcessPlacement:
     """True when the rank is unbound (or less bound) because something failed, not by choice."""
 
     def __post_init__(self) -> None:
-        if self.mem_policy not in MEM_POLICIES:
-            raise ValueError(f"mem_policy {self.mem_policy!r} is not one of {MEM_POLICIES}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy {self.strategy!r} is not one of {STRATEGIES}")
+        # Accept the enums' string values too (JSON, older callers); store the enums.
+        for name, kind, allowed in (("mem_policy", MemPolicy, MEM_POLICIES), ("strategy", Strategy, STRATEGIES)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                raise ValueError(f"{name} {value!r} is not one of {allowed}") from None
 
     @property
     def bound(self) -> bool:
-        return self.strategy != "none"
+        return self.strategy is not Strategy.NONE
 
     @property
     def label(self) -> str:
@@ -193,8 +216,8 @@ class ProcessPlacement:
             "numa_node": self.numa_node,
             "cpus": format_cpulist(self.cpus),
             "mem_nodes": format_cpulist(self.mem_nodes),
-            "mem_policy": self.mem_policy,
-            "strategy": self.strategy,
+            "mem_policy": self.mem_policy.value,
+            "strategy": self.strategy.value,
             "reasons": list(self.reasons),
             "numactl_args": list(self.numactl_args),
             "launcher": self.launcher,

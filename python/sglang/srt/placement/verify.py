@@ -12,7 +12,7 @@ import logging
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity
+from sglang.srt.placement.types import MemPolicy, ProcessPlacement, RankIdentity, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def probe_target(*, server_args: Any, placement: Optional[ProcessPlacement], ran
 
 
 def _target_nodes(placement: Optional[ProcessPlacement]) -> frozenset[int]:
-    if placement is None or placement.strategy == "none":
+    if placement is None or placement.strategy == Strategy.NONE:
         return frozenset()
     if placement.mem_nodes:
         return placement.mem_nodes
@@ -61,7 +61,7 @@ def _target_nodes(placement: Optional[ProcessPlacement]) -> frozenset[int]:
 def page_ratio_difference(placement: ProcessPlacement, ratio: Optional[float]) -> Optional[str]:
     """A difference line when a bound rank keeps too little of its memory on its node; None when fine."""
     minimum = MIN_LOCAL_PAGE_RATIO.get(placement.strategy)
-    if minimum is None or placement.mem_policy != "bind" or ratio is None:
+    if minimum is None or placement.mem_policy != MemPolicy.BIND or ratio is None:
         return None
     if ratio >= minimum:
         return None

@@ -18,7 +18,7 @@ import traceback
 from typing import Any, Callable, Optional
 
 from sglang.srt.placement import settings
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity
+from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
 from sglang.srt.scheduler_launch.common import ready_info_of
 
 logger = logging.getLogger(__name__)
@@ -113,12 +113,12 @@ def configure_scheduler_process(
 
 def _apply_in_child(placement: ProcessPlacement, *, who: str) -> None:
     summary = _placement_summary(placement)
-    if placement.strategy == "in-process":
+    if placement.strategy == Strategy.IN_PROCESS:
         from sglang.srt.placement import apply
 
         apply.bind_in_process(placement)
         logger.info(f"{who}: bound in-process: {summary}")
-    elif placement.strategy == "v1":
+    elif placement.strategy == Strategy.V1:
         if placement.numa_node is None:
             logger.warning(f"{who}: legacy placement without a NUMA node, nothing bound ({summary})")
             return
@@ -126,7 +126,7 @@ def _apply_in_child(placement: ProcessPlacement, *, who: str) -> None:
 
         numa_bind_to_node(placement.numa_node)
         logger.info(f"{who}: bound to NUMA node {placement.numa_node} in the child (legacy V1)")
-    elif placement.strategy == "exec":
+    elif placement.strategy == Strategy.EXEC:
         logger.info(f"{who}: started under numactl {' '.join(placement.numactl_args)}: {summary}")
     else:
         reasons = "; ".join(placement.reasons) or "no reason recorded"

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
-from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
+from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity, Strategy
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -51,7 +51,7 @@ class RankLaunchError(RuntimeError):
 def demote_to_in_process(placement: ProcessPlacement, *, why: str) -> ProcessPlacement:
     """``placement`` with strategy in-process instead of exec, ``why`` appended to its reasons."""
     reason = f"{why}: in-process bind with libnuma"
-    return placement.replace(strategy="in-process", numactl_args=(), reasons=(*placement.reasons, reason))
+    return placement.replace(strategy=Strategy.IN_PROCESS, numactl_args=(), reasons=(*placement.reasons, reason))
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def decide_start(placement: ProcessPlacement, command: Optional[ExecCommand], *,
     Under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 a refused exec is an error rather
     than a demotion, since the rank would not start the way it was planned.
     """
-    if placement.strategy != "exec" or (command is not None and command.argv is not None):
+    if placement.strategy != Strategy.EXEC or (command is not None and command.argv is not None):
         return placement
     why = command.refusal if command is not None else "the launcher was asked to bind in-process"
     if command is not None and settings.bind_failure_is_fatal():

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
+from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity, Strategy
 from sglang.srt.scheduler_launch.child import run_scheduler_process
 from sglang.srt.scheduler_launch.common import (
     DEFAULT_TIMEOUT_S,
@@ -47,7 +47,7 @@ def _start_plan(rank: RankIdentity, placement: ProcessPlacement) -> tuple[Proces
     open until the write is done, so a large payload would block ``start()``
     once numactl has exited.
     """
-    if placement.strategy != "exec":
+    if placement.strategy != Strategy.EXEC:
         return placement, None
     command = exec_command(placement, python=sys.executable)
     if command.argv is None and not command.numactl_missing:
@@ -56,7 +56,7 @@ def _start_plan(rank: RankIdentity, placement: ProcessPlacement) -> tuple[Proces
         raise _refusal_error(rank.label, prefix=numactl_prefix(placement), complaint=command.refusal or "",
                              exit_status=None)
     started = decide_start(placement, command, log=logger.warning)
-    return started, (list(command.prefix) if started.strategy == "exec" and command.prefix else None)
+    return started, (list(command.prefix) if started.strategy == Strategy.EXEC and command.prefix else None)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sglang.srt.environ import EnvField, Envs
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity
+from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
 from sglang.srt.ray.scheduler_actor import SchedulerActor, Target
 from sglang.srt.scheduler_launch.common import (
     DEFAULT_TIMEOUT_S,
@@ -130,7 +130,7 @@ def start_decision(
 ) -> tuple[ProcessPlacement, Optional[str]]:
     """The placement the actor gets and its py_executable (None unless exec), from the node's resolution."""
     placement = ProcessPlacement.from_json(resolved["placement_json"])
-    if placement.strategy != "exec":
+    if placement.strategy != Strategy.EXEC:
         return placement, None
     command: Optional[ExecCommand] = None
     if not force_in_process:
@@ -139,7 +139,7 @@ def start_decision(
         command = ExecCommand(argv=tuple(argv), refusal=None) if problem is None else ExecCommand(
             argv=None, refusal=f"cannot start the Ray worker under numactl: {problem}")
     started = decide_start(placement, command, log=logger.warning)
-    if started.strategy != "exec":
+    if started.strategy != Strategy.EXEC:
         return started, None
     return started, py_executable(command.argv)
 

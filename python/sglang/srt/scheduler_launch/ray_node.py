@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import ray
 
 from sglang.srt.environ import scoped_environ
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity
+from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
 from sglang.srt.scheduler_launch.common import exec_command, read_back
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def resolve_on_node(
         )
     exec_argv: Optional[list[str]] = None
     exec_problem: Optional[str] = None
-    if placement.strategy == "exec":
+    if placement.strategy == Strategy.EXEC:
         exec_argv, exec_problem = _exec_argv_here(placement)
     return {
         "placement_json": placement.to_json(),

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 
 from sglang.srt.environ import envs
 from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.types import PlacementError, ProcessPlacement
+from sglang.srt.placement.types import PlacementError, ProcessPlacement, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def configure_subprocess(
         return
     if placement is None:
         placement = _resolve_for_gpu(server_args, gpu_id)
-    if placement.strategy != "exec":
+    if placement.strategy != Strategy.EXEC:
         logger.debug(f"GPU {gpu_id}: placement strategy {placement.strategy!r}, nothing to wrap around the spawn")
         yield
         return
