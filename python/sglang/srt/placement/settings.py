@@ -58,3 +58,16 @@ def sysfs_root() -> str:
             f"SGLANG_SYSFS_ROOT={value!r} is not valid: give a directory such as /sys or a capture snapshot"
         )
     return value
+
+
+ENGINE_POLICY_VARS = (
+    "SGLANG_NUMA_BIND_V2",
+    "SGLANG_AUTO_NUMA_BIND",
+    "SGLANG_CRASH_ON_NUMA_BIND_FAILURE",
+    "SGLANG_NUMA_AFFINITY_MODE",
+    "SGLANG_CPU_OMP_THREADS_BIND",
+)
+"""Settings that belong to the engine: a launcher passes the driver's values to every node that runs a rank."""
+
+HOST_LOCAL_VARS = ("SGLANG_SYSFS_ROOT",)
+"""Settings that describe one host: each node's own environment decides; a driver never passes its own on."""
