@@ -24,7 +24,7 @@ from pathlib import Path
 from sglang.srt.scheduler_launch.mp import run_ranks_mp
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.types import ProcessPlacement
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.placement.engine_args import EngineArgs
 
 
 class _Trivial:
@@ -72,7 +72,7 @@ def placements(ranks: int, *, placed: bool, layout: str = "node") -> list[Proces
     return out
 
 
-def time_launch(server_args: ServerArgs, plan: list[ProcessPlacement]) -> float:
+def time_launch(server_args: EngineArgs, plan: list[ProcessPlacement]) -> float:
     started = time.perf_counter()
     results = run_ranks_mp(server_args, target=trivial_target, placements=plan, timeout_s=300)
     elapsed = time.perf_counter() - started
@@ -88,7 +88,7 @@ def time_plan() -> tuple[float, str]:
     spec = "|".join(str(c) for c in cpus)
     with envs.SGLANG_CPU_OMP_THREADS_BIND.override(spec):
         started = time.perf_counter()
-        plan = plan_engine(ServerArgs(device="cpu", tp_size=len(cpus)), launcher="mp")
+        plan = plan_engine(EngineArgs(device="cpu", tp_size=len(cpus)), launcher="mp")
         elapsed = time.perf_counter() - started
     return elapsed, f"device=cpu tp={len(cpus)} SGLANG_CPU_OMP_THREADS_BIND={spec} -> {[p.strategy for p in plan]}"
 
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--layout", choices=("node", "cpu"), default="node")
     args = parser.parse_args()
 
-    server_args = ServerArgs(tp_size=args.ranks)
+    server_args = EngineArgs(tp_size=args.ranks)
     variants = {"placed": placements(args.ranks, placed=True, layout=args.layout), "unplaced": placements(args.ranks, placed=False)}
     for plan in variants.values():  # warm-up: imports, resource tracker, page cache
         time_launch(server_args, plan)

@@ -18,13 +18,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import ray_helpers  # noqa: E402
 
 from sglang.srt.scheduler_launch.ray_launcher import launch_scheduler_actors, shutdown_ray, wait_ready_ray, wait_finished_ray  # noqa: E402
-from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.placement.engine_args import EngineArgs  # noqa: E402
 
 
 def one_launch(*, force_in_process: bool) -> dict[str, float]:
     started = time.perf_counter()
     launch = launch_scheduler_actors(
-        ServerArgs(tp_size=2, device="cpu"), target=ray_helpers.reporting_target, timeout_s=120,
+        EngineArgs(tp_size=2, device="cpu"), target=ray_helpers.reporting_target, timeout_s=120,
         force_in_process=force_in_process,
     )
     try:

@@ -26,7 +26,7 @@ from sglang.srt.placement.numactl import NumactlProber, ProbeResult  # noqa: E40
 from sglang.srt.placement.resolve import HostCapabilities, plan_engine  # noqa: E402
 from sglang.srt.placement.topology import read_topology  # noqa: E402
 from sglang.srt.placement.types import ProcessAffinity  # noqa: E402
-from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.placement.engine_args import EngineArgs  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
         read_ms = (time.perf_counter() - start) * 1e3
     affinity = ProcessAffinity(cpus=topology.online_cpus,
                                mems=frozenset(n.node_id for n in topology.nodes), source="snapshot")
-    server_args = ServerArgs(tp_size=8, dp_size=8)
+    server_args = EngineArgs(tp_size=8, dp_size=8)
     print(f"topology: {len(topology.nodes)} nodes, {len(topology.online_cpus)} CPUs, "
           f"{len(topology.pci_devices)} PCI devices; read once in {read_ms:.1f} ms")
 

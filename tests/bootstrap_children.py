@@ -54,7 +54,7 @@ def engine_rank(
         import torch
         import torch.distributed as dist
 
-        from sglang.srt.distributed import init_torch_distributed, release_shm_collective
+        from sglang.srt.distributed.shm_collective import init_torch_distributed, release_shm_collective
 
         boot = init_torch_distributed(
             tp_size=tp_size,
@@ -110,7 +110,7 @@ def bind_threads(cpu_ids: str, with_op: bool, queue) -> None:
             kernel.register("released", threads_env=True)
         import torch
 
-        from sglang.srt.distributed import bind_rank_threads
+        from sglang.srt.distributed.shm_collective import bind_rank_threads
 
         stop = threading.Event()
         workers = [threading.Thread(target=stop.wait) for _ in range(3)]
@@ -137,7 +137,7 @@ def bind_threads(cpu_ids: str, with_op: bool, queue) -> None:
 
 def _hold(schema: str, addr: str, port: int, tp_size: int, tp_rank: int) -> None:
     """Initialise one rank and hold its segment until stdin closes (or a kill)."""
-    from sglang.srt.distributed import ShmNamespace, init_shm_collective
+    from sglang.srt.distributed.shm_collective import ShmNamespace, init_shm_collective
 
     kernel.register(schema)
     namespace = ShmNamespace(addr=addr, port=port)

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 import bootstrap_children
-from sglang.srt.distributed import ShmNamespace
+from sglang.srt.distributed.shm_collective import ShmNamespace
 
 
 def _free_ports(count: int) -> list[int]:

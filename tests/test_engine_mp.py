@@ -20,7 +20,7 @@ from sglang.srt.scheduler_launch.spawn_hook import armed_prefix, spawn_hook_inst
 from sglang.srt.environ import envs
 from sglang.srt.scheduler_launch.common import RankLaunchError
 from sglang.srt.placement.types import PlacementError
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.placement.engine_args import EngineArgs
 
 from mp_launch_targets import (
     exec_placement,
@@ -79,7 +79,7 @@ def _no_children_left():
 
 def test_two_exec_ranks_each_run_on_their_own_cpu():
     results = run_ranks_mp(
-        ServerArgs(tp_size=2), target=report_target, placements=[exec_placement(0, 0), exec_placement(1, 1)],
+        EngineArgs(tp_size=2), target=report_target, placements=[exec_placement(0, 0), exec_placement(1, 1)],
         timeout_s=120,
     )
     assert [r.rank.tp_rank for r in results] == [0, 1]
@@ -90,7 +90,7 @@ def test_two_exec_ranks_each_run_on_their_own_cpu():
 
 def test_in_process_and_unbound_ranks():
     results = run_ranks_mp(
-        ServerArgs(tp_size=2), target=report_target, placements=[in_process_placement(0, 1), unbound_placement(1)],
+        EngineArgs(tp_size=2), target=report_target, placements=[in_process_placement(0, 1), unbound_placement(1)],
         timeout_s=120,
     )
     assert results[0].info["cpus"] == "1"
@@ -101,7 +101,7 @@ def test_in_process_and_unbound_ranks():
 
 def test_numactl_missing_at_launch_binds_in_process(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    (result,) = run_ranks_mp(ServerArgs(), target=report_target, placements=[exec_placement(0, 1)], timeout_s=120)
+    (result,) = run_ranks_mp(EngineArgs(), target=report_target, placements=[exec_placement(0, 1)], timeout_s=120)
     assert result.placement.strategy == "in-process"
     assert "numactl was not found at launch" in result.placement.reasons[-1]
     assert result.info["cpus"] == "1"
@@ -111,13 +111,13 @@ def test_numactl_missing_at_launch_binds_in_process(monkeypatch, tmp_path):
 def test_numactl_missing_at_launch_is_fatal_when_asked(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.override(True), pytest.raises(PlacementError, match="numactl"):
-        run_ranks_mp(ServerArgs(), target=report_target, placements=[exec_placement(0, 1)], timeout_s=120)
+        run_ranks_mp(EngineArgs(), target=report_target, placements=[exec_placement(0, 1)], timeout_s=120)
 
 
 def test_planned_cpu_ranks_through_the_launcher():
     from sglang.srt.placement.resolve import plan_engine
 
-    server_args = ServerArgs(device="cpu", tp_size=2)
+    server_args = EngineArgs(device="cpu", tp_size=2)
     with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0|1"):
         plan = plan_engine(server_args, launcher="mp")
         results = run_ranks_mp(server_args, target=report_target, timeout_s=120)
@@ -132,7 +132,7 @@ def test_planned_cpu_ranks_through_the_launcher():
 def test_numactl_refusal_is_caught_before_the_spawn():
     with pytest.raises(RankLaunchError) as info:
         run_ranks_mp(
-            ServerArgs(tp_size=2), target=report_target,
+            EngineArgs(tp_size=2), target=report_target,
             placements=[exec_placement(0, 0), exec_placement(1, 1, membind=7)], timeout_s=120,
         )
     message = str(info.value)
@@ -148,7 +148,7 @@ def test_child_that_numactl_kills_is_reported_with_its_message(monkeypatch):
     monkeypatch.setattr(numactl, "exec_refusal", lambda placement: None)
     with pytest.raises(RankLaunchError) as info:
         run_ranks_mp(
-            ServerArgs(tp_size=2), target=report_target,
+            EngineArgs(tp_size=2), target=report_target,
             placements=[exec_placement(0, 0), exec_placement(1, 1, membind=7)], timeout_s=120,
         )
     message = str(info.value)
@@ -160,7 +160,7 @@ def test_child_that_numactl_kills_is_reported_with_its_message(monkeypatch):
 
 def test_target_error_carries_the_child_traceback():
     with pytest.raises(RankLaunchError) as info:
-        run_ranks_mp(ServerArgs(), target=raising_target, placements=[exec_placement(0, 0)], timeout_s=120)
+        run_ranks_mp(EngineArgs(), target=raising_target, placements=[exec_placement(0, 0)], timeout_s=120)
     assert "DP0 PP0 TP0: scheduler failed to start: ValueError: model weights missing for DP0 PP0 TP0" in str(info.value)
     assert "build_scheduler_that_fails" in info.value.child_traceback
     assert "Traceback (most recent call last)" in str(info.value)
@@ -168,33 +168,33 @@ def test_target_error_carries_the_child_traceback():
 
 def test_child_exiting_without_a_report():
     with pytest.raises(RankLaunchError, match="died while starting with exit status 3"):
-        run_ranks_mp(ServerArgs(), target=exiting_target, placements=[exec_placement(0, 1)], timeout_s=120)
+        run_ranks_mp(EngineArgs(), target=exiting_target, placements=[exec_placement(0, 1)], timeout_s=120)
 
 
 def test_no_readiness_before_the_deadline_stops_every_rank():
     with pytest.raises(RankLaunchError, match="no readiness report within 3 s"):
         run_ranks_mp(
-            ServerArgs(tp_size=2), target=hanging_target, placements=[exec_placement(0, 0), unbound_placement(1)],
+            EngineArgs(tp_size=2), target=hanging_target, placements=[exec_placement(0, 0), unbound_placement(1)],
             timeout_s=3,
         )
 
 
 def test_event_loop_failure_is_reported():
     with pytest.raises(RankLaunchError, match="failed while running: RuntimeError: event loop lost its socket"):
-        run_ranks_mp(ServerArgs(), target=failing_loop_target, placements=[unbound_placement(0)], timeout_s=120)
+        run_ranks_mp(EngineArgs(), target=failing_loop_target, placements=[unbound_placement(0)], timeout_s=120)
 
 
 def test_failed_launch_leaves_spawn_state_as_it_was():
     executable = multiprocessing.spawn.get_executable()
     with pytest.raises(RankLaunchError):
-        run_ranks_mp(ServerArgs(), target=report_target, placements=[exec_placement(0, 0, membind=7)], timeout_s=120)
+        run_ranks_mp(EngineArgs(), target=report_target, placements=[exec_placement(0, 0, membind=7)], timeout_s=120)
     # A launch that fails before the child exists (the target cannot be pickled) restores too.
     with pytest.raises(Exception):
-        run_ranks_mp(ServerArgs(), target=lambda **kw: None, placements=[exec_placement(0, 0)], timeout_s=120)
+        run_ranks_mp(EngineArgs(), target=lambda **kw: None, placements=[exec_placement(0, 0)], timeout_s=120)
     assert multiprocessing.spawn.get_executable() == executable
     assert armed_prefix() is None
     # The next unplaced spawn is not wrapped by anything left behind.
-    (result,) = run_ranks_mp(ServerArgs(), target=report_target, placements=[unbound_placement(0)], timeout_s=120)
+    (result,) = run_ranks_mp(EngineArgs(), target=report_target, placements=[unbound_placement(0)], timeout_s=120)
     assert result.info["cpus"] == f"{ALL_CPUS[0]}-{ALL_CPUS[-1]}"
 
 
@@ -211,7 +211,7 @@ def test_concurrent_launches_in_threads_keep_their_own_binding():
                     placements = [exec_placement(0, 1), exec_placement(1, 1)]
                 else:
                     placements = [unbound_placement(0), unbound_placement(1)]
-                results = run_ranks_mp(ServerArgs(tp_size=2), target=report_target, placements=placements, timeout_s=120)
+                results = run_ranks_mp(EngineArgs(tp_size=2), target=report_target, placements=placements, timeout_s=120)
                 outcomes[kind].extend(r.info["cpus"] for r in results)
         except BaseException as exc:  # noqa: BLE001 - surfaced below
             errors.append(exc)
@@ -262,12 +262,12 @@ import json, os, sys
 sys.path.insert(0, sys.argv[1])
 from mp_launch_targets import exec_placement, report_target
 from sglang.srt.scheduler_launch.mp import run_ranks_mp
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.placement.engine_args import EngineArgs
 
 with open("/proc/self/mountinfo") as f:
     tmp_options = [line.split()[5] for line in f if line.split()[4] == "/tmp"]
 before = sorted(os.listdir("/tmp")), sorted(os.listdir("/dev/shm"))
-results = run_ranks_mp(ServerArgs(tp_size=2), target=report_target,
+results = run_ranks_mp(EngineArgs(tp_size=2), target=report_target,
                        placements=[exec_placement(0, 0), exec_placement(1, 1)], timeout_s=120)
 after = sorted(os.listdir("/tmp")), sorted(os.listdir("/dev/shm"))
 print(json.dumps({"tmp_options": tmp_options, "cpus": [r.info["cpus"] for r in results],

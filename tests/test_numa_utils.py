@@ -15,7 +15,7 @@ import pytest
 from sglang.srt.scheduler_launch.spawn_hook import armed_prefix
 from sglang.srt.environ import envs
 from sglang.srt.placement.types import PlacementError
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.placement.engine_args import EngineArgs
 from sglang.srt.utils import numa_utils
 from sglang.srt.utils.numa_utils import (
     configure_subprocess,
@@ -53,7 +53,7 @@ def _nothing_left_armed():
 
 
 def test_configure_subprocess_starts_the_child_under_numactl():
-    with configure_subprocess(ServerArgs(), 0, placement=exec_placement(0, 1)):
+    with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
         assert armed_prefix() == (shutil.which("numactl"), "--physcpubind=1", "--membind=0")
         inside = _spawn_and_read_cpus()
     assert inside == "1"
@@ -63,7 +63,7 @@ def test_configure_subprocess_starts_the_child_under_numactl():
 def test_configure_subprocess_restores_on_error():
     executable = multiprocessing.spawn.get_executable()
     with pytest.raises(KeyError):
-        with configure_subprocess(ServerArgs(), 0, placement=exec_placement(0, 1)):
+        with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
             raise KeyError("start failed")
     assert multiprocessing.spawn.get_executable() == executable
     assert _spawn_and_read_cpus() == ALL_TEXT
@@ -78,7 +78,7 @@ def test_configure_subprocess_in_two_threads_at_once():
         try:
             for _ in range(3):
                 barrier.wait(timeout=60)
-                with configure_subprocess(ServerArgs(), cpu, placement=exec_placement(0, cpu)):
+                with configure_subprocess(EngineArgs(), cpu, placement=exec_placement(0, cpu)):
                     seen[cpu].append(_spawn_and_read_cpus())
         except BaseException as exc:  # noqa: BLE001 - surfaced below
             errors.append(exc)
@@ -95,7 +95,7 @@ def test_configure_subprocess_in_two_threads_at_once():
 
 def test_configure_subprocess_warns_when_nothing_was_spawned(caplog):
     with caplog.at_level(logging.WARNING, logger=numa_utils.__name__):
-        with configure_subprocess(ServerArgs(), 0, placement=exec_placement(0, 1)):
+        with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
             assert _spawn_and_read_cpus("fork") == ALL_TEXT
     assert "no process was started with the spawn start method" in caplog.text
 
@@ -104,13 +104,13 @@ def test_configure_subprocess_notices_a_changed_spawn_executable(caplog):
     original = multiprocessing.spawn.get_executable()
     try:
         with caplog.at_level(logging.WARNING, logger=numa_utils.__name__):
-            with configure_subprocess(ServerArgs(), 0, placement=exec_placement(0, 1)):
+            with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
                 _spawn_and_read_cpus()
                 multiprocessing.set_executable(os.path.realpath(sys.executable) + "-other")
         assert "spawn executable changed" in caplog.text
         multiprocessing.set_executable(os.fsdecode(original))
         with envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.override(True), pytest.raises(PlacementError, match="changed"):
-            with configure_subprocess(ServerArgs(), 0, placement=exec_placement(0, 1)):
+            with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
                 _spawn_and_read_cpus()
                 multiprocessing.set_executable(os.path.realpath(sys.executable) + "-other")
     finally:
@@ -118,16 +118,16 @@ def test_configure_subprocess_notices_a_changed_spawn_executable(caplog):
 
 
 def test_configure_subprocess_does_nothing_without_an_exec_placement():
-    with configure_subprocess(ServerArgs(), 0, placement=unbound_placement(0)):
+    with configure_subprocess(EngineArgs(), 0, placement=unbound_placement(0)):
         assert armed_prefix() is None
     with envs.SGLANG_NUMA_BIND_V2.override(False):
-        with configure_subprocess(ServerArgs(), 0, placement=exec_placement(0, 1)):
+        with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
             assert armed_prefix() is None
 
 
 def test_configure_subprocess_resolves_this_host():
     # One NUMA node and no GPU here: the placement core decides there is nothing to bind.
-    with configure_subprocess(ServerArgs(), 0):
+    with configure_subprocess(EngineArgs(), 0):
         assert armed_prefix() is None
         assert _spawn_and_read_cpus() == ALL_TEXT
 
@@ -136,18 +136,18 @@ def test_configure_subprocess_resolves_this_host():
 
 
 def test_numa_node_from_the_explicit_list_first():
-    assert get_numa_node_if_available(ServerArgs(numa_node=[1, 0]), 1) == 0
+    assert get_numa_node_if_available(EngineArgs(numa_node=[1, 0]), 1) == 0
     with envs.SGLANG_AUTO_NUMA_BIND.override(False):
-        assert get_numa_node_if_available(ServerArgs(numa_node=[1, 0]), 0) == 1
+        assert get_numa_node_if_available(EngineArgs(numa_node=[1, 0]), 0) == 1
     with pytest.raises(ValueError, match="--numa-node has 2 entries but GPU 2"):
-        get_numa_node_if_available(ServerArgs(numa_node=[1, 0]), 2)
+        get_numa_node_if_available(EngineArgs(numa_node=[1, 0]), 2)
 
 
 def test_numa_node_discovery():
     with envs.SGLANG_AUTO_NUMA_BIND.override(False):
-        assert get_numa_node_if_available(ServerArgs(), 0) is None
+        assert get_numa_node_if_available(EngineArgs(), 0) is None
     # A single-node host has nothing to choose.
-    assert get_numa_node_if_available(ServerArgs(), 0) is None
+    assert get_numa_node_if_available(EngineArgs(), 0) is None
 
 
 def test_get_libnuma_is_the_shared_binding():
@@ -190,7 +190,7 @@ def test_gpu_helpers_answer_for_the_gpu_they_are_given(tmp_path, monkeypatch):
 
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    server_args = ServerArgs(tp_size=4)
+    server_args = EngineArgs(tp_size=4)
     with envs.SGLANG_SYSFS_ROOT.override(str(root)):
         assert [get_numa_node_if_available(server_args, gpu) for gpu in range(4)] == [0, 0, 1, 1]
         placement = numa_utils._resolve_for_gpu(server_args, 2)

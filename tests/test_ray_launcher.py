@@ -26,7 +26,7 @@ from sglang.srt.scheduler_launch.ray_launcher import (
     shutdown_ray,
     wait_ready_ray,
 )
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.placement.engine_args import EngineArgs
 
 pytestmark = pytest.mark.ray
 
@@ -35,8 +35,8 @@ cloudpickle.register_pickle_by_value(ray_helpers)
 TIMEOUT_S = 120.0
 
 
-def cpu_args(tp_size: int = 2) -> ServerArgs:
-    return ServerArgs(tp_size=tp_size, device="cpu")
+def cpu_args(tp_size: int = 2) -> EngineArgs:
+    return EngineArgs(tp_size=tp_size, device="cpu")
 
 
 def our_actors() -> list[str]:

@@ -7,7 +7,8 @@ import stat
 
 import pytest
 
-from sglang.srt.environ import EnvError, envs
+from sglang.srt.environ import envs
+from sglang.srt.placement.settings import SettingError
 from sglang.srt.placement import resolve
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
 from sglang.srt.placement.resolve import HostCapabilities, PlacementPolicy, local_ranks, plan_engine
@@ -20,7 +21,7 @@ from sglang.srt.placement.types import (
     ProcessAffinity,
     RankIdentity,
 )
-from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.placement.engine_args import EngineArgs, EngineArgsError
 
 
 def make_topology(nodes, *, pci=(), smt=1, packages=None, root="/fake/sys"):
@@ -75,7 +76,7 @@ def two_sockets():
 def plan(topology, *, env=None, affinity=None, capabilities=None, launcher="mp", **server):
     server.setdefault("tp_size", 4)
     return plan_engine(
-        ServerArgs(**server), launcher=launcher, topology=topology, affinity=affinity or everything(topology),
+        EngineArgs(**server), launcher=launcher, topology=topology, affinity=affinity or everything(topology),
         capabilities=capabilities or caps(), env=env or {}, runtime=None,
     )
 
@@ -245,7 +246,7 @@ def test_without_numactl_uses_in_process_and_without_libnuma_cpu_only(two_socket
 
 
 def test_launcher_that_cannot_exec_uses_in_process(two_sockets):
-    args = ServerArgs(tp_size=4)
+    args = EngineArgs(tp_size=4)
     placements = plan_engine(args, launcher="ray", topology=two_sockets, affinity=everything(two_sockets),
                              capabilities=caps(), env={}, exec_supported=False)
     assert all(p.strategy == "in-process" for p in placements)
@@ -258,7 +259,7 @@ def test_placement_json_round_trip(two_sockets):
 
 
 def test_resolve_rank_uses_ray_accelerator_ids(two_sockets):
-    args = ServerArgs(tp_size=2)
+    args = EngineArgs(tp_size=2)
     p = resolve.resolve_rank(args, dp_rank=0, pp_rank=0, tp_rank=1, launcher="ray", ray_accelerator_ids=["3"],
                              topology=two_sockets, affinity=everything(two_sockets), capabilities=caps(), env={})
     assert p.tp_rank == 1 and p.pci == "0000:ca:00.0" and p.numa_node == 1
@@ -377,11 +378,11 @@ def test_cpu_threads_bind_outside_allowed_cpus(two_sockets):
 
 
 def test_local_ranks_follow_upstream_gpu_ids():
-    ranks = local_ranks(ServerArgs(tp_size=2, pp_size=2, base_gpu_id=1, gpu_id_step=2))
+    ranks = local_ranks(EngineArgs(tp_size=2, pp_size=2, base_gpu_id=1, gpu_id_step=2))
     assert [(r.pp_rank, r.tp_rank, r.gpu_id) for r in ranks] == [(0, 0, 1), (0, 1, 3), (1, 0, 5), (1, 1, 7)]
-    node1 = local_ranks(ServerArgs(tp_size=4, nnodes=2, node_rank=1))
+    node1 = local_ranks(EngineArgs(tp_size=4, nnodes=2, node_rank=1))
     assert [(r.tp_rank, r.gpu_id, r.global_rank) for r in node1] == [(2, 0, 2), (3, 1, 3)]
-    dp = local_ranks(ServerArgs(tp_size=2, dp_size=2))
+    dp = local_ranks(EngineArgs(tp_size=2, dp_size=2))
     assert [(r.dp_rank, r.tp_rank, r.gpu_id, r.global_rank) for r in dp] == [
         (0, 0, 0, 0), (0, 1, 1, 1), (1, 0, 2, 2), (1, 1, 3, 3)]
 
@@ -397,8 +398,8 @@ def test_local_ranks_follow_upstream_gpu_ids():
     (dict(base_gpu_id=-1), r"--base-gpu-id=-1 is not valid"),
 ])
 def test_server_args_errors(kwargs, message):
-    with pytest.raises(ServerArgsError, match=message):
-        ServerArgs(**kwargs)
+    with pytest.raises(EngineArgsError, match=message):
+        EngineArgs(**kwargs)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -413,7 +414,7 @@ def test_server_args_errors(kwargs, message):
 def test_malformed_environment_fields(field, value, message):
     env_field = getattr(envs, field)
     with env_field.override(value):
-        with pytest.raises(EnvError, match=message):
+        with pytest.raises(SettingError, match=message):
             env_field.get()
 
 
@@ -445,7 +446,7 @@ def test_resolve_rank_probes_only_its_own_options(two_sockets):
     fake = AcceptAll()
     capabilities = HostCapabilities(numactl=fake.prober, libnuma=True)
     with envs.SGLANG_NUMA_AFFINITY_MODE.override("exclusive"):
-        p = resolve.resolve_rank(ServerArgs(tp_size=4), dp_rank=0, pp_rank=0, tp_rank=1, launcher="ray",
+        p = resolve.resolve_rank(EngineArgs(tp_size=4), dp_rank=0, pp_rank=0, tp_rank=1, launcher="ray",
                                  topology=two_sockets, affinity=everything(two_sockets), capabilities=capabilities,
                                  env={})
     assert p.cpus == frozenset({4, 5, 6, 7, 12, 13, 14, 15})

@@ -12,7 +12,7 @@ from sglang.srt.scheduler_launch import child as scheduler
 from sglang.srt.scheduler_launch.child import run_scheduler_process, scheduler_log_prefix
 from sglang.srt.scheduler_launch.common import RankResult
 from sglang.srt.placement.types import RankIdentity
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.placement.engine_args import EngineArgs
 
 from mp_launch_targets import exec_placement, identity_target, in_process_placement, unbound_placement
 
@@ -28,7 +28,7 @@ from mp_launch_targets import exec_placement, identity_target, in_process_placem
     ],
 )
 def test_log_prefix_follows_upstream_order(sizes, ranks, expected):
-    assert scheduler_log_prefix(ServerArgs(**sizes), **ranks) == expected
+    assert scheduler_log_prefix(EngineArgs(**sizes), **ranks) == expected
 
 
 def test_log_prefix_includes_expert_rank_when_expert_parallel():
@@ -39,7 +39,7 @@ def test_log_prefix_includes_expert_rank_when_expert_parallel():
 
 
 def test_child_title_and_log_prefix():
-    server_args = ServerArgs(tp_size=2, pp_size=1, dp_size=2)
+    server_args = EngineArgs(tp_size=2, pp_size=1, dp_size=2)
     placements = [exec_placement(0, 0).replace(dp_rank=1, tp_rank=1)]
     ranks = [RankIdentity(dp_rank=1, pp_rank=0, tp_rank=1, gpu_id=3, global_rank=3)]
     (result,) = run_ranks_mp(server_args, target=identity_target, placements=placements, ranks=ranks, timeout_s=120)
@@ -52,20 +52,20 @@ def test_child_title_and_log_prefix():
 
 
 def test_in_process_placement_is_applied_in_the_child():
-    (result,) = run_ranks_mp(ServerArgs(), target=identity_target, placements=[in_process_placement(0, 1)], timeout_s=120)
+    (result,) = run_ranks_mp(EngineArgs(), target=identity_target, placements=[in_process_placement(0, 1)], timeout_s=120)
     assert result.info["cpus"] == "1"
     assert (result.info["policy"], result.info["policy_nodes"]) == ("bind", [0])
 
 
 def test_v1_placement_binds_with_the_legacy_call():
     placement = exec_placement(0, 0).replace(strategy="v1", numactl_args=())
-    (result,) = run_ranks_mp(ServerArgs(), target=identity_target, placements=[placement], timeout_s=120)
+    (result,) = run_ranks_mp(EngineArgs(), target=identity_target, placements=[placement], timeout_s=120)
     # bind_legacy_v1: run on the node's CPUs, prefer the node's memory (upstream's V1).
     assert (result.info["policy"], result.info["policy_nodes"]) == ("preferred", [0])
 
 
 def test_legacy_switch_binds_in_child_without_a_placement():
-    server_args = ServerArgs(numa_node=[0])
+    server_args = EngineArgs(numa_node=[0])
     with envs.SGLANG_NUMA_BIND_V2.override(False):
         (legacy,) = run_ranks_mp(server_args, target=identity_target, placements=[None],
                                  ranks=[RankIdentity(0, 0, 0, gpu_id=0)], timeout_s=120)
@@ -102,7 +102,7 @@ def _run(target):
     exit_code = 0
     try:
         run_scheduler_process(
-            server_args=ServerArgs(), placement_json=unbound_placement(0).to_json(),
+            server_args=EngineArgs(), placement_json=unbound_placement(0).to_json(),
             rank=RankIdentity(0, 0, 0, gpu_id=0), target=target, pipe_writer=writer,
         )
     except SystemExit as exc:

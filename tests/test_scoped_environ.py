@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from sglang.srt.environ import scoped_environ
+from sglang.srt.placement.scoped_environ import scoped_environ
 
 
 def test_values_hold_only_inside_the_block(monkeypatch):

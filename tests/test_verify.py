@@ -14,7 +14,7 @@ from sglang.srt.placement.verify import (
     probe_target,
     verify_ranks,
 )
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.placement.engine_args import EngineArgs
 
 from mp_launch_targets import exec_placement, in_process_placement, unbound_placement
 
@@ -24,7 +24,7 @@ OBSERVED_FIELDS = ("launcher", "observed_cpus", "observed_mems", "observed_polic
 
 def test_mp_ranks_are_where_the_plan_says():
     placements = [exec_placement(0, 0), in_process_placement(1, 1), unbound_placement(2)]
-    rows = verify_ranks(ServerArgs(tp_size=3), launcher="mp", placements=placements, timeout_s=120,
+    rows = verify_ranks(EngineArgs(tp_size=3), launcher="mp", placements=placements, timeout_s=120,
                         runners=RUNNERS)
     json.dumps({"ranks": rows})
     assert [set(PLAN_FIELDS + OBSERVED_FIELDS) <= set(row) for row in rows] == [True] * 3
@@ -46,7 +46,7 @@ def test_mp_ranks_are_where_the_plan_says():
 def test_a_rank_off_its_plan_is_reported():
     # The plan says CPU 1 but numactl is told CPU 0: what the rank observes differs from the plan.
     wrong = exec_placement(0, 0).replace(cpus=frozenset({1}))
-    (row,) = verify_ranks(ServerArgs(), launcher="mp", placements=[wrong], timeout_s=120,
+    (row,) = verify_ranks(EngineArgs(), launcher="mp", placements=[wrong], timeout_s=120,
                             runners=RUNNERS)
     assert row["ok"] is False
     assert row["differences"] == ["cpus 0 observed, 1 planned"]
@@ -55,7 +55,7 @@ def test_a_rank_off_its_plan_is_reported():
 
 def test_mp_plans_this_host_when_no_placements_are_given():
     with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0|1"):
-        rows = verify_ranks(ServerArgs(device="cpu", tp_size=2), launcher="mp", timeout_s=120, plan_kwargs={},
+        rows = verify_ranks(EngineArgs(device="cpu", tp_size=2), launcher="mp", timeout_s=120, plan_kwargs={},
                             runners=RUNNERS)
     assert [(row["strategy"], row["observed_cpus"], row["ok"]) for row in rows] == [("exec", "0", True), ("exec", "1", True)]
 
@@ -74,7 +74,7 @@ def test_page_ratio_thresholds():
 
 def test_launcher_choice_is_checked():
     with pytest.raises(ValueError, match="--launcher='slurm' is not valid"):
-        verify_ranks(ServerArgs(), launcher="slurm", runners=RUNNERS)
+        verify_ranks(EngineArgs(), launcher="slurm", runners=RUNNERS)
 
 
 def test_both_runs_each_launcher_with_the_same_probe():
@@ -86,7 +86,7 @@ def test_both_runs_each_launcher_with_the_same_probe():
             return []
         return run
 
-    rows = verify_ranks(ServerArgs(), launcher="both", runners={"mp": fake_runner("mp"), "ray": fake_runner("ray")},
+    rows = verify_ranks(EngineArgs(), launcher="both", runners={"mp": fake_runner("mp"), "ray": fake_runner("ray")},
                         plan_kwargs={"gpus": ["0000:81:00.0"]})
     assert rows == []
     assert calls == [("mp", True, {"gpus": ["0000:81:00.0"]}), ("ray", True, {"gpus": ["0000:81:00.0"]})]
@@ -96,7 +96,7 @@ def test_both_runs_each_launcher_with_the_same_probe():
 @pytest.mark.ray
 def test_ray_ranks_report_their_binding(ray_cluster):
     with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0|1"):
-        rows = verify_ranks(ServerArgs(device="cpu", tp_size=2), launcher="ray", timeout_s=120, runners=RUNNERS)
+        rows = verify_ranks(EngineArgs(device="cpu", tp_size=2), launcher="ray", timeout_s=120, runners=RUNNERS)
     assert [row["launcher"] for row in rows] == ["ray", "ray"]
     assert [row["observed_cpus"] for row in rows] == ["0", "1"]
     assert all(row["ok"] for row in rows), [row["differences"] for row in rows]

@@ -12,6 +12,8 @@ import argparse
 import json
 import os
 import sys
+
+import sglang_light  # noqa: F401  (first: placement without sglang's own __init__)
 import threading
 import time
 

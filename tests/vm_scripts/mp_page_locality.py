@@ -18,6 +18,8 @@ import json
 import os
 import sys
 
+import sglang_light  # noqa: F401  (first: placement without sglang's own __init__)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -28,9 +30,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from sglang.srt.placement.types import ProcessPlacement
-    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.placement.engine_args import EngineArgs
 
-    server_args = ServerArgs(tp_size=len(args.gpus.split(",")))
+    server_args = EngineArgs(tp_size=len(args.gpus.split(",")))
     if args.plan_json is None:
         from sglang.srt.placement.resolve import plan_engine
 

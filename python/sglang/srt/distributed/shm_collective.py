@@ -35,7 +35,8 @@ from sglang.srt.distributed.shm_segments import (
     release_shm_collective,
     remove_stale_segments,
 )
-from sglang.srt.environ import envs, scoped_environ
+from sglang.srt.environ import envs
+from sglang.srt.placement.scoped_environ import scoped_environ
 from sglang.srt.placement.apply import set_all_threads_affinity
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.distributed.init_address import (

@@ -10,10 +10,11 @@ import os
 import sys
 from typing import Iterator, Optional, Sequence
 
-from sglang.srt.environ import EnvError, envs
+from sglang.srt.environ import envs
+from sglang.srt.placement.settings import SettingError
 from sglang.srt.placement.cpulist import CpuListError, format_cpulist, parse_cpulist
 from sglang.srt.placement.types import AFFINITY_MODES, PlacementError, ProcessAffinity, TopologyError
-from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.placement.engine_args import EngineArgs, EngineArgsError
 
 PROG = "python -m sglang.srt.placement"
 
@@ -28,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_plan_args(parser: argparse.ArgumentParser, *, launchers: Sequence[str]) -> None:
-    ServerArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser)
     group = parser.add_argument_group("placement")
     group.add_argument("--launcher", choices=launchers, default="mp",
                        help="The launcher the ranks go through (default: mp).")
@@ -114,7 +115,7 @@ def plan_inputs(args: argparse.Namespace) -> dict:
 def cmd_plan(args: argparse.Namespace) -> int:
     from sglang.srt.placement.resolve import describe, plan_engine
 
-    server_args = ServerArgs.from_cli_args(args)
+    server_args = EngineArgs.from_cli_args(args)
     placements = plan_engine(server_args, launcher=args.launcher, **plan_inputs(args))
     if args.json:
         keys = ("dp_rank", "pp_rank", "tp_rank", "gpu_id", "pci", "numa_node", "cpus", "mem_policy", "strategy",
@@ -134,7 +135,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from sglang.srt.placement.verify import format_verify_rows, verify_ranks
     from sglang.srt.scheduler_launch.verify_runners import RUNNERS
 
-    server_args = ServerArgs.from_cli_args(args)
+    server_args = EngineArgs.from_cli_args(args)
     root = args.sysfs_root or envs.SGLANG_SYSFS_ROOT.get()
     if os.path.realpath(root) != "/sys":
         raise UsageError(
@@ -158,7 +159,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _local_ray_cluster(server_args: ServerArgs) -> Iterator[None]:
+def _local_ray_cluster(server_args: EngineArgs) -> Iterator[None]:
     """Use the Ray cluster this process is connected to, or start a local one for the ranks and stop it after."""
     try:
         import ray
@@ -196,7 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "verify":
             return cmd_verify(args)
         return cmd_capture(args)
-    except (UsageError, EnvError, ServerArgsError, TopologyError, PlacementError, CpuListError, ValueError,
+    except (UsageError, SettingError, EngineArgsError, TopologyError, PlacementError, CpuListError, ValueError,
             FileExistsError, NotADirectoryError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"error: {message}", file=sys.stderr)

@@ -75,6 +75,11 @@ class LibNuma:
         self.name = name
         self._declare()
 
+    @property
+    def cdll(self) -> ctypes.CDLL:
+        """The loaded library itself (what upstream's ``get_libnuma()`` returns)."""
+        return self._lib
+
     def _declare(self) -> None:
         lib = self._lib
         signatures = {

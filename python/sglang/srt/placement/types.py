@@ -120,6 +120,15 @@ class HostTopology:
                 return dev
         return None
 
+    def one_cpu_per_core(self, cpus: frozenset[int]) -> frozenset[int]:
+        """The lowest of ``cpus`` on each physical core (SMT siblings left out)."""
+        chosen: dict[tuple, int] = {}
+        for cpu_id in sorted(cpus):
+            cpu = self.cpu(cpu_id)
+            key = ("cpu", cpu_id) if cpu is None else (cpu.package_id, cpu.core_id)
+            chosen.setdefault(key, cpu_id)
+        return frozenset(chosen.values())
+
     def packages_of_node(self, node_id: int) -> frozenset[int]:
         return frozenset(cpu.package_id for cpu in self.cpus if cpu.node_id == node_id)
 

@@ -31,7 +31,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from sglang.srt.environ import EnvField, Envs
+from sglang.srt.placement import settings
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
 from sglang.srt.ray.scheduler_actor import SchedulerActor, Target
 from sglang.srt.scheduler_launch.common import (
@@ -104,8 +104,7 @@ def forwarded_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]
     the user gave the engine must reach the node that resolves and runs a rank.
     """
     environ = os.environ if environ is None else environ
-    names = [value.name for value in vars(Envs).values() if isinstance(value, EnvField)]
-    return {name: environ[name] for name in names if name in environ}
+    return {name: environ[name] for name in settings.ENGINE_POLICY_VARS if name in environ}
 
 
 def engine_ranks(server_args: Any) -> list[tuple[Any, RankIdentity]]:

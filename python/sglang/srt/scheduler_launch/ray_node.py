@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
 
-from sglang.srt.environ import scoped_environ
+from sglang.srt.placement.scoped_environ import scoped_environ
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
 from sglang.srt.scheduler_launch.common import exec_command, read_back
 

@@ -1,30 +1,99 @@
-"""Upstream's NUMA helpers, kept by name and meaning, answered by the placement subsystem.
+"""sglang's NUMA helpers (``configure_subprocess``, ``numa_bind_to_node``, ...), kept by name and meaning, answered by placement.
 
-``configure_subprocess`` no longer writes a wrapper script or swaps the
+Upstream's callers drive these: the engine and the data-parallel controller
+wrap each scheduler ``proc.start()`` in ``configure_subprocess(server_args,
+gpu_id)``; the scheduler (legacy V1 path) and the diffusion GPU worker call
+``get_numa_node_if_available`` then ``numa_bind_to_node``; bootstrap's CPU
+path calls ``init_threads_binding``. Each answer comes from the one placement
+of that GPU's rank (``sglang.srt.placement``).
+
+``configure_subprocess`` writes no wrapper script and never swaps the
 process-global spawn executable: a child spawned inside the block starts under
-numactl through the thread-local spawn hook of ``entrypoints/engine.py``.
+numactl through the thread-local spawn hook (``scheduler_launch.spawn_hook``).
+
+This module imports nothing heavy when it loads: placement and the launch
+pieces are imported where they are used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import multiprocessing.spawn
 import os
+import types
 from typing import Any, Iterator, Optional
 
-from sglang.srt.environ import envs
-from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.types import PlacementError, ProcessPlacement, Strategy
+from sglang.srt.placement import settings
+from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity, Strategy
 
 logger = logging.getLogger(__name__)
 
+_ACCELERATOR_DEVICES = ("cuda", "xpu")
 
-def _resolve_for_gpu(server_args: Any, gpu_id: int) -> ProcessPlacement:
-    from sglang.srt.placement.resolve import rank_of_gpu, resolve_rank
+# The ServerArgs fields placement reads, with upstream's defaults: upstream's helpers only
+# promise to read ``numa_node``, so a caller may hand in any object that has it.
+_PLACEMENT_FIELDS = {
+    "tp_size": 1,
+    "pp_size": 1,
+    "dp_size": 1,
+    "nnodes": 1,
+    "node_rank": 0,
+    "base_gpu_id": 0,
+    "gpu_id_step": 1,
+    "numa_node": None,
+    "device": None,
+    "enable_dp_attention": False,
+}
 
-    rank = rank_of_gpu(server_args, gpu_id)
-    return resolve_rank(server_args, dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank,
+
+def _placement_view(server_args: Any, gpu_id: int) -> tuple[Any, RankIdentity]:
+    """The fields placement reads, and the rank of the engine that uses ``gpu_id``.
+
+    A GPU id that no rank of this node uses (a caller that re-indexes devices)
+    is placed as a one-rank engine on that GPU, as upstream places any id.
+    """
+    from sglang.srt.placement.resolve import local_ranks
+
+    fields = {name: getattr(server_args, name, default) for name, default in _PLACEMENT_FIELDS.items()}
+    fields["device"] = fields["device"] or "cuda"
+    view = types.SimpleNamespace(**fields)
+    for rank in local_ranks(view):
+        if rank.gpu_id == gpu_id:
+            return view, rank
+    alone = types.SimpleNamespace(
+        **{**fields, "tp_size": 1, "pp_size": 1, "dp_size": 1, "nnodes": 1, "node_rank": 0,
+           "base_gpu_id": gpu_id, "gpu_id_step": 1}
+    )
+    return alone, local_ranks(alone)[0]
+
+
+def _numa_binding_possible(device: Optional[str], *, what: str) -> bool:
+    """Upstream's preconditions: an accelerator device, a second NUMA node, and numactl for the V2 path."""
+    from sglang.srt.placement.numactl import find_numactl
+    from sglang.srt.placement.topology import read_topology
+
+    if (device or "cuda") not in _ACCELERATOR_DEVICES:
+        logger.debug(f"{what}: device {device!r} is not an accelerator, no NUMA binding")
+        return False
+    if len(read_topology(settings.sysfs_root()).cpu_nodes) < 2:
+        logger.debug(f"{what}: this host has one NUMA node with CPUs, no NUMA binding")
+        return False
+    if settings.bind_v2() and find_numactl() is None:
+        logger.debug(
+            f"{what}: numactl command not found, skipping NUMA node configuration for GPU. Install numactl "
+            "(e.g., apt-get install numactl) to enable automatic NUMA binding."
+        )
+        return False
+    return True
+
+
+def _placement_for_gpu(server_args: Any, gpu_id: int) -> ProcessPlacement:
+    from sglang.srt.placement.resolve import resolve_rank
+
+    view, rank = _placement_view(server_args, gpu_id)
+    return resolve_rank(view, dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank,
                         gpu_id=gpu_id, launcher="mp")
 
 
@@ -35,21 +104,25 @@ def configure_subprocess(
     """Wrap ``Process.start()``: a spawned child started in the block runs under its GPU's placement.
 
     As upstream, nothing happens when ``SGLANG_NUMA_BIND_V2=0`` (the child binds
-    itself) or when the placement for ``gpu_id`` does not bind. Only the calling
-    thread is affected and everything is restored on exit, error or not.
+    itself), for a device that is not CUDA or XPU, on a host with one NUMA
+    node, without numactl, or when the placement for ``gpu_id`` does not bind.
+    Only the calling thread is affected and everything is restored on exit.
     """
-    if not envs.SGLANG_NUMA_BIND_V2.get():
+    if not settings.bind_v2():
         yield
         return
     if placement is None:
-        placement = _resolve_for_gpu(server_args, gpu_id)
+        if not _numa_binding_possible(getattr(server_args, "device", None), what=f"GPU {gpu_id}"):
+            yield
+            return
+        placement = _placement_for_gpu(server_args, gpu_id)
     if placement.strategy != Strategy.EXEC:
-        logger.debug(f"GPU {gpu_id}: placement strategy {placement.strategy!r}, nothing to wrap around the spawn")
+        logger.debug(f"GPU {gpu_id}: placement strategy {placement.strategy}, nothing to wrap around the spawn")
         yield
         return
 
-    from sglang.srt.scheduler_launch.spawn_hook import spawn_hook_installed, spawn_with_prefix
     from sglang.srt.placement.numactl import numactl_prefix
+    from sglang.srt.scheduler_launch.spawn_hook import spawn_hook_installed, spawn_with_prefix
 
     prefix = numactl_prefix(placement)
     executable_before = os.fsdecode(multiprocessing.spawn.get_executable())
@@ -70,7 +143,7 @@ def configure_subprocess(
                 )
             if problems:
                 message = f"configure_subprocess(gpu_id={gpu_id}): " + "; ".join(problems)
-                if envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.get() and not failed:
+                if settings.bind_failure_is_fatal() and not failed:
                     raise PlacementError(message)
                 logger.warning(message)
 
@@ -92,7 +165,12 @@ def _spawn_state_problems(*, executable_before: str, hook_installed: bool) -> li
 
 
 def numa_bind_to_node(node: int) -> None:
-    """Legacy (V1) in-child bind of the calling process to ``node``'s CPUs, preferring its memory."""
+    """Bind the calling process to ``node``'s allowed CPUs, preferring its memory where the policy may be set.
+
+    A node this host lacks, or one whose CPUs the current affinity excludes,
+    goes to the failure policy (a warning, or an error under
+    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1); without libnuma this is a warning.
+    """
     from sglang.srt.placement.apply import bind_legacy_v1
 
     bind_legacy_v1(node)
@@ -101,8 +179,10 @@ def numa_bind_to_node(node: int) -> None:
 def get_numa_node_if_available(server_args: Any, gpu_id: int) -> Optional[int]:
     """The NUMA node of GPU ``gpu_id``: ``--numa-node`` first, then discovery when SGLANG_AUTO_NUMA_BIND is on.
 
-    None when the device's node is unknown (no PCI address, or the kernel reports -1);
-    the debug log says why.
+    Only ``server_args.numa_node`` is required of ``server_args``. None when
+    discovery is off or not possible here (no accelerator device, one NUMA node,
+    no numactl for the V2 path) or the device's node is unknown (the debug log
+    says why).
     """
     numa_nodes = getattr(server_args, "numa_node", None)
     if numa_nodes is not None:
@@ -112,25 +192,37 @@ def get_numa_node_if_available(server_args: Any, gpu_id: int) -> Optional[int]:
                 f"give one NUMA node per GPU id, e.g. --numa-node {' '.join(['0'] * (gpu_id + 1))}"
             )
         return numa_nodes[gpu_id]
-    if not envs.SGLANG_AUTO_NUMA_BIND.get():
+    if not settings.auto_numa_bind():
+        return None
+    if not _numa_binding_possible(getattr(server_args, "device", None), what=f"GPU {gpu_id}"):
         return None
     from sglang.srt.placement.resolve import device_numa_node
 
-    choice = device_numa_node(server_args, gpu_id=gpu_id)
+    view, _ = _placement_view(server_args, gpu_id)
+    choice = device_numa_node(view, gpu_id=gpu_id)
     if choice.node is None:
         logger.debug(f"GPU {gpu_id}: no NUMA node ({'; '.join(choice.reasons)})")
     return choice.node
 
 
-def get_libnuma() -> Any:
-    """The process's libnuma binding, or None when libnuma is not installed."""
+def get_libnuma() -> Optional[ctypes.CDLL]:
+    """The loaded libnuma (a ``ctypes.CDLL``), or None when it is not installed or NUMA is unavailable."""
     from sglang.srt.placement.libnuma import load_libnuma
 
-    return load_libnuma()
+    for name in ("libnuma.so", "libnuma.so.1"):
+        loaded = load_libnuma(name=name)
+        if loaded is not None:
+            return loaded.cdll
+    return None
 
 
 def init_threads_binding(*, numa_index: int, world_size: int) -> str:
-    """The CPU list of a CPU-device rank's OpenMP threads, from SGLANG_CPU_OMP_THREADS_BIND or its NUMA node."""
+    """The CPU list of a CPU-device rank's OpenMP threads, from SGLANG_CPU_OMP_THREADS_BIND or its NUMA node.
+
+    With ``all`` (the default) rank ``numa_index`` gets one CPU per physical
+    core of the ``numa_index``-th node with CPUs, as upstream: SMT siblings
+    are left out, so OpenMP runs one thread per core.
+    """
     local_omp_cpuid = _rank_cpulist(numa_index=numa_index, world_size=world_size)
     logger.info(
         f"init_threads_binding: numa_index={numa_index}, world_size={world_size}, local_omp_cpuid={local_omp_cpuid}"
@@ -139,14 +231,15 @@ def init_threads_binding(*, numa_index: int, world_size: int) -> str:
 
 
 def _rank_cpulist(*, numa_index: int, world_size: int) -> str:
-    """The index-th ``|`` group of SGLANG_CPU_OMP_THREADS_BIND, or with ``all`` the index-th NUMA node's CPUs."""
+    """The index-th ``|`` group of SGLANG_CPU_OMP_THREADS_BIND, or with ``all`` the index-th node's physical cores."""
+    from sglang.srt.placement.cpulist import format_cpulist
     from sglang.srt.placement.resolve import cpu_rank_cpus
     from sglang.srt.placement.topology import read_process_affinity, read_topology
 
-    setting = envs.SGLANG_CPU_OMP_THREADS_BIND.get()
-    topology = read_topology(envs.SGLANG_SYSFS_ROOT.get())
+    setting = settings.cpu_threads_bind()
+    topology = read_topology(settings.sysfs_root())
     affinity = read_process_affinity()
-    if setting.strip() == "all":
+    if setting == "all":
         n_nodes = len(topology.cpu_nodes)
         if not 0 <= numa_index < n_nodes:
             raise PlacementError(
@@ -159,7 +252,9 @@ def _rank_cpulist(*, numa_index: int, world_size: int) -> str:
                 f"this host has {n_nodes} NUMA nodes but the engine has {world_size} ranks, so only {world_size} "
                 "nodes are used"
             )
-        cpus = cpu_rank_cpus(setting, index=numa_index, world_size=world_size, topology=topology, affinity=affinity)
+        cpus = topology.one_cpu_per_core(
+            cpu_rank_cpus(setting, index=numa_index, world_size=n_nodes, topology=topology, affinity=affinity)
+        )
     else:
         # Bounded by the groups, not world_size: a router runs each DP worker as its own engine of one rank
         # whose numa_index still counts across the whole bind string.

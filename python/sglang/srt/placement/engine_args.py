@@ -1,4 +1,9 @@
-"""The ServerArgs fields that process placement and bootstrap read, with upstream's CLI flags."""
+"""The engine settings placement reads (a light stand-in for sglang's EngineArgs), with upstream's flag names, for the CLI.
+
+Placement reads these fields by name from whatever it is given, so sglang's own
+``EngineArgs`` works everywhere an ``EngineArgs`` does; the CLI builds this one
+because importing the real one costs seconds and needs a model path.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,12 @@ from typing import List, Optional
 DEVICE_CHOICES = ("cuda", "xpu", "cpu")
 
 
-class ServerArgsError(ValueError):
-    """A ServerArgs value is invalid; the message names the flag and a value that would work."""
+class EngineArgsError(ValueError):
+    """An EngineArgs value is invalid; the message names the flag and a value that would work."""
 
 
 @dataclass
-class ServerArgs:
+class EngineArgs:
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
@@ -41,42 +46,42 @@ class ServerArgs:
             ("--gpu-id-step", self.gpu_id_step),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ServerArgsError(f"{flag}={value!r} is not valid: it must be a positive integer, e.g. {flag} 1.")
+                raise EngineArgsError(f"{flag}={value!r} is not valid: it must be a positive integer, e.g. {flag} 1.")
         for flag, value in (("--node-rank", self.node_rank), ("--base-gpu-id", self.base_gpu_id)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ServerArgsError(f"{flag}={value!r} is not valid: it must be a non-negative integer, e.g. {flag} 0.")
+                raise EngineArgsError(f"{flag}={value!r} is not valid: it must be a non-negative integer, e.g. {flag} 0.")
         if self.node_rank >= self.nnodes:
-            raise ServerArgsError(
+            raise EngineArgsError(
                 f"--node-rank={self.node_rank} is not valid with --nnodes={self.nnodes}: "
                 f"node ranks run from 0 to {self.nnodes - 1}."
             )
         if self.nnodes > 1 and (self.tp_size * self.pp_size) % self.nnodes != 0:
-            raise ServerArgsError(
+            raise EngineArgsError(
                 f"--tp-size={self.tp_size} x --pp-size={self.pp_size} = {self.tp_size * self.pp_size} ranks "
                 f"cannot be split evenly over --nnodes={self.nnodes}: choose sizes whose product is a multiple of the node count."
             )
         if self.device not in DEVICE_CHOICES:
-            raise ServerArgsError(
+            raise EngineArgsError(
                 f"--device={self.device!r} is not supported here: choose one of {', '.join(DEVICE_CHOICES)}."
             )
         if self.numa_node is not None:
             if not isinstance(self.numa_node, (list, tuple)) or not self.numa_node:
-                raise ServerArgsError(
+                raise EngineArgsError(
                     f"--numa-node={self.numa_node!r} is not valid: give one NUMA node id per GPU, e.g. --numa-node 0 0 1 1."
                 )
             for node in self.numa_node:
                 if not isinstance(node, int) or isinstance(node, bool) or node < 0:
-                    raise ServerArgsError(
+                    raise EngineArgsError(
                         f"--numa-node contains {node!r}: NUMA node ids are non-negative integers, e.g. --numa-node 0 0 1 1."
                     )
             self.numa_node = list(self.numa_node)
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 < self.port < 65536:
-            raise ServerArgsError(f"--port={self.port!r} is not valid: it must be between 1 and 65535.")
+            raise EngineArgsError(f"--port={self.port!r} is not valid: it must be between 1 and 65535.")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        defaults = ServerArgs.__new__(ServerArgs)
-        for f in dataclasses.fields(ServerArgs):
+        defaults = EngineArgs.__new__(EngineArgs)
+        for f in dataclasses.fields(EngineArgs):
             setattr(defaults, f.name, f.default)
         group = parser.add_argument_group("parallelism and placement")
         group.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tp_size", type=int, default=defaults.tp_size,
@@ -101,6 +106,6 @@ class ServerArgs:
                            help="host:port of the torch.distributed initialisation address.")
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})

@@ -1,1 +1,0 @@
-"""Stand-in for the overlay target; replaced by upstream's package."""

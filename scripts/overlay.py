@@ -1,0 +1,563 @@
+#!/usr/bin/env python3
+"""Overlay this repository's sglang modules onto an installed sglang package.
+
+Copies the project's own modules into SGLANG_PACKAGE_DIR and rewrites a few
+upstream call sites (with libcst, leaving the rest of each file byte-identical)
+so that they delegate into those modules; ``--diff`` prints the change instead.
+
+Usage: python scripts/overlay.py SGLANG_PACKAGE_DIR [--diff] [--repo-python DIR]
+
+Exit status: 0 done (or nothing to do), 2 refused (upstream is not the shape
+this script knows, or bad input; nothing is written), 1 I/O error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import difflib
+import json
+import os
+import stat
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+try:
+    import libcst as cst
+except ImportError:  # reported by main() as a refusal, with the fix
+    cst = None  # type: ignore[assignment]
+
+#: Upstream modules the project owns whole: the repo's copy replaces them.
+OWNED_WHOLE = ("srt/utils/numa_utils.py", "srt/ray/scheduler_actor.py")
+MANIFEST_NAME = ".placement-overlay.json"
+NEW_FILE_MODE = 0o644
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Refusal(Exception):
+    """The input or upstream's code is not what this script knows; nothing is written."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What earlier runs did to the package: paths relative to the package dir."""
+
+    added: FrozenSet[str] = frozenset()
+    replaced: FrozenSet[str] = frozenset()
+
+    def dumps(self) -> bytes:
+        body = {"format": 1, "added": sorted(self.added), "replaced": sorted(self.replaced)}
+        return (json.dumps(body, indent=2) + "\n").encode()
+
+
+@dataclass(frozen=True)
+class Change:
+    """One file the run writes (``new``) or deletes (``new is None``)."""
+
+    rel: str
+    old: Optional[bytes]
+    new: Optional[bytes]
+    mode: int
+    kind: str  # "added", "updated", "replaced", "rewrote" or "deleted"
+
+    @property
+    def upstream(self) -> bool:
+        return self.kind in ("replaced", "rewrote")
+
+
+# --------------------------------------------------------------------------
+# libcst helpers
+
+
+def _ast_key(code: str) -> Optional[str]:
+    """A formatting- and comment-insensitive key for a snippet of Python code."""
+    try:
+        return ast.dump(ast.parse(code.strip()))
+    except SyntaxError:
+        return None
+
+
+def _same(module: "cst.Module", node: "cst.CSTNode", code: str) -> bool:
+    return _ast_key(module.code_for_node(node)) == _ast_key(code)
+
+
+def _one_line(module: "cst.Module", node: "cst.CSTNode") -> str:
+    if isinstance(node, cst.SimpleStatementLine):
+        node = node.with_changes(leading_lines=())
+    return " ".join(module.code_for_node(node).split())
+
+
+def _statement(code: str, blank_lines: int = 0) -> "cst.BaseStatement":
+    """Parse one statement; ``blank_lines`` empty lines go before it."""
+    stmt = cst.parse_statement(code)
+    return stmt.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * blank_lines)
+
+
+def _top_level(module: "cst.Module", kind: type, name: str, where: str) -> "cst.CSTNode":
+    found = [s for s in module.body if isinstance(s, kind) and s.name.value == name]
+    what = "class" if kind is cst.ClassDef else "def"
+    if len(found) != 1:
+        raise Refusal(f"{where}: expected exactly one top-level `{what} {name}`, found {len(found)}")
+    if not isinstance(found[0].body, cst.IndentedBlock):
+        raise Refusal(f"{where}: expected `{what} {name}` to have an indented body")
+    return found[0]
+
+
+def _is_import(stmt: "cst.BaseStatement") -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and any(
+        isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
+    )
+
+
+def _is_docstring(stmt: "cst.BaseStatement") -> bool:
+    return (
+        isinstance(stmt, cst.SimpleStatementLine)
+        and len(stmt.body) == 1
+        and isinstance(stmt.body[0], cst.Expr)
+        and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+    )
+
+
+def _add_import_after_imports(module: "cst.Module", line: str, where: str) -> "cst.Module":
+    """Add ``line`` after the module's last top-level import unless it is there already."""
+    body = list(module.body)
+    if any(isinstance(s, cst.SimpleStatementLine) and _same(module, s, line) for s in body):
+        return module
+    last = max((i for i, s in enumerate(body) if _is_import(s)), default=None)
+    if last is None:
+        raise Refusal(f"{where}: expected top-level import statements, found none")
+    body.insert(last + 1, _statement(line + "\n"))
+    return module.with_changes(body=body)
+
+
+# --------------------------------------------------------------------------
+# The three rewrites of upstream files: each returns the module unchanged when
+# it is already applied, and raises Refusal when upstream is not the known shape.
+
+SHM_IMPORT = (
+    "from sglang.srt.distributed.shm_collective import ShmNamespace, "
+    "init_shm_collective, start_shm_collective  # noqa: F401"
+)
+CPU_BRANCH = "_is_cpu_amx_available or _is_cpu_arm64"
+SHM_OLD = (
+    'os.environ["LOCAL_SIZE"] = str(parallel.tp_size)',
+    "_set_shm_master_env(dist_init_method)",
+    "torch.ops.sgl_kernel.initialize(parallel.tp_size, parallel.tp_rank)",
+)
+SHM_NEW = (
+    "start_shm_collective(\n"
+    "    dist_init_method=dist_init_method,\n"
+    "    tp_size=parallel.tp_size,\n"
+    "    tp_rank=parallel.tp_rank,\n"
+    ")\n"
+)
+
+
+def _find_run(
+    module: "cst.Module", stmts: Sequence["cst.BaseStatement"], codes: Sequence[str]
+) -> Optional[int]:
+    """Index where ``codes`` occur as consecutive statements of ``stmts``."""
+    for i in range(len(stmts) - len(codes) + 1):
+        if all(_same(module, stmts[i + k], c) for k, c in enumerate(codes)):
+            return i
+    return None
+
+
+def rewrite_bootstrap(module: "cst.Module", rel: str) -> "cst.Module":
+    """Import the shm collective API and delegate the CPU shm all-reduce setup to it."""
+    module = _add_import_after_imports(module, SHM_IMPORT, f"sglang/{rel}")
+    where = f"sglang/{rel}: _init_cpu_threads_env()"
+    func = _top_level(module, cst.FunctionDef, "_init_cpu_threads_env", where)
+    branch = next(
+        (s for s in func.body.body if isinstance(s, cst.If) and _same(module, s.test, CPU_BRANCH)),
+        None,
+    )
+    expected = f"the statements `{'`, `'.join(SHM_OLD)}` in a row inside `if {CPU_BRANCH}:`"
+    if branch is None or not isinstance(branch.body, cst.IndentedBlock):
+        raise Refusal(f"{where}: expected {expected}; found no such `if` branch")
+    stmts = list(branch.body.body)
+    old_at = _find_run(module, stmts, SHM_OLD)
+    new_at = [i for i, s in enumerate(stmts) if _same(module, s, SHM_NEW)]
+    if old_at is None and len(new_at) == 1:
+        return module
+    if old_at is None or new_at:
+        raise Refusal(f"{where}: expected {expected}, or one start_shm_collective(...) call instead of them")
+    stmts[old_at : old_at + len(SHM_OLD)] = [
+        _statement(SHM_NEW).with_changes(leading_lines=stmts[old_at].leading_lines)
+    ]
+    return module.deep_replace(branch, branch.with_changes(body=branch.body.with_changes(body=stmts)))
+
+
+ACTOR_PARAMS = (
+    "pg", "bundle_idx", "gpu_id", "server_args", "port_args",
+    "tp_rank", "pp_rank", "dp_rank", "dist_init_addr", "rank0_node_ip",
+)  # fmt: skip
+ACTOR_IMPORT = "from sglang.srt.scheduler_launch.ray_actors import create_scheduler_actor\n"
+ACTOR_RETURN = "return create_scheduler_actor(\n" + "".join(f"    {p}={p},\n" for p in ACTOR_PARAMS) + ")\n"
+#: Keyword names of upstream's `SchedulerActor.options(...).remote(...)` call.
+ACTOR_OPTIONS = {"num_cpus", "num_gpus", "name", "scheduling_strategy"}
+ACTOR_REMOTE = {"server_args", "port_args", "gpu_id", "tp_rank", "pp_rank", "dp_rank", "dist_init_addr"}
+
+
+def _is_upstream_actor_return(module: "cst.Module", stmt: "cst.BaseStatement") -> bool:
+    """Whether ``stmt`` is ``return SchedulerActor.options(...).remote(...)`` with the known keywords."""
+    try:
+        (ret,) = ast.parse(module.code_for_node(stmt).strip()).body
+    except (SyntaxError, ValueError):
+        return False
+    remote = ret.value if isinstance(ret, ast.Return) else None
+    if not (
+        isinstance(remote, ast.Call)
+        and isinstance(remote.func, ast.Attribute)
+        and remote.func.attr == "remote"
+    ):
+        return False
+    options = remote.func.value
+    return (
+        isinstance(options, ast.Call)
+        and ast.unparse(options.func) == "SchedulerActor.options"
+        and {k.arg for k in options.keywords} == ACTOR_OPTIONS
+        and {k.arg for k in remote.keywords} == ACTOR_REMOTE
+        and not options.args
+        and not remote.args
+    )
+
+
+def rewrite_ray_engine(module: "cst.Module", rel: str) -> "cst.Module":
+    """Keep `_create_scheduler_actor`'s signature and docstring; delegate its body."""
+    where = f"sglang/{rel}: _create_scheduler_actor()"
+    func = _top_level(module, cst.FunctionDef, "_create_scheduler_actor", where)
+    params = func.params
+    if (
+        [p.name.value for p in params.params] != list(ACTOR_PARAMS)
+        or any(p.default is not None for p in params.params)
+        or params.posonly_params
+        or params.kwonly_params
+        or params.star_kwarg is not None
+        or not isinstance(params.star_arg, cst.MaybeSentinel)
+    ):
+        raise Refusal(
+            f"{where}: expected the signature ({', '.join(ACTOR_PARAMS)}), found ({_one_line(module, params)})"
+        )
+    stmts = list(func.body.body)
+    doc = stmts[:1] if stmts and _is_docstring(stmts[0]) else []
+    rest = stmts[len(doc) :]
+    if len(rest) == 2 and _same(module, rest[0], ACTOR_IMPORT) and _same(module, rest[1], ACTOR_RETURN):
+        return module
+    if len(rest) != 1 or not _is_upstream_actor_return(module, rest[0]):
+        raise Refusal(
+            f"{where}: expected the body (after the docstring) to be one "
+            "`return SchedulerActor.options(...).remote(...)` with the known keywords"
+        )
+    body = [*doc, _statement(ACTOR_IMPORT), _statement(ACTOR_RETURN, blank_lines=1)]
+    return module.deep_replace(func, func.with_changes(body=func.body.with_changes(body=body)))
+
+
+ENV_ANCHOR = "SGLANG_CRASH_ON_NUMA_BIND_FAILURE = EnvBool(False)"
+ENV_FIELDS = (
+    ("SGLANG_CPU_OMP_THREADS_BIND", 'SGLANG_CPU_OMP_THREADS_BIND = EnvStr("all")'),
+    ("SGLANG_NUMA_AFFINITY_MODE", 'SGLANG_NUMA_AFFINITY_MODE = EnvStr("node")'),
+    ("SGLANG_SYSFS_ROOT", 'SGLANG_SYSFS_ROOT = EnvStr("/sys")'),
+)
+
+
+def _assigns(stmt: "cst.BaseStatement", name: str) -> bool:
+    if not isinstance(stmt, cst.SimpleStatementLine):
+        return False
+    for small in stmt.body:
+        targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else []
+        if isinstance(small, cst.AnnAssign):
+            targets = [small.target]
+        if any(isinstance(t, cst.Name) and t.value == name for t in targets):
+            return True
+    return False
+
+
+def rewrite_environ(module: "cst.Module", rel: str) -> "cst.Module":
+    """Add the project's environment variables to `Envs`, after the NUMA bind ones."""
+    where = f"sglang/{rel}: Envs"
+    _top_level(module, cst.ClassDef, "EnvStr", f"sglang/{rel}: EnvStr")
+    cls = _top_level(module, cst.ClassDef, "Envs", where)
+    stmts = list(cls.body.body)
+    missing: List[str] = []
+    for name, code in ENV_FIELDS:
+        defs = [s for s in stmts if _assigns(s, name)]
+        if not defs:
+            missing.append(code)
+        elif not all(_same(module, d, code) for d in defs):
+            found = "; ".join(_one_line(module, d) for d in defs)
+            raise Refusal(f"{where}.{name}: already defined as `{found}`, expected `{code}`")
+    if not missing:
+        return module
+    anchor = next((i for i, s in enumerate(stmts) if _same(module, s, ENV_ANCHOR)), None)
+    if anchor is None:
+        raise Refusal(f"{where}: expected the statement `{ENV_ANCHOR}` in the class body")
+    stmts[anchor + 1 : anchor + 1] = [_statement(code + "\n") for code in missing]
+    return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=stmts)))
+
+
+REWRITES: Dict[str, Callable[["cst.Module", str], "cst.Module"]] = {
+    "srt/distributed/bootstrap.py": rewrite_bootstrap,
+    "srt/ray/engine.py": rewrite_ray_engine,
+    "srt/environ.py": rewrite_environ,
+}
+
+
+# --------------------------------------------------------------------------
+# Planning: everything is checked and computed before anything is written.
+
+
+def _check_package(pkg: Path) -> None:
+    if not (
+        pkg.is_dir()
+        and (pkg / "srt").is_dir()
+        and (pkg / "__init__.py").is_file()
+        and (pkg / "version.py").is_file()
+    ):
+        raise Refusal(f"{pkg} is not an sglang package dir (it needs srt/, __init__.py and version.py)")
+
+
+def _load_manifest(pkg: Path) -> Optional[Manifest]:
+    path = pkg / MANIFEST_NAME
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        added, replaced = data["added"], data["replaced"]
+        if not all(isinstance(p, str) for p in [*added, *replaced]):
+            raise TypeError("paths must be strings")
+    except (ValueError, KeyError, TypeError) as e:
+        raise Refusal(
+            f"{path}: unreadable overlay manifest ({e}); restore it or start from a pristine package"
+        ) from None
+    return Manifest(frozenset(added), frozenset(replaced))
+
+
+def _repo_files(repo_sglang: Path) -> Dict[str, Path]:
+    """The repo's files under sglang/, by path relative to it; caches skipped."""
+    found: Dict[str, Path] = {}
+    for root, dirs, files in os.walk(repo_sglang):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in files:
+            if not name.endswith((".pyc", ".pyo")):
+                path = Path(root, name)
+                found[path.relative_to(repo_sglang).as_posix()] = path
+    return dict(sorted(found.items()))
+
+
+def _check_target(pkg: Path, rel: str) -> None:
+    target = pkg / rel
+    blockers = [p for p in target.parents if p != pkg and pkg in p.parents and p.exists() and not p.is_dir()]
+    if blockers or (target.exists() and not target.is_file()):
+        raise Refusal(f"sglang/{rel}: the package has a non-file or a file-as-directory in the way")
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode) if path.exists() else NEW_FILE_MODE
+
+
+def _rewrite(pkg: Path, rel: str, rewrite: Callable[["cst.Module", str], "cst.Module"]) -> Optional[Change]:
+    path = pkg / rel
+    if not path.is_file():
+        raise Refusal(f"sglang/{rel}: upstream file not found in the package")
+    old = path.read_bytes()
+    try:
+        new = rewrite(cst.parse_module(old), rel).bytes
+    except cst.ParserSyntaxError as e:
+        raise Refusal(f"sglang/{rel}: does not parse: {str(e).splitlines()[0]}") from None
+    return None if new == old else Change(rel, old, new, _mode(path), "rewrote")
+
+
+def plan(pkg: Path, repo_sglang: Path, manifest: Optional[Manifest]) -> Tuple[List[Change], Manifest]:
+    """The changes that bring ``pkg`` up to date, and the manifest to write after them.
+
+    Refuses repo files that stand in for upstream ones: an upstream path other
+    than OWNED_WHOLE, or an ``__init__.py`` in an upstream directory (it would
+    replace upstream's or turn an upstream namespace package into a regular one).
+    """
+    prior = manifest or Manifest()
+    repo = _repo_files(repo_sglang)
+
+    def upstream(rel: str) -> bool:
+        return (pkg / rel).exists() and rel not in prior.added
+
+    def upstream_dir(rel: str) -> bool:  # holds a file that no overlay run added
+        parent = (pkg / rel).parent
+        return parent.is_dir() and any(
+            f.is_file() and f.relative_to(pkg).as_posix() not in prior.added for f in parent.iterdir()
+        )
+
+    standins = [
+        rel
+        for rel in repo
+        if (upstream(rel) and rel not in OWNED_WHOLE)
+        or (rel.rsplit("/", 1)[-1] == "__init__.py" and rel not in prior.added and upstream_dir(rel))
+    ]
+    if standins:
+        raise Refusal(
+            f"{', '.join(str(repo_sglang / r) for r in standins)}: stand-in(s) of upstream sglang modules or "
+            "packages; the repo must not replace upstream modules other than OWNED_WHOLE "
+            f"({', '.join(OWNED_WHOLE)})"
+        )
+    changes: List[Change] = []
+    for rel, src in repo.items():
+        _check_target(pkg, rel)
+        target, new = pkg / rel, src.read_bytes()
+        old = target.read_bytes() if target.exists() else None
+        if old != new:
+            kind = "replaced" if upstream(rel) else ("added" if old is None else "updated")
+            changes.append(Change(rel, old, new, _mode(target), kind))
+    for rel, rewrite in REWRITES.items():
+        change = _rewrite(pkg, rel, rewrite)
+        changes += [change] if change else []
+    gone = sorted(rel for rel in prior.added - repo.keys() if (pkg / rel).is_file())
+    changes += [Change(rel, (pkg / rel).read_bytes(), None, 0, "deleted") for rel in gone]
+    after = Manifest(
+        added=frozenset(rel for rel in repo if not upstream(rel)),
+        replaced=prior.replaced | {rel for rel in repo if upstream(rel)} | frozenset(REWRITES),
+    )
+    return changes, after
+
+
+# --------------------------------------------------------------------------
+# Writing (never through an existing path: the package may be a hard-link copy)
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".overlay-tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _delete(pkg: Path, rel: str) -> None:
+    """Delete an added file, its bytecode, and the directories this leaves empty."""
+    path = pkg / rel
+    path.unlink()
+    cache = path.parent / "__pycache__"
+    for pyc in cache.glob(f"{path.stem}.*.pyc") if path.suffix == ".py" else ():
+        pyc.unlink()
+    for d in (cache, *path.parents):
+        if d == pkg or pkg not in d.parents:
+            break
+        with contextlib.suppress(OSError):  # not empty, or absent
+            d.rmdir()
+
+
+def apply(pkg: Path, changes: Sequence[Change], manifest: Manifest) -> None:
+    for c in changes:
+        if c.new is None:
+            _delete(pkg, c.rel)
+        else:
+            _write_atomic(pkg / c.rel, c.new, c.mode)
+        note = {"replaced": " (owned whole)", "deleted": " (no longer in the repo)"}.get(c.kind, "")
+        print(f"{c.kind} sglang/{c.rel}{note}")
+    manifest_path = pkg / MANIFEST_NAME
+    if not manifest_path.exists() or manifest_path.read_bytes() != manifest.dumps():
+        _write_atomic(manifest_path, manifest.dumps(), NEW_FILE_MODE)
+    if changes:
+        print(f"overlay: {len(changes)} file(s) changed in {pkg}")
+    else:
+        print(f"overlay: nothing changed; {pkg} is up to date")
+
+
+# --------------------------------------------------------------------------
+# --diff
+
+
+def _lines(data: Optional[bytes]) -> List[str]:
+    if data is None:
+        return []
+    parts = data.decode("utf-8").split("\n")
+    lines = [p + "\n" for p in parts[:-1]]
+    return lines + ([parts[-1]] if parts[-1] else [])
+
+
+def unified_diff(change: Change) -> Tuple[List[str], int, int]:
+    """``diff -u`` text for one change, and its counts of added and removed lines."""
+    a = f"a/sglang/{change.rel}" if change.old is not None else "/dev/null"
+    b = f"b/sglang/{change.rel}" if change.new is not None else "/dev/null"
+    try:
+        old, new = _lines(change.old), _lines(change.new)
+    except UnicodeDecodeError:
+        return [f"Binary files {a} and {b} differ\n"], 0, 0
+    out = list(difflib.unified_diff(old, new, a, b))
+    body = out[2:]
+    added = sum(1 for line in body if line.startswith("+"))
+    removed = sum(1 for line in body if line.startswith("-"))
+    out = [line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in out]
+    return out, added, removed
+
+
+def print_diff(changes: Sequence[Change]) -> str:
+    """Print the diff of ``changes`` to stdout; return the one-line summary."""
+    counts = {k: [0, 0, 0] for k in ("upstream", "added", "updated", "deleted")}  # files, +, -
+    for c in sorted(changes, key=lambda c: (not c.upstream, c.rel)):
+        text, plus, minus = unified_diff(c)
+        sys.stdout.write("".join(text))
+        bucket = counts["upstream" if c.upstream else c.kind]
+        bucket[0], bucket[1], bucket[2] = bucket[0] + 1, bucket[1] + plus, bucket[2] + minus
+    up, new, upd, gone = (counts[k] for k in ("upstream", "added", "updated", "deleted"))
+    parts = [
+        f"{up[0]} upstream files changed (+{up[1]} -{up[2]} lines)",
+        f"{new[0]} new files ({new[1]} lines)",
+    ]
+    parts += [f"{upd[0]} overlay files updated (+{upd[1]} -{upd[2]} lines)"] if upd[0] else []
+    parts += [f"{gone[0]} overlay files deleted ({gone[2]} lines)"] if gone[0] else []
+    return "overlay --diff: " + ", ".join(parts)
+
+
+# --------------------------------------------------------------------------
+
+
+def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("package_dir", type=Path, metavar="SGLANG_PACKAGE_DIR")
+    parser.add_argument("--diff", action="store_true", help="print the unified diff; write nothing")
+    parser.add_argument("--repo-python", type=Path, default=REPO_ROOT / "python", metavar="DIR")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    if cst is None:
+        raise Refusal(f"libcst is not installed; install it with `{sys.executable} -m pip install libcst`")
+    pkg = args.package_dir.resolve()
+    repo_sglang = (args.repo_python / "sglang").resolve()
+    _check_package(pkg)
+    if not repo_sglang.is_dir():
+        raise Refusal(f"{repo_sglang} is not a directory (--repo-python must contain sglang/)")
+    if repo_sglang == pkg:
+        raise Refusal(f"{pkg} is the repo's own sglang dir, not an installed package")
+    changes, manifest = plan(pkg, repo_sglang, _load_manifest(pkg))
+    if args.diff:
+        print(print_diff(changes), file=sys.stderr)
+    else:
+        apply(pkg, changes, manifest)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parse_args(argv)
+    try:
+        return run(args)
+    except Refusal as e:
+        print(f"overlay: refused: {e}", file=sys.stderr)
+        return 2
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"overlay: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Placement and the launch cores import nothing heavy: what runs inside the emulated VM stays quick."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+VM_SCRIPTS = Path(__file__).resolve().parent / "vm_scripts"
+HEAVY = ("torch", "transformers", "sglang.srt.utils.common", "ray")
+
+
+def test_placement_and_the_mp_launcher_load_without_heavy_modules():
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(VM_SCRIPTS)!r})\n"
+        "import sglang_light\n"
+        "import sglang.srt.placement, sglang.srt.placement.resolve, sglang.srt.placement.verify\n"
+        "import sglang.srt.placement.apply, sglang.srt.placement.observe, sglang.srt.placement.capture\n"
+        "import sglang.srt.scheduler_launch.mp, sglang.srt.scheduler_launch.common\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

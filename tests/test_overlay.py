@@ -1,0 +1,309 @@
+"""scripts/overlay.py on small fake repo trees and hard-link copies of the pristine sglang package."""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import py_compile
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import libcst  # noqa: F401  (the overlay needs it: a missing libcst must fail here, not skip)
+import pytest
+
+OVERLAY = Path(__file__).resolve().parent.parent / "scripts" / "overlay.py"
+BOOTSTRAP, ENGINE, ENVIRON = "srt/distributed/bootstrap.py", "srt/ray/engine.py", "srt/environ.py"
+NUMA = "srt/utils/numa_utils.py"
+SHM_IMPORT = (
+    "from sglang.srt.distributed.shm_collective import ShmNamespace, "
+    "init_shm_collective, start_shm_collective  # noqa: F401"
+)
+SHM_NEW = "start_shm_collective(dist_init_method=dist_init_method, tp_size=parallel.tp_size, tp_rank=parallel.tp_rank)"
+SHM_OLD = (
+    'os.environ["LOCAL_SIZE"] = str(parallel.tp_size)',
+    "_set_shm_master_env(dist_init_method)",
+    "torch.ops.sgl_kernel.initialize(parallel.tp_size, parallel.tp_rank)",
+)
+ACTOR_PARAMS = ["pg", "bundle_idx", "gpu_id", "server_args", "port_args", "tp_rank", "pp_rank", "dp_rank",
+                "dist_init_addr", "rank0_node_ip"]  # fmt: skip
+ENV_FIELDS = {"SGLANG_CPU_OMP_THREADS_BIND": "EnvStr('all')", "SGLANG_NUMA_AFFINITY_MODE": "EnvStr('node')",
+              "SGLANG_SYSFS_ROOT": "EnvStr('/sys')"}  # fmt: skip
+REPO_FILES = {
+    "srt/placement/__init__.py": '"""Placement."""\n',
+    "srt/placement/plan.py": "def plan():\n    return 1\n",
+    "srt/distributed/shm_collective.py": "def start_shm_collective(**kwargs):\n    pass\n",
+    NUMA: '"""Owned whole by the project."""\n',
+}
+
+
+def _top(tree: ast.Module, name: str) -> ast.AST:
+    return next(n for n in tree.body if getattr(n, "name", None) == name)
+
+
+def _has_upstream_actor_body(pkg: Path) -> bool:
+    if not (pkg / ENGINE).is_file():
+        return False
+    fns = [
+        n
+        for n in ast.parse((pkg / ENGINE).read_text()).body
+        if getattr(n, "name", "") == "_create_scheduler_actor"
+    ]
+    return any("SchedulerActor.options(" in ast.unparse(fn) for fn in fns)
+
+
+@pytest.fixture(scope="session")
+def pristine() -> Path:
+    """The pristine sglang package dir: $SGLANG_PRISTINE_DIR/sglang, else the installed one (not imported)."""
+    if os.environ.get("SGLANG_PRISTINE_DIR"):
+        candidates = [Path(os.environ["SGLANG_PRISTINE_DIR"]) / "sglang"]
+    else:
+        spec = importlib.util.find_spec("sglang")
+        candidates = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+        try:
+            candidates.append(Path(str(importlib.metadata.distribution("sglang").locate_file("sglang"))))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    for pkg in candidates:
+        if _has_upstream_actor_body(pkg):
+            return pkg
+    pytest.fail(
+        f"no pristine sglang package among {[str(c) for c in candidates]} (one whose {ENGINE} still has "
+        "upstream's _create_scheduler_actor body); set SGLANG_PRISTINE_DIR to the dir that holds it"
+    )
+
+
+@pytest.fixture(scope="session")
+def link_source(pristine: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``pristine`` itself when tmp is on its filesystem (hard links work), else one full copy of it."""
+    probe = tmp_path_factory.mktemp("probe") / "version.py"
+    try:
+        os.link(pristine / "version.py", probe)
+        return pristine
+    except OSError:
+        return Path(shutil.copytree(pristine, tmp_path_factory.mktemp("orig") / "sglang"))
+
+
+@pytest.fixture
+def pkg(link_source: Path, tmp_path: Path):
+    """A `cp -al` copy of the pristine package; afterwards the pristine files must be unchanged."""
+    before = {rel: (link_source / rel).read_bytes() for rel in (BOOTSTRAP, ENGINE, ENVIRON, NUMA)}
+    dest = tmp_path / "site" / "sglang"
+    shutil.copytree(link_source, dest, copy_function=os.link, ignore=shutil.ignore_patterns("__pycache__"))
+    yield dest
+    assert {rel: (link_source / rel).read_bytes() for rel in before} == before, "the pristine package changed"
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A fake repo python/ dir: new modules, a new package and an owned-whole numa_utils.py."""
+    for rel, text in REPO_FILES.items():
+        (tmp_path / "repo" / "python" / "sglang" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "repo" / "python" / "sglang" / rel).write_text(text)
+    return tmp_path / "repo" / "python"
+
+
+def overlay(pkg: Path, repo: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(OVERLAY), str(pkg), "--repo-python", str(repo), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def snapshot(root: Path) -> Dict[str, Tuple[int, int, int, int]]:
+    """Every path under root with inode, mtime, size and mode: any write changes one of them."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        out[p.relative_to(root).as_posix()] = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode)
+    return out
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    """Change a hard-linked package file without touching the pristine copy it shares an inode with."""
+    text = path.read_text()
+    assert old in text
+    path.unlink()
+    path.write_text(text.replace(old, new, 1))
+
+
+def assert_only_changed(old: str, new: str, spans: List[Tuple[int, int]]) -> None:
+    """Every differing line of ``old`` (0-based, end exclusive) lies in one of ``spans``; each span changed."""
+    matcher = difflib.SequenceMatcher(None, old.splitlines(True), new.splitlines(True), autojunk=False)
+    ops = [op for op in matcher.get_opcodes() if op[0] != "equal"]
+    for _, i1, i2, _, _ in ops:
+        assert any(s <= i1 and i2 <= e for s, e in spans), f"unexpected change at old lines {i1 + 1}-{i2}"
+    for s, e in spans:
+        assert any(s <= i1 and i2 <= e for _, i1, i2, _, _ in ops), f"no change in old lines {s + 1}-{e}"
+
+
+def bootstrap_spans(text: str) -> List[Tuple[int, int]]:
+    tree = ast.parse(text)
+    last_import = max(n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)))
+    branch = next(n for n in _top(tree, "_init_cpu_threads_env").body if isinstance(n, ast.If))
+    stmts = [s for s in branch.body if ast.unparse(s) in {ast.unparse(ast.parse(c).body[0]) for c in SHM_OLD}]
+    return [(last_import, last_import), (stmts[0].lineno - 1, stmts[-1].end_lineno)]
+
+
+def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
+    r = overlay(pkg, repo)
+    assert r.returncode == 0, r.stderr
+    old = {rel: (pristine / rel).read_text() for rel in (BOOTSTRAP, ENGINE, ENVIRON)}
+    new = {rel: (pkg / rel).read_text() for rel in (BOOTSTRAP, ENGINE, ENVIRON)}
+
+    assert SHM_IMPORT in new[BOOTSTRAP].splitlines()
+    fn = _top(ast.parse(new[BOOTSTRAP]), "_init_cpu_threads_env")
+    calls = {ast.unparse(c.func): c for c in ast.walk(fn) if isinstance(c, ast.Call)}
+    assert "_set_shm_master_env" not in calls and "torch.ops.sgl_kernel.initialize" not in calls
+    assert "torch.ops.sgl_kernel.init_cpu_threads_env" in calls and "logger.warning" in calls
+    start = calls["start_shm_collective"]
+    assert ast.unparse(start) == ast.unparse(ast.parse(SHM_NEW).body[0].value)
+    assert_only_changed(old[BOOTSTRAP], new[BOOTSTRAP], bootstrap_spans(old[BOOTSTRAP]))
+
+    up_fn, fn = (_top(ast.parse(t[ENGINE]), "_create_scheduler_actor") for t in (old, new))
+    for part in (lambda f: f.args, lambda f: f.returns, lambda f: f.body[0]):  # signature and docstring kept
+        assert ast.dump(part(fn)) == ast.dump(part(up_fn))
+    imp, ret = fn.body[1:]
+    assert ast.unparse(imp) == "from sglang.srt.scheduler_launch.ray_actors import create_scheduler_actor"
+    assert ast.unparse(ret.value.func) == "create_scheduler_actor" and not ret.value.args
+    assert [(k.arg, ast.unparse(k.value)) for k in ret.value.keywords] == [(p, p) for p in ACTOR_PARAMS]
+    assert_only_changed(old[ENGINE], new[ENGINE], [(up_fn.body[0].end_lineno, up_fn.end_lineno)])
+
+    envs = _top(ast.parse(new[ENVIRON]), "Envs")
+    fields = {ast.unparse(s.targets[0]): ast.unparse(s.value) for s in envs.body if isinstance(s, ast.Assign)}
+    assert {k: fields[k] for k in ENV_FIELDS} == ENV_FIELDS
+    anchor = next(s for s in _top(ast.parse(old[ENVIRON]), "Envs").body
+                  if ast.unparse(s) == "SGLANG_CRASH_ON_NUMA_BIND_FAILURE = EnvBool(False)")  # fmt: skip
+    assert_only_changed(old[ENVIRON], new[ENVIRON], [(anchor.end_lineno, anchor.end_lineno)])
+
+    for rel, text in REPO_FILES.items():
+        assert (pkg / rel).read_text() == text
+        assert (pkg / rel).stat().st_mode & 0o777 == 0o644 or rel == NUMA
+    for rel in (BOOTSTRAP, ENGINE, ENVIRON, NUMA):
+        assert (pkg / rel).stat().st_mode == (pristine / rel).stat().st_mode
+    manifest = json.loads((pkg / ".placement-overlay.json").read_text())
+    assert set(manifest["added"]) == set(REPO_FILES) - {NUMA}
+    assert set(manifest["replaced"]) == {BOOTSTRAP, ENGINE, ENVIRON, NUMA}
+
+
+def test_overlaid_environ_loads(pkg: Path, repo: Path) -> None:
+    assert overlay(pkg, repo).returncode == 0
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('overlaid_environ', {str(pkg / ENVIRON)!r})\n"
+        "mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)\n"
+        "e = mod.envs\n"
+        "print(e.SGLANG_NUMA_AFFINITY_MODE.get(), e.SGLANG_CPU_OMP_THREADS_BIND.get(), e.SGLANG_SYSFS_ROOT.get())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**env, "SGLANG_SYSFS_ROOT": "/fake/sys"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["node", "all", "/fake/sys"]
+
+
+def test_second_run_changes_nothing(pkg: Path, repo: Path) -> None:
+    assert overlay(pkg, repo).returncode == 0
+    before = snapshot(pkg)
+    r = overlay(pkg, repo)
+    assert (r.returncode, r.stderr) == (0, "") and "nothing changed" in r.stdout
+    d = overlay(pkg, repo, "--diff")
+    assert (d.returncode, d.stdout) == (0, "") and "0 upstream files changed" in d.stderr
+    assert snapshot(pkg) == before
+
+
+def test_diff_writes_nothing(pkg: Path, repo: Path, pristine: Path) -> None:
+    before = snapshot(pkg)
+    r = overlay(pkg, repo, "--diff")
+    assert r.returncode == 0, r.stderr
+    assert snapshot(pkg) == before
+    for rel in (BOOTSTRAP, ENGINE, ENVIRON, NUMA):
+        assert f"--- a/sglang/{rel}\n+++ b/sglang/{rel}\n@@ " in r.stdout
+    for rel in set(REPO_FILES) - {NUMA}:
+        assert f"--- /dev/null\n+++ b/sglang/{rel}\n@@ -0,0 +1" in r.stdout
+    n = sum(text.count("\n") for rel, text in REPO_FILES.items() if rel != NUMA)
+    summary = rf"overlay --diff: 4 upstream files changed \(\+\d+ -\d+ lines\), 3 new files \({n} lines\)\n"
+    assert re.fullmatch(summary, r.stderr), r.stderr
+    # the printed diff is exactly what a real run then does
+    assert overlay(pkg, repo).returncode == 0
+    for rel in (BOOTSTRAP, ENGINE, ENVIRON):
+        old, new = ((p / rel).read_text().splitlines(True) for p in (pristine, pkg))
+        assert "".join(difflib.unified_diff(old, new, f"a/sglang/{rel}", f"b/sglang/{rel}")) in r.stdout
+
+
+NUMA_ANCHOR = "    SGLANG_CRASH_ON_NUMA_BIND_FAILURE = EnvBool(False)\n"
+UNKNOWN_SHAPES = {  # upstream edit -> (file, name the refusal must give)
+    "no initialize call": (BOOTSTRAP, f"        {SHM_OLD[2]}\n", "", "_init_cpu_threads_env"),
+    "renamed actor factory": (ENGINE, "def _create_scheduler_actor(", "def _create_scheduler_actor_v2(",
+                              "_create_scheduler_actor"),
+    "new actor parameter": (ENGINE, "    rank0_node_ip: str,\n) ->", "    rank0_node_ip: str,\n    x: int,\n) ->",
+                            "_create_scheduler_actor"),
+    "conflicting env field": (ENVIRON, NUMA_ANCHOR, NUMA_ANCHOR + '    SGLANG_SYSFS_ROOT = EnvStr("/proc")\n',
+                              "Envs.SGLANG_SYSFS_ROOT"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", UNKNOWN_SHAPES)
+@pytest.mark.parametrize("diff", [False, True])
+def test_refuses_unknown_upstream_shape(pkg: Path, repo: Path, shape: str, diff: bool) -> None:
+    rel, old, new, name = UNKNOWN_SHAPES[shape]
+    edit(pkg / rel, old, new)
+    before = snapshot(pkg)
+    r = overlay(pkg, repo, *(["--diff"] if diff else []))
+    assert (r.returncode, r.stdout) == (2, "")
+    assert len(r.stderr.splitlines()) == 1 and rel in r.stderr and name in r.stderr, r.stderr
+    assert snapshot(pkg) == before  # nothing written: no new module, no manifest, no rewrite
+
+
+@pytest.mark.parametrize("stand_in", ["srt/server_args.py", "__init__.py", "srt/__init__.py"])
+def test_refuses_stand_ins_of_upstream_modules(pkg: Path, repo: Path, stand_in: str) -> None:
+    (repo / "sglang" / stand_in).write_text("# a stand-in\n")
+    before = snapshot(pkg)
+    r = overlay(pkg, repo)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert str(repo / "sglang" / stand_in) in r.stderr and "OWNED_WHOLE" in r.stderr
+    assert snapshot(pkg) == before
+
+
+def test_module_deleted_from_repo_is_removed(pkg: Path, repo: Path) -> None:
+    assert overlay(pkg, repo).returncode == 0
+    (repo / "sglang/srt/placement/plan.py").unlink()
+    r = overlay(pkg, repo)
+    assert r.returncode == 0 and "deleted sglang/srt/placement/plan.py" in r.stdout
+    assert not (pkg / "srt/placement/plan.py").exists() and (pkg / "srt/placement/__init__.py").exists()
+    py_compile.compile(str(pkg / "srt/placement/__init__.py"), doraise=True)  # a __pycache__ must not keep it
+    shutil.rmtree(repo / "sglang/srt/placement")
+    assert overlay(pkg, repo).returncode == 0
+    assert not (pkg / "srt/placement").exists()
+    manifest = json.loads((pkg / ".placement-overlay.json").read_text())
+    assert manifest["added"] == ["srt/distributed/shm_collective.py"]
+    assert "nothing changed" in overlay(pkg, repo).stdout
+
+
+def test_hard_linked_copy_stays_pristine(pkg: Path, repo: Path, link_source: Path) -> None:
+    touched = (BOOTSTRAP, ENGINE, ENVIRON, NUMA)
+    assert all((pkg / r).stat().st_ino == (link_source / r).stat().st_ino for r in touched)
+    assert overlay(pkg, repo).returncode == 0
+    assert all((pkg / r).stat().st_ino != (link_source / r).stat().st_ino for r in touched)
+    assert (pkg / "srt/server_args.py").stat().st_ino == (link_source / "srt/server_args.py").stat().st_ino
+    assert _has_upstream_actor_body(link_source) and not _has_upstream_actor_body(pkg)
+    assert not [p for p in pkg.rglob("*overlay-tmp*")]
+
+
+def test_refuses_what_is_not_a_package(tmp_path: Path, repo: Path) -> None:
+    (tmp_path / "sglang" / "srt").mkdir(parents=True)  # no __init__.py, no version.py
+    r = overlay(tmp_path / "sglang", repo)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "not an sglang package dir" in r.stderr
+
+
+def test_libcst_missing_is_a_one_line_refusal(repo: Path, tmp_path: Path) -> None:
+    (tmp_path / "libcst.py").write_text("raise ImportError('no libcst here')\n")
+    cmd = [sys.executable, str(OVERLAY), str(tmp_path), "--repo-python", str(repo)]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "pip install libcst" in r.stderr
