@@ -118,3 +118,19 @@ def affinity_report(conn) -> None:
     """A plain ``multiprocessing`` target (not the launcher protocol): send this process's CPUs and exit."""
     conn.send(_status("Cpus_allowed_list"))
     conn.close()
+
+
+class _SleepingLoop(_Reporter):
+    def event_loop(self):
+        import time
+
+        time.sleep(SLEEPING_LOOP_S)
+        self.ran = True
+
+
+SLEEPING_LOOP_S = 1.5
+
+
+def sleeping_loop_target(*, server_args, placement, rank):
+    """Ready at once; its event loop runs for SLEEPING_LOOP_S, then returns."""
+    return _SleepingLoop(rank)

@@ -86,6 +86,10 @@ def test_two_exec_ranks_each_run_on_their_own_cpu():
     assert [r.info["cpus"] for r in results] == ["0", "1"]
     assert all(r.info["policy"] == "bind" and r.info["policy_nodes"] == [0] for r in results)
     assert len({r.info["pid"] for r in results}) == 2
+    # Each rank read its binding back and sent it with its readiness: where it is, and no mismatch.
+    assert [(r.binding["pid"], r.binding["observed"]["cpus"], r.binding["mismatches"]) for r in results] == [
+        (r.info["pid"], r.info["cpus"], []) for r in results
+    ]
 
 
 def test_in_process_and_unbound_ranks():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import pytest
 
@@ -80,9 +81,8 @@ def test_legacy_switch_binds_in_child_without_a_placement():
 
 @pytest.fixture
 def quiet_child_setup(monkeypatch):
-    # Title, logging and parent-death signal belong to a real child; keep them off the test runner.
+    # Title and logging belong to a real child; keep them off the test runner.
     monkeypatch.setattr(scheduler, "configure_scheduler_process", lambda *a, **k: "")
-    monkeypatch.setattr(scheduler, "_die_with_parent", lambda: None)
 
 
 class _Ready:
@@ -125,13 +125,18 @@ def test_ready_then_done(quiet_child_setup):
 
     code, messages = _run(target)
     assert code == 0
+    binding = messages[0].pop("binding")
     assert messages == [{"status": "ready", "info": {"max_total_num_tokens": 128}}, {"status": "done"}]
+    # The read-back rides with readiness: this process, as the kernel reports it, and no mismatch.
+    assert (binding["pid"], binding["mismatches"]) == (os.getpid(), [])
+    assert binding["observed"]["cpus"]
     assert made == [("none", "DP0 PP0 TP0")]
 
 
 def test_target_without_ready_info_or_loop(quiet_child_setup):
     code, messages = _run(lambda **kw: object())
     assert code == 0
+    messages[0].pop("binding")
     assert messages == [{"status": "ready", "info": {}}, {"status": "done"}]
 
 
@@ -153,7 +158,6 @@ def test_configure_failure_is_reported(monkeypatch):
         raise OSError("sched_setaffinity: Invalid argument")
 
     monkeypatch.setattr(scheduler, "configure_scheduler_process", broken)
-    monkeypatch.setattr(scheduler, "_die_with_parent", lambda: None)
     code, messages = _run(lambda **kw: _Ready({}))
     assert code == 1
     assert messages[0]["error"] == "OSError: sched_setaffinity: Invalid argument"

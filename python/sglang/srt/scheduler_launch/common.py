@@ -33,6 +33,8 @@ class RankResult:
     placement: Optional[ProcessPlacement]
     rank: RankIdentity
     info: dict = field(default_factory=dict)
+    binding: dict = field(default_factory=dict)
+    """What the rank read back after applying its placement (``read_back``: pid, observed, mismatches); {} if not read."""
 
 
 class RankLaunchError(RuntimeError):

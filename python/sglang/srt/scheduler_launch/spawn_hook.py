@@ -9,6 +9,12 @@ thread that is starting a placed child arms it with that child's argv prefix
 only to a spawn command line (``spawn_main``), never to the resource tracker
 or anything else. No file is written, no shell runs, and launches in other
 threads are not affected.
+
+The wrapper goes in once per process and chains to whatever it found there. Another
+library may wrap ``spawnv_passfds`` after it (its wrapper then calls this one) or
+before it (this one calls that); either way each spawn passes through every wrapper
+once. Later launches never re-install it on top of such a wrapper, which would make
+the wrapper this one's "original" and the two call each other forever.
 """
 
 from __future__ import annotations
@@ -36,11 +42,14 @@ class SpawnPrefixUse:
 
 class _Armed(threading.local):
     use: Optional[SpawnPrefixUse] = None
+    inside: bool = False
+    """True while this thread runs the wrapper: a second entry means the chain below leads back to it."""
 
 
 _armed = _Armed()
 _install_lock = threading.Lock()
 _original_spawnv_passfds: Optional[Callable[..., int]] = None
+_MAX_WRAPPED_DEPTH = 32
 
 
 def _is_spawn_command(args: Sequence[Any]) -> bool:
@@ -51,33 +60,59 @@ def _placed_spawnv_passfds(path: Any, args: Sequence[Any], passfds: Sequence[int
     original = _original_spawnv_passfds
     if original is None:  # pragma: no cover - the hook is only reachable once installed
         raise RuntimeError("the multiprocessing spawn hook was called before it was installed")
-    use = _armed.use
-    if use is None or not _is_spawn_command(args):
-        return original(path, args, passfds)
-    # CPython hands the executable over as bytes (os.fsencode); keep to that type.
-    pid = original(os.fsencode(use.prefix[0]), [*use.prefix, *args], passfds)
-    use.applied += 1
-    return pid
+    if _armed.inside:
+        raise PlacementError(
+            "multiprocessing.util.spawnv_passfds leads back into sglang's spawn hook: a wrapper below it calls "
+            "whatever spawnv_passfds is current instead of the function it wrapped; make that wrapper keep "
+            "and call the function it replaced"
+        )
+    _armed.inside = True
+    try:
+        use = _armed.use
+        if use is None or not _is_spawn_command(args):
+            return original(path, args, passfds)
+        # CPython hands the executable over as bytes (os.fsencode); keep to that type.
+        pid = original(os.fsencode(use.prefix[0]), [*use.prefix, *args], passfds)
+        use.applied += 1
+        return pid
+    finally:
+        _armed.inside = False
 
 
 def install_spawn_hook() -> None:
-    """Put the pass-through wrapper in front of ``multiprocessing.util.spawnv_passfds`` (idempotent)."""
+    """Put the pass-through wrapper in front of ``multiprocessing.util.spawnv_passfds``, once per process.
+
+    Once installed it is left where it is, even when another library has wrapped it
+    since: it is still in the chain, and wrapping that library's wrapper would loop.
+    """
     global _original_spawnv_passfds
     with _install_lock:
+        if _original_spawnv_passfds is not None:
+            return
         current = getattr(multiprocessing.util, "spawnv_passfds", None)
         if current is None:
             raise PlacementError(
                 "this Python's multiprocessing has no util.spawnv_passfds, so spawned schedulers cannot be "
                 "started under numactl; set SGLANG_NUMA_BIND_V2=0 to bind inside the child instead"
             )
-        if current is _placed_spawnv_passfds:
-            return
         _original_spawnv_passfds = current
         multiprocessing.util.spawnv_passfds = _placed_spawnv_passfds
 
 
 def spawn_hook_installed() -> bool:
-    return multiprocessing.util.spawnv_passfds is _placed_spawnv_passfds
+    """True when spawns reach the wrapper: it is ``spawnv_passfds``, or a wrapper in front of it says it wraps it.
+
+    A wrapper that does not set ``__wrapped__`` (``functools.wraps`` does) cannot be
+    seen through; the count in :class:`SpawnPrefixUse` tells for sure after a spawn.
+    """
+    current: Any = multiprocessing.util.spawnv_passfds
+    for _ in range(_MAX_WRAPPED_DEPTH):
+        if current is _placed_spawnv_passfds:
+            return True
+        current = getattr(current, "__wrapped__", None)
+        if current is None:
+            return False
+    return False
 
 
 @contextlib.contextmanager
