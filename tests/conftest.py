@@ -1,8 +1,32 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the harness that keeps every interpreter the suite starts light (tests/harness)."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
+
+HARNESS = str(Path(__file__).resolve().parent / "harness")
+
+# This process, and every interpreter it starts (spawned ranks, Ray workers, CLI runs), skips
+# sglang's own __init__; see tests/harness/sglang_light.py.
+sys.path.insert(0, HARNESS)
+import sglang_light  # noqa: E402,F401
+
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HARNESS, os.environ.get("PYTHONPATH")) if p)
+
+
+def full_import_env() -> dict[str, str]:
+    """The environment for an interpreter that imports sglang exactly as users do (no test harness)."""
+    env = dict(os.environ)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != HARNESS]
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import time
 from sglang.srt.placement.types import ProcessPlacement
 from sglang.srt.scheduler_launch import mp
 from sglang.srt.scheduler_launch.common import ExecCommand, RankLaunchError
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.placement.engine_args import EngineArgs
 
 from mp_launch_targets import exec_placement, report_target, unbound_placement
 
@@ -45,8 +45,8 @@ def _emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def _large_server_args() -> ServerArgs:
-    server_args = ServerArgs()
+def _large_server_args() -> EngineArgs:
+    server_args = EngineArgs()
     server_args.large_field = "x" * LARGE_FIELD_BYTES
     return server_args
 
@@ -83,7 +83,7 @@ def killed_launcher(where: str) -> None:
     from mp_slow_import_targets import hanging_target
 
     def launch() -> None:
-        launched = mp.launch_scheduler_processes(ServerArgs(), target=hanging_target, placements=[unbound_placement(0)])
+        launched = mp.launch_scheduler_processes(EngineArgs(), target=hanging_target, placements=[unbound_placement(0)])
         _emit(pid=launched[0].process.pid, launcher_pid=os.getpid())
         mp.wait_ready(launched, timeout_s=60)
 
@@ -111,7 +111,7 @@ def hook_chain() -> None:
         return wrapper
 
     multiprocessing.util.spawnv_passfds = recorder("below", multiprocessing.util.spawnv_passfds)
-    first = mp.run_ranks_mp(ServerArgs(), target=report_target, placements=[exec_placement(0, 1)], timeout_s=60)
+    first = mp.run_ranks_mp(EngineArgs(), target=report_target, placements=[exec_placement(0, 1)], timeout_s=60)
     above = recorder("above", multiprocessing.util.spawnv_passfds)
     multiprocessing.util.spawnv_passfds = above
 
@@ -121,7 +121,7 @@ def hook_chain() -> None:
     def launch(kind: str) -> None:
         placement = exec_placement(0, 1) if kind == "placed" else unbound_placement(0)
         try:
-            (result,) = mp.run_ranks_mp(ServerArgs(), target=report_target, placements=[placement], timeout_s=60)
+            (result,) = mp.run_ranks_mp(EngineArgs(), target=report_target, placements=[placement], timeout_s=60)
             with lock:
                 cpus[kind].append(result.info["cpus"])
         except BaseException as exc:  # noqa: BLE001 - reported below
@@ -146,7 +146,7 @@ def cpuset(cgroup_dir: str) -> None:
         f.write(str(os.getpid()))
     placement = exec_placement(0, 0).replace(cpus=frozenset({0, 1}), strategy="in-process", numactl_args=())
     try:
-        (result,) = mp.run_ranks_mp(ServerArgs(), target=report_target, placements=[placement], timeout_s=60)
+        (result,) = mp.run_ranks_mp(EngineArgs(), target=report_target, placements=[placement], timeout_s=60)
     except RankLaunchError as exc:
         _emit(ok=False, label=exc.label, message=str(exc))
     else:

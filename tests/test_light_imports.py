@@ -6,14 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-VM_SCRIPTS = Path(__file__).resolve().parent / "vm_scripts"
+HARNESS = Path(__file__).resolve().parent / "harness"
 HEAVY = ("torch", "transformers", "sglang.srt.utils.common", "ray")
 
 
 def test_placement_and_the_mp_launcher_load_without_heavy_modules():
     code = (
         "import sys\n"
-        f"sys.path.insert(0, {str(VM_SCRIPTS)!r})\n"
+        f"sys.path.insert(0, {str(HARNESS)!r})\n"
         "import sglang_light\n"
         "import sglang.srt.placement, sglang.srt.placement.resolve, sglang.srt.placement.verify\n"
         "import sglang.srt.placement.apply, sglang.srt.placement.observe, sglang.srt.placement.capture\n"

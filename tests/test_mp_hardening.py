@@ -21,7 +21,7 @@ from sglang.srt.placement.types import PlacementError
 from sglang.srt.scheduler_launch import spawn_hook
 from sglang.srt.scheduler_launch.common import RankLaunchError
 from sglang.srt.scheduler_launch.mp import launch_scheduler_processes, shutdown_ranks, wait_finished, wait_ready
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.placement.engine_args import EngineArgs
 
 from mp_launch_targets import exec_placement, raising_target, sleeping_loop_target, unbound_placement
 
@@ -138,7 +138,7 @@ def test_rank_does_not_outlive_a_launcher_killed_while_it_starts(where):
 
 def test_ranks_outlive_the_pool_thread_that_launched_them():
     def launch(placement):
-        launched = launch_scheduler_processes(ServerArgs(), target=sleeping_loop_target, placements=[placement])
+        launched = launch_scheduler_processes(EngineArgs(), target=sleeping_loop_target, placements=[placement])
         wait_ready(launched, timeout_s=60)
         return launched
 
@@ -158,7 +158,7 @@ def test_ranks_outlive_the_pool_thread_that_launched_them():
 
 
 def test_shutdown_after_a_failed_wait_keeps_the_real_error():
-    launched = launch_scheduler_processes(ServerArgs(), target=raising_target, placements=[unbound_placement(0)])
+    launched = launch_scheduler_processes(EngineArgs(), target=raising_target, placements=[unbound_placement(0)])
     with pytest.raises(RankLaunchError, match="DP0 PP0 TP0: scheduler failed to start: ValueError: model weights"):
         try:
             wait_ready(launched, timeout_s=60)

@@ -18,7 +18,8 @@ import json
 import os
 import sys
 
-import sglang_light  # noqa: F401  (first: placement without sglang's own __init__)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "harness"))
+import sglang_light  # noqa: E402,F401  (first: placement without sglang's own __init__)
 
 
 def main() -> None:

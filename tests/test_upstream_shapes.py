@@ -1,0 +1,262 @@
+"""sglang 0.5.23's own callers and behaviours, driven against the overlaid package.
+
+Each test calls the project the way an upstream module does (the same function,
+the same arguments, a real ``ServerArgs``) or checks one behaviour of 0.5.23
+that callers and operators rely on.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import importlib
+import multiprocessing
+import os
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+
+import fakesys
+import shm_kernel_standin as kernel
+from conftest import full_import_env
+from sglang.srt.environ import envs
+
+PACKAGE = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+PRISTINE = Path(os.environ.get("SGLANG_PRISTINE_DIR", "")) / "sglang"
+CHANGED_MODULES = (
+    "sglang.srt.utils.numa_utils",
+    "sglang.srt.ray.scheduler_actor",
+    "sglang.srt.distributed.bootstrap",
+    "sglang.srt.ray.engine",
+    "sglang.srt.environ",
+)
+
+
+def server_args(**kwargs):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path="/nonexistent", **kwargs)
+
+
+def two_node_tree(root: Path) -> Path:
+    """Node 0 is this host's real node 0 (its CPUs); node 1 and its GPU exist only in the tree."""
+    real_cpus = frozenset(os.sched_getaffinity(0))
+    spare = frozenset(range(max(real_cpus) + 1, max(real_cpus) + 3))
+    return fakesys.write_sysfs(root, fakesys.Host(
+        nodes={0: fakesys.NodeSpec(cpus=real_cpus), 1: fakesys.NodeSpec(cpus=spare)},
+        pci=[fakesys.host_bridge(0), fakesys.PciSpec(fakesys.gpu_address(0), 0),
+             fakesys.PciSpec(fakesys.gpu_address(1), 1)],
+    ))
+
+
+def report_memory_policy(queue) -> None:
+    from sglang.srt.placement.observe import read_mempolicy
+
+    policy, nodes = read_mempolicy()
+    queue.put((policy, sorted(nodes), sorted(os.sched_getaffinity(0))))
+
+
+def start_inside_configure_subprocess(args, gpu_id: int):
+    """What entrypoints/engine.py does for each scheduler: ``proc.start()`` inside configure_subprocess."""
+    from sglang.srt.utils import numa_utils
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=report_memory_policy, args=(queue,))
+    with numa_utils.configure_subprocess(args, gpu_id):
+        proc.start()
+    try:
+        return queue.get(timeout=120)
+    finally:
+        proc.join(30)
+
+
+# --------------------------------------------------------------------------- configure_subprocess
+
+
+def test_spawned_child_of_configure_subprocess_runs_under_its_gpus_placement(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(two_node_tree(tmp_path / "sys")))
+    policy, nodes, _ = start_inside_configure_subprocess(server_args(tp_size=2, device="cuda"), 0)
+    assert (policy, nodes) == ("bind", [0])  # numactl --cpunodebind=0 --membind=0 started the child
+
+
+@pytest.mark.parametrize("case", ["cpu device", "one NUMA node", "no numactl", "bind v1"])
+def test_configure_subprocess_is_a_no_op_where_upstream_is_one(case, tmp_path, monkeypatch):
+    from sglang.srt.placement import numactl
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    device = "cuda"
+    if case == "cpu device":
+        device = "cpu"
+    if case != "one NUMA node":
+        monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(two_node_tree(tmp_path / "sys")))
+    if case == "no numactl":
+        monkeypatch.setattr(numactl, "find_numactl", lambda: None)
+    if case == "bind v1":
+        monkeypatch.setenv("SGLANG_NUMA_BIND_V2", "0")
+    policy, _, cpus = start_inside_configure_subprocess(server_args(tp_size=2, device=device), 0)
+    assert policy == "default" and cpus == sorted(os.sched_getaffinity(0))
+
+
+def test_get_numa_node_if_available_needs_only_numa_node():
+    from sglang.srt.utils.numa_utils import get_numa_node_if_available
+
+    assert get_numa_node_if_available(types.SimpleNamespace(numa_node=[1, 0]), 1) == 0
+    assert get_numa_node_if_available(server_args(numa_node=[0, 1]), 1) == 1
+
+
+def test_gpu_worker_binds_through_the_placement(monkeypatch):
+    """multimodal_gen's GPU worker: get_numa_node_if_available(server_args=, gpu_id=), then numa_bind_to_node."""
+    from sglang.multimodal_gen.runtime.managers import gpu_worker
+
+    before = os.sched_getaffinity(0)
+    try:
+        node = gpu_worker._bind_worker_to_gpu_numa_node(types.SimpleNamespace(numa_node=[0]), 0)
+        assert node == 0 and os.sched_getaffinity(0) == before  # node 0 holds every CPU here
+        # Without --numa-node, discovery on this one-node host binds nothing, as upstream.
+        assert gpu_worker._bind_worker_to_gpu_numa_node(server_args(device="cuda"), 0) is None
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+# --------------------------------------------------------------------------- numa_bind_to_node, get_libnuma
+
+
+def test_numa_bind_to_node_intersects_with_the_current_affinity():
+    from sglang.srt.utils.numa_utils import numa_bind_to_node
+
+    before = os.sched_getaffinity(0)
+    first = min(before)
+    code = (
+        "import os\n"
+        f"os.sched_setaffinity(0, {{{first}}})\n"
+        "from sglang.srt.utils.numa_utils import numa_bind_to_node\n"
+        "numa_bind_to_node(0)\n"
+        "print(sorted(os.sched_getaffinity(0)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"[{first}]"  # not widened to the whole node
+    assert callable(numa_bind_to_node)
+
+
+def test_numa_bind_to_node_of_a_missing_node_follows_the_failure_policy(caplog):
+    from sglang.srt.utils.numa_utils import numa_bind_to_node
+
+    numa_bind_to_node(63)  # a warning, as upstream, not an OSError
+    assert any("NUMA node 63" in r.getMessage() for r in caplog.records)
+    with envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.override(True), pytest.raises(RuntimeError, match="NUMA node 63"):
+        numa_bind_to_node(63)
+
+
+def test_get_libnuma_is_a_cdll_or_none():
+    from sglang.srt.placement import libnuma
+    from sglang.srt.utils.numa_utils import get_libnuma
+
+    assert isinstance(get_libnuma(), ctypes.CDLL)
+    assert libnuma.load_libnuma(name="libnuma-absent.so.1") is None
+
+
+# --------------------------------------------------------------------------- init_threads_binding
+
+
+def test_init_threads_binding_all_leaves_smt_siblings_out(tmp_path, monkeypatch):
+    from sglang.srt.utils.numa_utils import init_threads_binding
+
+    real = sorted(os.sched_getaffinity(0))
+    # One core per CPU pair: CPUs 0 and 1 are SMT siblings of core 0 on node 0.
+    host = fakesys.Host(nodes={0: fakesys.NodeSpec(cpus=frozenset(real))},
+                        cores={cpu: (0, 0) for cpu in real})
+    monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(fakesys.write_sysfs(tmp_path / "sys", host)))
+    with envs.SGLANG_CPU_OMP_THREADS_BIND.override("all"):
+        assert init_threads_binding(numa_index=0, world_size=1) == str(real[0])
+
+
+# --------------------------------------------------------------------------- environment values
+
+
+@pytest.mark.parametrize("text, value", [("y", True), ("YES", True), ("1", True), ("n", False), ("false", False)])
+def test_boolean_settings_take_upstreams_spellings(text, value, monkeypatch):
+    from sglang.srt.placement import settings
+
+    monkeypatch.setenv("SGLANG_NUMA_BIND_V2", text)
+    assert settings.bind_v2() is value
+
+
+def test_an_invalid_boolean_warns_and_keeps_the_default(monkeypatch):
+    from sglang.srt.placement import settings
+
+    monkeypatch.setenv("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", "maybe")
+    with pytest.warns(UserWarning, match="SGLANG_CRASH_ON_NUMA_BIND_FAILURE"):
+        assert settings.bind_failure_is_fatal() is False
+
+
+# --------------------------------------------------------------------------- bootstrap's CPU path
+
+
+@pytest.mark.parametrize("schema", ["released", "namespaced"])
+def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(schema, monkeypatch):
+    from sglang.srt.distributed import bootstrap
+    from sglang.srt.distributed.bootstrap import ShmNamespace, init_shm_collective  # noqa: F401 (still importable)
+    from sglang.srt.distributed.shm_collective import release_shm_collective
+
+    port = 40000 + os.getpid() % 20000
+    method = f"tcp://127.0.0.1:{port}"
+    namespace = ShmNamespace.from_init_method(method)
+    monkeypatch.setattr(bootstrap, "_is_cpu_amx_available", True)
+    monkeypatch.setattr(bootstrap, "get_parallel", lambda: types.SimpleNamespace(tp_size=1, tp_rank=0))
+    for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    environ_before = dict(os.environ)
+    affinity_before = os.sched_getaffinity(0)
+    with kernel.registered(schema, threads_env=True) as calls:
+        try:
+            bootstrap._init_cpu_threads_env(local_omp_cpuid=str(min(affinity_before)), dist_init_method=method)
+            initialize = [dict(c) for c in calls if c.get("op") == "initialize"]
+        finally:
+            release_shm_collective(namespace, rank=0)
+            os.sched_setaffinity(0, affinity_before)
+    assert initialize and initialize[0]["segment"] == namespace.segment_name(0)
+    assert dict(os.environ) == environ_before
+    assert all(kernel.c_getenv(name) is None for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"))
+
+
+# --------------------------------------------------------------------------- imports upstream relies on
+
+
+def _imported_names(path: Path) -> list[tuple[str, str]]:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError):
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in CHANGED_MODULES and node.level == 0:
+            found.extend((node.module, alias.name) for alias in node.names if alias.name != "*")
+    return found
+
+
+def test_every_name_upstream_imports_from_a_changed_module_still_resolves():
+    assert (PRISTINE / "srt").is_dir(), f"SGLANG_PRISTINE_DIR must hold the pristine package (got {PRISTINE})"
+    wanted = sorted({pair for path in PRISTINE.rglob("*.py") for pair in _imported_names(path)})
+    assert len(wanted) > 20
+    missing = []
+    for module_name, name in wanted:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = importlib.import_module(module_name)
+        if not hasattr(module, name):
+            missing.append(f"{module_name}.{name}")
+    assert missing == []
+
+
+def test_sglang_router_imports_its_launch_server_from_the_overlaid_package():
+    out = subprocess.run([sys.executable, "-c", "import sglang_router.launch_server, sglang\nprint(sglang.__file__)"],
+                         capture_output=True, text=True, timeout=300, env=full_import_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().startswith(str(PACKAGE))
