@@ -170,11 +170,11 @@ def test_file_init_method_falls_back_to_a_path_digest(tmp_path):
     assert a.segment_name(0) != b.segment_name(0)
 
 
-def test_name_max_bounds_the_longest_segment_name():
-    fixed = len(f"deepspeed_allreduce_buffer_{UID}__65535_99999")
+def test_name_max_bounds_the_longest_segment_name_and_its_owner_record():
+    fixed = len(f"deepspeed_allreduce_buffer_{UID}__65535_99999.owner")
     longest_ok = "h" * (NAME_MAX - fixed)
     ns = ShmNamespace(addr=longest_ok, port=65535)
-    assert len(ns.segment_name(99999)) == NAME_MAX
+    assert len(ns.segment_name(99999) + ".owner") == NAME_MAX
     with pytest.raises(ShmNamespaceError, match="too long"):
         ShmNamespace(addr=longest_ok + "h", port=65535)
     with pytest.raises(ShmNamespaceError, match="rank=100000"):
@@ -379,7 +379,8 @@ def test_killed_engines_segment_is_cleaned_and_a_live_one_elsewhere_untouched(
     live_segment = os.path.join(SHM, live_ns.segment_name(0))
     assert os.path.exists(stale) and os.path.exists(live_segment)
     sweep = remove_stale_segments(namespace)
-    assert sweep.removed == (namespace.segment_name(1),)
+    assert namespace.segment_name(1) in sweep.removed
+    assert live_ns.segment_name(0) not in sweep.removed
     assert not os.path.exists(stale)
     assert not os.path.exists(
         os.path.join(SHM, f"sglang_shm_owners_{UID}", namespace.segment_name(1) + ".owner")
@@ -425,13 +426,23 @@ def test_segment_without_owner_record_is_left_alone(namespace, caplog):
     assert any("no owner record" in r.getMessage() for r in caplog.records)
 
 
-def test_owner_directory_must_be_private(tmp_path, namespace):
+def test_owner_directory_that_is_not_private_is_passed_over(tmp_path, namespace, caplog):
+    caplog.set_level(logging.WARNING, logger="sglang.srt.distributed")
     owner_dir = tmp_path / f"sglang_shm_owners_{namespace.uid}"
-    owner_dir.mkdir(mode=0o777)
-    owner_dir.chmod(0o777)
+    owner_dir.mkdir(mode=0o770)
+    owner_dir.chmod(0o770)
     with kernel.registered("released"):
-        with pytest.raises(ShmOwnerError, match="mode 0700"):
-            init_shm_collective(namespace, tp_size=1, tp_rank=0, shm_dir=str(tmp_path))
+        assert init_shm_collective(namespace, tp_size=1, tp_rank=0, shm_dir=str(tmp_path))
+    [private] = [p for p in tmp_path.iterdir() if p.name.startswith(owner_dir.name + ".")]
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert (private / (namespace.segment_name(0) + ".owner")).exists()
+    assert not list(owner_dir.iterdir())
+    assert any(
+        repr(str(owner_dir)) in r.getMessage() and "drwxrwx---" in r.getMessage()
+        for r in caplog.records
+    )
+    release_shm_collective(namespace)
+    assert not private.exists()
 
 
 # ------------------------------------------------------------------------ thread binding

@@ -1,30 +1,48 @@
-"""Parsing an engine's init address (``host:port``, ``tcp://host:port``, ``[v6]:port``) with errors that name the setting."""
+"""Parsing an engine's init address (``host:port``, ``tcp://host:port``, ``[v6]:port``) with errors that name the setting and show the value escaped."""
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 
 logger = logging.getLogger(__name__)
 
 _MAX_PORT = 65535
+# ASCII only: str.isdigit() also accepts '²' (which int() refuses) and '٨٠' (which
+# int() reads as 80).
+_PORT_RE = re.compile(r"[0-9]+")
+_SHOWN_MAX = 80
 
 
 class AddressError(ValueError):
     """A ``host:port`` value or an init method is malformed."""
 
 
+def quoted(value: object) -> str:
+    """``repr(value)`` for an error message, cut short when long: a NUL or control
+    character stays visible and a huge value cannot flood the line."""
+    text = repr(value)
+    if len(text) <= _SHOWN_MAX:
+        return text
+    return f"{text[:_SHOWN_MAX]}... ({len(text)} characters)"
+
+
 def parse_port(text: str, *, what: str) -> int:
     """A TCP port from text; ``what`` names the setting in the error."""
-    stripped = text.strip()
-    if not stripped.isdigit():
+    stripped = text.strip() if isinstance(text, str) else ""
+    if not _PORT_RE.fullmatch(stripped):
         raise AddressError(
-            f"{what}: port {text!r} is not a number; expected an integer from 1 to {_MAX_PORT}"
+            f"{what}: port {quoted(text)} is not a number; expected an integer from 1 to "
+            f"{_MAX_PORT} in ASCII digits"
         )
-    port = int(stripped)
-    if not 0 < port <= _MAX_PORT:
-        raise AddressError(f"{what}: port {port} is out of range; expected 1 to {_MAX_PORT}")
-    return port
+    # Bounded before int(): a long digit string would cost time, and int() refuses 4300+ digits.
+    digits = stripped.lstrip("0")
+    if len(digits) > len(str(_MAX_PORT)) or not 0 < int(digits or "0") <= _MAX_PORT:
+        raise AddressError(
+            f"{what}: port {quoted(text)} is out of range; expected 1 to {_MAX_PORT}"
+        )
+    return int(digits)
 
 
 def split_host_port(text: str, *, what: str) -> tuple[str, int]:
@@ -36,27 +54,32 @@ def split_host_port(text: str, *, what: str) -> tuple[str, int]:
     if value.startswith("["):
         close = value.find("]")
         if close < 0:
-            raise AddressError(f"{what}: {text!r} opens '[' without ']'; expected '[ipv6]:port'")
+            raise AddressError(
+                f"{what}: {quoted(text)} opens '[' without ']'; expected '[ipv6]:port'"
+            )
         host = value[1:close]
         rest = value[close + 1 :]
         _check_ipv6(host, text=text, what=what)
         if not rest:
-            raise AddressError(f"{what}: {text!r} has no port; expected '[{host}]:port'")
+            raise AddressError(
+                f"{what}: {quoted(text)} has no port; expected {quoted(f'[{host}]:port')}"
+            )
         if not rest.startswith(":"):
             raise AddressError(
-                f"{what}: {text!r} has {rest!r} after ']'; expected '[{host}]:port'"
+                f"{what}: {quoted(text)} has {quoted(rest)} after ']'; "
+                f"expected {quoted(f'[{host}]:port')}"
             )
         return host, parse_port(rest[1:], what=what)
     if ":" not in value:
-        raise AddressError(f"{what}: {text!r} has no port; expected 'host:port'")
+        raise AddressError(f"{what}: {quoted(text)} has no port; expected 'host:port'")
     host, port_text = value.rsplit(":", 1)
     if ":" in host:
         raise AddressError(
-            f"{what}: {text!r} looks like an IPv6 address without brackets; "
-            f"write it as '[{host}]:{port_text}'"
+            f"{what}: {quoted(text)} looks like an IPv6 address without brackets; "
+            f"write it as {quoted(f'[{host}]:{port_text}')}"
         )
     if not host:
-        raise AddressError(f"{what}: {text!r} has no host; expected 'host:port'")
+        raise AddressError(f"{what}: {quoted(text)} has no host; expected 'host:port'")
     return host, parse_port(port_text, what=what)
 
 
@@ -66,7 +89,7 @@ def _check_ipv6(host: str, *, text: str, what: str) -> None:
         ipaddress.IPv6Address(address)
     except ValueError:
         raise AddressError(
-            f"{what}: {text!r} has {host!r} in brackets, which is not an IPv6 address"
+            f"{what}: {quoted(text)} has {quoted(host)} in brackets, which is not an IPv6 address"
         ) from None
 
 
@@ -84,7 +107,7 @@ def parse_tcp_init_method(method: str, *, what: str = "dist_init_method") -> tup
     """``(host, port)`` of a ``tcp://host:port`` init method (query string ignored)."""
     prefix = "tcp://"
     if not method.startswith(prefix):
-        raise AddressError(f"{what}: {method!r} is not a tcp:// init method")
+        raise AddressError(f"{what}: {quoted(method)} is not a tcp:// init method")
     rest = method[len(prefix) :]
     rest, _, _query = rest.partition("?")
     if rest.endswith("/"):

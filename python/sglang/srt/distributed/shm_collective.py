@@ -147,7 +147,7 @@ def init_shm_collective(
 
     Returns True if ``sgl_kernel::initialize`` was called, False (one DEBUG line) if no
     such op is registered. Before the call this rank locks its owner record, removes
-    its own leftover segment and the namespace's segments whose owners are gone, then
+    its own leftover segment and every segment of this uid whose owner is gone, then
     runs ``barrier`` (if given) so that no rank maps a peer's leftover segment.
     """
     for name, value in (("tp_size", tp_size), ("tp_rank", tp_rank)):

@@ -16,13 +16,21 @@ import hashlib
 import os
 import re
 from typing import Any, Mapping, Optional
+from urllib.parse import urlparse
 
-from sglang.srt.distributed.init_address import AddressError, parse_port, parse_tcp_init_method
+from sglang.srt.distributed.init_address import (
+    AddressError,
+    parse_port,
+    parse_tcp_init_method,
+    quoted,
+)
 
 SHM_SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
 NAME_MAX = 255
-# Ranks up to 99999 are reserved room in every name, so a namespace that passes
-# validation never yields an over-long segment name later.
+# Each segment has an owner record named after it plus this suffix (see shm_segments).
+OWNER_RECORD_SUFFIX = ".owner"
+# Room for ranks up to 99999 and for the owner record's suffix is reserved in every
+# name, so a namespace that passes validation never yields an over-long name later.
 _RANK_DIGITS = 5
 _MAX_RANK = 10**_RANK_DIGITS - 1
 # Reserved for the pipeline-stage suffix; never valid in a host name or address.
@@ -52,18 +60,18 @@ class ShmNamespace:
     def __post_init__(self) -> None:
         if not isinstance(self.addr, str) or not self.addr:
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={self.addr!r}: expected a non-empty host name or address"
+                f"ShmNamespace.addr={quoted(self.addr)}: expected a non-empty host name or address"
             )
         if "/" in self.addr:
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={self.addr!r} contains '/', which cannot appear in a "
+                f"ShmNamespace.addr={quoted(self.addr)} contains '/', which cannot appear in a "
                 f"/dev/shm segment name; use the host's name or IP address"
             )
         if not _ADDR_RE.fullmatch(self.addr):
             bad = sorted({c for c in self.addr if not _ADDR_RE.fullmatch(c)})
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={self.addr!r} contains {''.join(bad)!r}; only letters, "
-                f"digits and . _ - : % are allowed in a /dev/shm segment name"
+                f"ShmNamespace.addr={quoted(self.addr)} contains {quoted(''.join(bad))}; only "
+                f"letters, digits and . _ - : % are allowed in a /dev/shm segment name"
             )
         for name, value, low, high in (
             ("port", self.port, 0, 65535),
@@ -72,14 +80,15 @@ class ShmNamespace:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ShmNamespaceError(
-                    f"ShmNamespace.{name}={value!r}: expected an integer from {low} to {high}"
+                    f"ShmNamespace.{name}={quoted(value)}: expected an integer from {low} to {high}"
                 )
-        longest = len(self.segment_name(_MAX_RANK))
+        longest = len(self.segment_name(_MAX_RANK) + OWNER_RECORD_SUFFIX)
         if longest > NAME_MAX:
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={self.addr!r} is too long: segment names would be up to "
-                f"{longest} characters, over the {NAME_MAX} allowed in /dev/shm; give "
-                f"--dist-init-addr (or --host) as an IP address or a shorter host name"
+                f"ShmNamespace.addr={quoted(self.addr)} is too long: segment names and their "
+                f"owner records would be up to {longest} characters, over the {NAME_MAX} "
+                f"allowed in /dev/shm; give --dist-init-addr (or --host) as an IP address "
+                f"or a shorter host name"
             )
 
     @classmethod
@@ -96,15 +105,16 @@ class ShmNamespace:
         ``tcp://host:port`` and ``tcp://[ipv6]:port`` give ``(host, port)``. Fallbacks:
         ``env://`` reads (never writes) ``MASTER_ADDR``/``MASTER_PORT`` from ``environ``
         (default ``os.environ``), as torch does for that method; ``file:///path`` has no
-        address, so the address becomes ``file.<16 hex of sha256(path)>`` and the port 0.
+        address, so the address becomes ``file.<16 hex of sha256(path)>`` and the port 0,
+        where ``path`` is the file torch's rendezvous uses (see :func:`_file_address`).
         """
-        what = f"dist_init_method={method!r}"
+        what = f"dist_init_method={quoted(method)}"
         extra: dict[str, Any] = {"pp_rank": pp_rank}
         if uid is not None:
             extra["uid"] = uid
         if not isinstance(method, str) or not method.strip():
             raise ShmNamespaceError(
-                f"dist_init_method={method!r}: expected 'tcp://host:port', 'env://' "
+                f"dist_init_method={quoted(method)}: expected 'tcp://host:port', 'env://' "
                 f"or 'file://path'"
             )
         method = method.strip()
@@ -115,7 +125,7 @@ class ShmNamespace:
             elif scheme == "env":
                 host, port = _env_address(what, os.environ if environ is None else environ)
             elif scheme == "file":
-                host, port = _file_address(what, method[len("file://") :]), 0
+                host, port = _file_address(what, method), 0
             else:
                 raise ShmNamespaceError(
                     f"{what}: unsupported scheme; expected 'tcp://host:port', "
@@ -149,7 +159,9 @@ class ShmNamespace:
     def segment_name(self, rank: int) -> str:
         """The ``/dev/shm`` name the CPU kernel uses for ``rank``."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= _MAX_RANK:
-            raise ShmNamespaceError(f"rank={rank!r}: expected an integer from 0 to {_MAX_RANK}")
+            raise ShmNamespaceError(
+                f"rank={quoted(rank)}: expected an integer from 0 to {_MAX_RANK}"
+            )
         return f"{self.prefix}_{rank}"
 
     def rank_of(self, name: str) -> Optional[int]:
@@ -170,7 +182,7 @@ def _env_address(what: str, environ: Mapping[str, str]) -> tuple[str, int]:
     if not host or not port_text:
         raise ShmNamespaceError(
             f"{what} takes the address from MASTER_ADDR and MASTER_PORT, but "
-            f"MASTER_ADDR={host!r}, MASTER_PORT={port_text!r}; set both, or use "
+            f"MASTER_ADDR={quoted(host)}, MASTER_PORT={quoted(port_text)}; set both, or use "
             f"a tcp://host:port init method"
         )
     if host.startswith("[") and host.endswith("]"):
@@ -178,12 +190,25 @@ def _env_address(what: str, environ: Mapping[str, str]) -> tuple[str, int]:
     return host, parse_port(port_text, what="MASTER_PORT")
 
 
-def _file_address(what: str, path: str) -> str:
-    """``file://``: no address, so a digest of the path stands in for one."""
+def _file_address(what: str, method: str) -> str:
+    """``file://``: no address, so a digest of the store's path stands in for one.
+
+    The path is the one torch's ``_file_rendezvous_handler`` opens:
+    ``urlparse(url).path``, taken as it is. That drops the netloc
+    (``file://tmp/x`` is ``/x``) and the query, and never depends on the working
+    directory, so every rank of one engine gets the same name wherever it starts.
+    """
+    path = urlparse(method).path
     if not path:
         raise ShmNamespaceError(f"{what} names no file; expected 'file:///path'")
-    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return f"file.{digest}"
 
 
-__all__ = ["NAME_MAX", "SHM_SEGMENT_PREFIX", "ShmNamespace", "ShmNamespaceError"]
+__all__ = [
+    "NAME_MAX",
+    "OWNER_RECORD_SUFFIX",
+    "SHM_SEGMENT_PREFIX",
+    "ShmNamespace",
+    "ShmNamespaceError",
+]
