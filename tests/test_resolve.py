@@ -8,6 +8,7 @@ import stat
 import pytest
 
 from sglang.srt.environ import envs
+from sglang.srt.placement import settings
 from sglang.srt.placement.settings import SettingError
 from sglang.srt.placement import resolve
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
@@ -402,33 +403,40 @@ def test_server_args_errors(kwargs, message):
         EngineArgs(**kwargs)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("SGLANG_NUMA_BIND_V2", "maybe", r"SGLANG_NUMA_BIND_V2='maybe' is not valid: expected one of 1, true"),
-    ("SGLANG_AUTO_NUMA_BIND", "2", r"SGLANG_AUTO_NUMA_BIND='2' is not valid"),
-    ("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", "", r"SGLANG_CRASH_ON_NUMA_BIND_FAILURE='' is not valid"),
-    ("SGLANG_NUMA_AFFINITY_MODE", "cores", r"SGLANG_NUMA_AFFINITY_MODE='cores' is not valid: expected one of node, "
-                                           r"exclusive, socket"),
-    ("SGLANG_CPU_OMP_THREADS_BIND", " ", r"SGLANG_CPU_OMP_THREADS_BIND=' ' is not valid: expected a non-empty value"),
-    ("SGLANG_SYSFS_ROOT", "", r"SGLANG_SYSFS_ROOT='' is not valid"),
+@pytest.mark.parametrize("field, value, reader, message", [
+    ("SGLANG_NUMA_AFFINITY_MODE", "cores", settings.affinity_mode,
+     r"SGLANG_NUMA_AFFINITY_MODE='cores' is not valid: choose one of node, exclusive, socket"),
+    ("SGLANG_CPU_OMP_THREADS_BIND", " ", settings.cpu_threads_bind, r"SGLANG_CPU_OMP_THREADS_BIND is empty"),
+    ("SGLANG_SYSFS_ROOT", "", settings.sysfs_root, r"SGLANG_SYSFS_ROOT='' is not valid"),
 ])
-def test_malformed_environment_fields(field, value, message):
-    env_field = getattr(envs, field)
-    with env_field.override(value):
+def test_malformed_placement_settings_name_the_variable(field, value, reader, message):
+    with getattr(envs, field).override(value):
         with pytest.raises(SettingError, match=message):
-            env_field.get()
+            reader()
 
 
-def test_env_fields_defaults_and_override_restores_absence():
-    with envs.SGLANG_NUMA_BIND_V2.override(None):
-        assert envs.SGLANG_NUMA_BIND_V2.get() is True and not envs.SGLANG_NUMA_BIND_V2.is_set()
-        with envs.SGLANG_NUMA_BIND_V2.override(False):
-            assert os.environ["SGLANG_NUMA_BIND_V2"] == "0" and envs.SGLANG_NUMA_BIND_V2.get() is False
-        assert "SGLANG_NUMA_BIND_V2" not in os.environ
-    assert envs.SGLANG_AUTO_NUMA_BIND.get() is True
-    assert envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.get() is False
-    assert envs.SGLANG_CPU_OMP_THREADS_BIND.get() == "all"
-    assert envs.SGLANG_NUMA_AFFINITY_MODE.get() == "node"
-    assert envs.SGLANG_SYSFS_ROOT.get() == "/sys"
+@pytest.mark.parametrize("field, reader", [
+    ("SGLANG_NUMA_BIND_V2", settings.bind_v2),
+    ("SGLANG_AUTO_NUMA_BIND", settings.auto_numa_bind),
+    ("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", settings.bind_failure_is_fatal),
+])
+def test_a_malformed_boolean_warns_and_keeps_upstreams_default(field, reader):
+    default = reader()
+    with getattr(envs, field).override("maybe"), pytest.warns(UserWarning, match=f"Invalid value for {field}"):
+        assert reader() is default
+
+
+def test_settings_defaults_and_override_restores_absence():
+    os.environ.pop("SGLANG_NUMA_BIND_V2", None)
+    assert settings.bind_v2() is True and not envs.SGLANG_NUMA_BIND_V2.is_set()
+    with envs.SGLANG_NUMA_BIND_V2.override(False):
+        assert os.environ["SGLANG_NUMA_BIND_V2"] == "False" and settings.bind_v2() is False
+    assert "SGLANG_NUMA_BIND_V2" not in os.environ
+    assert settings.auto_numa_bind() is True
+    assert settings.bind_failure_is_fatal() is False
+    assert settings.cpu_threads_bind() == "all"
+    assert settings.affinity_mode() == "node"
+    assert settings.sysfs_root() == "/sys"
 
 
 def test_policy_rejects_unknown_launcher_and_mode():

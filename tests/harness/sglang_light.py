@@ -23,6 +23,8 @@ def install() -> None:
         raise ImportError("sglang is not installed in this interpreter: run scripts/setup.sh first")
     package = types.ModuleType("sglang")
     package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    package.__file__ = spec.origin
     sys.modules["sglang"] = package
 
 
