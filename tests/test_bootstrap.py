@@ -489,7 +489,7 @@ def test_bind_rank_threads_uses_the_kernel_op_when_registered():
     "cpu_ids, error, needle",
     [
         ("", ThreadBindingError, "names no CPU"),
-        ("99999", ThreadBindingError, "not available to this process"),
+        ("8191", ThreadBindingError, "not available to this process"),
         ("0-a", CpuListError, "rank 3 cpu_ids"),
     ],
 )

@@ -225,7 +225,7 @@ def test_process_affinity_from_a_status_file(tmp_path):
 
 
 def test_process_affinity_errors(tmp_path):
-    with pytest.raises(TopologyError, match=f"{tmp_path}/missing: cannot be read"):
+    with pytest.raises(TopologyError, match=f"{tmp_path}/missing: missing; pass the status file"):
         read_process_affinity(tmp_path / "missing")
     status = tmp_path / "status"
     status.write_text("Name:\tx\nCpus_allowed_list:\t0-3\n")

@@ -6,17 +6,47 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
+import re
 import sys
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from sglang.srt.environ import envs
-from sglang.srt.placement.settings import SettingError
-from sglang.srt.placement.cpulist import CpuListError, format_cpulist, parse_cpulist
-from sglang.srt.placement.types import AFFINITY_MODES, PlacementError, ProcessAffinity, TopologyError
-from sglang.srt.placement.engine_args import EngineArgs, EngineArgsError
+from sglang.srt.placement import settings
+from sglang.srt.placement.cpulist import CpuListError, elide, format_cpulist, parse_cpulist, shown
+from sglang.srt.placement.engine_args import EngineArgs
+from sglang.srt.placement.types import AFFINITY_MODES, PlacementError, ProcessAffinity
 
 PROG = "python -m sglang.srt.placement"
+
+MAX_RANKS = 65536
+"""The most ranks one engine may have (--tp-size x --pp-size x --dp-size), and so each size flag's ceiling."""
+MAX_GPU_ID = 4095
+"""Far above the accelerator count of any host."""
+MAX_NUMA_NODES = 1024
+"""Linux's MAX_NUMNODES at its largest (CONFIG_NODES_SHIFT=10): node ids run from 0 to 1023."""
+MAX_TIMEOUT_S = 86400.0
+"""verify waits for its ranks at most a day."""
+
+INT_FLAGS: dict[str, tuple[str, int, int]] = {
+    "tp_size": ("--tp-size", 1, MAX_RANKS),
+    "pp_size": ("--pp-size", 1, MAX_RANKS),
+    "dp_size": ("--dp-size", 1, MAX_RANKS),
+    "nnodes": ("--nnodes", 1, MAX_RANKS),
+    "node_rank": ("--node-rank", 0, MAX_RANKS - 1),
+    "base_gpu_id": ("--base-gpu-id", 0, MAX_GPU_ID),
+    "gpu_id_step": ("--gpu-id-step", 1, MAX_GPU_ID),
+    "numa_node": ("--numa-node", 0, MAX_NUMA_NODES - 1),
+    "port": ("--port", 1, 65535),
+}
+"""Each integer flag's name in messages and accepted range, by its dest; any other one gets OTHER_INT_RANGE."""
+OTHER_INT_RANGE = (-(2**31 - 1), 2**31 - 1)
+MAX_MESSAGE_CHARS = 2000
+"""An error line longer than this is cut in the middle."""
+
+_INT_RE = re.compile(r"[+-]?[0-9]+")
+_FLOAT_RE = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 class UsageError(Exception):
@@ -28,12 +58,75 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
+def bounded_int(flag: str, lowest: int, highest: int) -> Callable[[str], int]:
+    """An argparse ``type=``: ASCII decimal digits (no ``٣``, ``1_0`` or ``0x10``) from ``lowest`` to ``highest``."""
+
+    def parse(text: str) -> int:
+        word = text.strip()
+        if _INT_RE.fullmatch(word) is None:
+            raise argparse.ArgumentTypeError(
+                f"invalid int value: {shown(text)} ({flag} takes an integer from {lowest} to {highest})"
+            )
+        # Length first: int() of a 100,000-digit string is slow (and refused past 4300 digits).
+        if len(word.lstrip("+-").lstrip("0")) > len(str(max(abs(lowest), abs(highest)))) or not (
+            lowest <= int(word) <= highest
+        ):
+            raise argparse.ArgumentTypeError(
+                f"{flag}={shown(word, quote=False)} is not valid: it must be an integer from {lowest} to {highest}"
+            )
+        return int(word)
+
+    parse.__name__ = "int"
+    return parse
+
+
+def bounded_seconds(flag: str, highest: float) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite number of seconds above 0 and at most ``highest`` (no nan, inf or 1e400)."""
+
+    def parse(text: str) -> float:
+        word = text.strip()
+        value = float(word) if _FLOAT_RE.fullmatch(word) else math.nan
+        if not (math.isfinite(value) and 0 < value <= highest):
+            raise argparse.ArgumentTypeError(
+                f"{flag}={shown(word, quote=False)} is not valid: it must be a number of seconds above 0 and at most "
+                f"{highest:g}"
+            )
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def path_arg(flag: str) -> Callable[[str], str]:
+    """An argparse ``type=`` for a path: not empty, and no NUL byte (which no system call takes)."""
+
+    def parse(text: str) -> str:
+        if not text or "\0" in text:
+            raise argparse.ArgumentTypeError(
+                f"{flag}={shown(text)} is not valid: give a path{' (a path cannot hold a NUL byte)' if text else ''}"
+            )
+        return text
+
+    parse.__name__ = "path"
+    return parse
+
+
+def _bound_integer_flags(parser: argparse.ArgumentParser) -> None:
+    """Give every ``type=int`` flag (EngineArgs' included, whose parser is upstream's) a bounded type."""
+    for action in parser._actions:  # argparse has no public way to list a parser's arguments
+        if action.type is int:
+            name = action.option_strings[-1] if action.option_strings else action.dest
+            flag, lowest, highest = INT_FLAGS.get(action.dest) or (name, *OTHER_INT_RANGE)
+            action.type = bounded_int(flag, lowest, highest)
+
+
 def _add_plan_args(parser: argparse.ArgumentParser, *, launchers: Sequence[str]) -> None:
     EngineArgs.add_cli_args(parser)
+    _bound_integer_flags(parser)
     group = parser.add_argument_group("placement")
     group.add_argument("--launcher", choices=launchers, default="mp",
                        help="The launcher the ranks go through (default: mp).")
-    group.add_argument("--sysfs-root", default=None,
+    group.add_argument("--sysfs-root", default=None, type=path_arg("--sysfs-root"),
                        help="Plan from this sysfs tree (a snapshot made by `capture`) instead of this host's /sys; "
                             "nothing is probed on this host. Default: $SGLANG_SYSFS_ROOT or /sys.")
     group.add_argument("--gpus", default=None,
@@ -54,10 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_args(plan, launchers=("mp", "ray"))
     verify = sub.add_parser("verify", help="Start the ranks through the real launcher(s) and read each binding back.")
     _add_plan_args(verify, launchers=("mp", "ray", "both"))
-    verify.add_argument("--timeout", type=float, default=120.0, help="Seconds to wait for the ranks (default 120).")
+    verify.add_argument("--timeout", type=bounded_seconds("--timeout", MAX_TIMEOUT_S), default=120.0,
+                        help=f"Seconds to wait for the ranks, above 0 and at most {MAX_TIMEOUT_S:g} (default 120).")
     capture = sub.add_parser("capture", help="Copy the sysfs files placement reads into DIR, for plan --sysfs-root.")
-    capture.add_argument("dir", help="A new (or empty) directory.")
-    capture.add_argument("--sysfs-root", default="/sys", help="The tree to copy (default /sys).")
+    capture.add_argument("dir", metavar="DIR", type=path_arg("DIR"), help="A new (or empty) directory of this user.")
+    capture.add_argument("--sysfs-root", default="/sys", type=path_arg("--sysfs-root"),
+                         help="The tree to copy (default /sys).")
     return parser
 
 
@@ -66,8 +161,10 @@ def _parse_gpus(text: Optional[str]) -> Optional[list[str]]:
         return None
     parts = [p.strip() for p in text.split(",")]
     if not text.strip() or any(not p for p in parts):
-        raise UsageError(f"--gpus={text!r} is not valid: give PCI addresses separated by commas, "
+        raise UsageError(f"--gpus={shown(text)} is not valid: give PCI addresses separated by commas, "
                          f"e.g. --gpus 0000:17:00.0,0000:65:00.0")
+    if len(parts) > MAX_GPU_ID + 1:
+        raise UsageError(f"--gpus={shown(text)} lists {len(parts)} devices, more than the limit of {MAX_GPU_ID + 1}")
     return parts
 
 
@@ -76,7 +173,12 @@ def plan_inputs(args: argparse.Namespace) -> dict:
     from sglang.srt.placement.resolve import HostCapabilities
     from sglang.srt.placement.topology import read_process_affinity, read_topology
 
-    root = args.sysfs_root or envs.SGLANG_SYSFS_ROOT.get()
+    root = args.sysfs_root or settings.sysfs_root()
+    if args.sysfs_root is None and not os.path.isdir(root):
+        raise UsageError(
+            f"SGLANG_SYSFS_ROOT={shown(root)} is not a directory: unset it, or set it to /sys or to a snapshot made "
+            f"with `{PROG} capture DIR`"
+        )
     snapshot = os.path.realpath(root) != "/sys"
     topology = read_topology(root)
     if args.allowed_cpus is not None:
@@ -87,8 +189,8 @@ def plan_inputs(args: argparse.Namespace) -> dict:
         unknown = cpus - topology.online_cpus
         if not cpus or unknown:
             raise UsageError(
-                f"--allowed-cpus={args.allowed_cpus!r} names CPU(s) {format_cpulist(unknown) or 'none'} that are not "
-                f"online in {root} (online: {format_cpulist(topology.online_cpus)})"
+                f"--allowed-cpus={shown(args.allowed_cpus)} names CPU(s) {format_cpulist(unknown) or 'none'} that are "
+                f"not online in {root} (online: {format_cpulist(topology.online_cpus)})"
             )
         mems = frozenset(n.node_id for n in topology.nodes if n.has_memory)
         if not snapshot:
@@ -187,20 +289,41 @@ def cmd_capture(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_world_size(args: argparse.Namespace) -> None:
+    ranks = args.tp_size * args.pp_size * args.dp_size
+    if ranks > MAX_RANKS:
+        raise UsageError(
+            f"--tp-size={args.tp_size} x --pp-size={args.pp_size} x --dp-size={args.dp_size} = {ranks} ranks is "
+            f"above the limit of {MAX_RANKS} ranks per engine"
+        )
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as one printable line: control characters escaped, a very long text cut in the middle."""
+    text = str(exc)
+    if not isinstance(exc, (UsageError, PlacementError, ValueError)) or not text:
+        # MemoryError, RecursionError, OverflowError, OSError: the type says what the text alone may not.
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return elide("".join(ch if ch.isprintable() else shown(ch, quote=False) for ch in text), MAX_MESSAGE_CHARS)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         if args.command == "plan":
+            _check_world_size(args)
             return cmd_plan(args)
         if args.command == "verify":
+            _check_world_size(args)
             return cmd_verify(args)
         return cmd_capture(args)
-    except (UsageError, SettingError, EngineArgsError, TopologyError, PlacementError, CpuListError, ValueError,
-            FileExistsError, NotADirectoryError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"error: {message}", file=sys.stderr)
+    # Bad input of any kind - a flag, an environment variable or a file - is one line and exit status 2:
+    # ValueError covers SettingError, EngineArgsError, CpuListError, TopologyError and UnicodeError; OSError the
+    # file errors; ArithmeticError OverflowError; MemoryError and RecursionError what no bound foresaw.
+    except (UsageError, PlacementError, ValueError, OSError, ArithmeticError, MemoryError, RecursionError) as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
 
 

@@ -2,51 +2,104 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 from typing import Iterable
+
+MAX_CPUS = 8192
+"""CPU ids run from 0 to ``MAX_CPUS - 1``: 8192 is the largest ``CONFIG_NR_CPUS`` Linux allows (x86-64
+``MAXSMP``; other architectures allow fewer), so no kernel names a CPU at or above it. A cpulist or
+cpumask naming one is refused before any range is built."""
+
+MAX_CPULIST_CHARS = 64 * 1024
+"""The longest cpulist text parsed: every even CPU id below ``MAX_CPUS``, listed one by one, takes 20 KiB."""
+
+_NUMBER = r"[ \t]*([0-9]+)[ \t]*"
+_PART_RE = re.compile(rf"{_NUMBER}(?:-{_NUMBER})?(?::{_NUMBER})?")
+_HEX_RE = re.compile(r"[0-9a-fA-F]*")
 
 
 class CpuListError(ValueError):
-    """A cpulist string is malformed."""
+    """A cpulist string is malformed; ``reason`` says why without naming the source."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+def elide(text: str, limit: int) -> str:
+    """``text``, cut in the middle when longer than ``limit`` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}...({len(text) - 2 * half} characters)...{text[-half:]}"
+
+
+def shown(value: object, *, limit: int = 120, quote: bool = True) -> str:
+    """``value`` as text safe for a one-line message: escaped like ``repr`` (NUL, newlines, escape
+    sequences) and cut in the middle past ``limit`` characters; without quotes when ``quote`` is False."""
+    escaped = repr(elide(str(value), limit))
+    return escaped if quote else escaped[1:-1]
 
 
 def parse_cpulist(text: str, *, what: str = "cpulist") -> frozenset[int]:
     """Parse a Linux cpulist such as ``"0-3,8,10-11:2"``; an empty string is the empty set.
 
-    ``what`` names the source of the text in error messages (a file or a setting).
+    ``what`` names the source of the text in error messages (a file or a setting). Numbers are ASCII
+    digits and CPU ids are below :data:`MAX_CPUS`; both are checked before any range is built.
     """
-    result: set[int] = set()
     stripped = text.strip()
     if not stripped:
         return frozenset()
+    if len(stripped) > MAX_CPULIST_CHARS:
+        raise CpuListError(
+            f"{what}: {shown(stripped)} is {len(stripped)} characters long; a list of CPUs below {MAX_CPUS} "
+            f"needs at most {MAX_CPULIST_CHARS}"
+        )
+    ranges: list[range] = []
     for part in stripped.split(","):
         part = part.strip()
         try:
-            result.update(_parse_part(part))
-        except (ValueError, CpuListError) as exc:
+            ranges.append(_parse_part(part))
+        except CpuListError as exc:
             raise CpuListError(
-                f"{what}: {part!r} in {text.strip()!r} is not a CPU number or range; "
-                f"expected a list such as '0-3,8' ({exc})"
+                f"{what}: {shown(part)} in {shown(stripped)} is not a CPU number or range; "
+                f"expected a list such as '0-3,8' ({exc})",
+                reason=str(exc) if part == stripped else f"{shown(part)}: {exc}",
             ) from None
-    return frozenset(result)
+    if sum(map(len, ranges)) <= MAX_CPUS:
+        return frozenset().union(*ranges)
+    # Many overlapping ranges (each at most MAX_CPUS long): mark them in a bitmap, in C, instead.
+    present = bytearray(MAX_CPUS)
+    for r in ranges:
+        present[r.start:r.stop:r.step] = b"\x01" * len(r)
+    return frozenset(itertools.compress(range(MAX_CPUS), present))
 
 
 def _parse_part(part: str) -> range:
     if not part:
         raise CpuListError("empty item")
-    stride = 1
-    if ":" in part:
-        part, stride_text = part.split(":", 1)
-        stride = int(stride_text)
-        if stride <= 0:
-            raise CpuListError("stride must be positive")
-    if "-" in part:
-        lo_text, hi_text = part.split("-", 1)
-        lo, hi = int(lo_text), int(hi_text)
-    else:
-        lo = hi = int(part)
-    if lo < 0 or hi < lo:
+    match = _PART_RE.fullmatch(part)
+    if match is None:
+        raise CpuListError("expected N, N-M or N-M:STRIDE in ASCII digits")
+    lo_text, hi_text, stride_text = match.groups()
+    lo = _cpu_number(lo_text)
+    hi = lo if hi_text is None else _cpu_number(hi_text)
+    stride = 1 if stride_text is None else _cpu_number(stride_text)
+    if stride <= 0:
+        raise CpuListError("stride must be positive")
+    if hi < lo:
         raise CpuListError("range must be ascending and non-negative")
     return range(lo, hi + 1, stride)
+
+
+def _cpu_number(digits: str) -> int:
+    significant = digits.lstrip("0") or "0"
+    if len(significant) > len(str(MAX_CPUS)) or int(significant) >= MAX_CPUS:
+        raise CpuListError(
+            f"{shown(significant, quote=False)} is above the largest CPU id Linux supports ({MAX_CPUS - 1})"
+        )
+    return int(significant)
 
 
 def format_cpulist(cpus: Iterable[int]) -> str:
@@ -66,8 +119,12 @@ def format_cpulist(cpus: Iterable[int]) -> str:
 def parse_cpumask(text: str, *, what: str = "cpumask") -> frozenset[int]:
     """Parse a Linux hex mask such as ``"00000000,0000000f"`` (as in ``Cpus_allowed``)."""
     digits = text.strip().replace(",", "")
-    try:
-        value = int(digits, 16) if digits else 0
-    except ValueError:
-        raise CpuListError(f"{what}: {text.strip()!r} is not a hexadecimal CPU mask") from None
+    if len(digits) > MAX_CPULIST_CHARS or _HEX_RE.fullmatch(digits) is None:
+        raise CpuListError(f"{what}: {shown(text.strip())} is not a hexadecimal CPU mask")
+    value = int(digits, 16) if digits else 0
+    if value.bit_length() > MAX_CPUS:
+        raise CpuListError(
+            f"{what}: {shown(text.strip())} sets CPU {value.bit_length() - 1}, above the largest CPU id Linux "
+            f"supports ({MAX_CPUS - 1})"
+        )
     return frozenset(i for i in range(value.bit_length()) if value >> i & 1)

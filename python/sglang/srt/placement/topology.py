@@ -32,10 +32,11 @@ import json
 import logging
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Optional
 
-from sglang.srt.placement.cpulist import CpuListError, parse_cpulist
+from sglang.srt.placement.cpulist import CpuListError, parse_cpulist, shown
 from sglang.srt.placement.types import (
     Cpu,
     HostTopology,
@@ -60,10 +61,62 @@ CPU_TOPOLOGY_FILES = ("physical_package_id", "core_id", "thread_siblings_list")
 NODE_FILES = ("cpulist", "meminfo", "distance")
 PCI_FILES = ("numa_node", "vendor", "device", "class")
 
-_NODE_DIR_RE = re.compile(r"^node(\d+)$")
-_MEMORY_BLOCK_RE = re.compile(r"^memory(\d+)$")
-_MEMTOTAL_RE = re.compile(r"^Node\s+(\d+)\s+MemTotal:\s+(\d+)\s*kB\s*$", re.MULTILINE)
+MAX_FILE_BYTES = 64 * 1024
+"""The most read from one file: a sysfs attribute holds at most a page (4 KiB), a snapshot marker far less."""
+
+_NODE_DIR_RE = re.compile(r"^node(\d+)$", re.ASCII)
+_MEMORY_BLOCK_RE = re.compile(r"^memory(\d+)$", re.ASCII)
+_MEMTOTAL_RE = re.compile(r"^Node\s+(\d+)\s+MemTotal:\s+(\d+)\s*kB\s*$", re.MULTILINE | re.ASCII)
 _PCI_ADDRESS_RE = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+_INTEGER_RE = {10: re.compile(r"[+-]?[0-9]{1,20}"), 16: re.compile(r"[0-9a-fA-F]{1,16}")}
+_FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+class FileProblem(Exception):
+    """Why a file cannot be read, as the text after ``PATH: `` in an error message."""
+
+
+def read_regular_file(path: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
+    """The bytes of ``path``, a regular file (after symlinks, as the live /sys has) of at most ``limit`` bytes.
+
+    Anything else (a FIFO, a device such as /dev/zero, a directory, a larger file) raises
+    :class:`FileProblem` without reading it: the file is checked before it is opened, opened with
+    ``O_NONBLOCK`` (so a FIFO swapped in meanwhile cannot block the open) and checked again.
+    Sysfs attributes are regular files, so the live /sys reads as before.
+    """
+    try:
+        _check_regular(os.stat(path).st_mode)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileProblem("missing") from None
+    except (OSError, ValueError) as exc:
+        raise FileProblem(f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        _check_regular(os.fstat(fd).st_mode)
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, limit + 1 - size):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise FileProblem(f"is larger than {limit} bytes, far more than such a file holds")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise FileProblem(f"cannot be read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+
+
+def _check_regular(mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        kind = _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise FileProblem(f"is {kind}, expected a regular file")
 
 
 def read_topology(root: str | os.PathLike = LIVE_SYSFS) -> HostTopology:
@@ -84,12 +137,10 @@ def read_process_affinity(
     """
     path = os.fspath(status_path)
     try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            text = f.read()
-    except OSError as exc:
+        text = read_regular_file(path).decode("ascii", errors="replace")
+    except FileProblem as exc:
         raise TopologyError(
-            f"{path}: cannot be read ({exc.strerror}); pass the status file of a running "
-            f"process, such as /proc/self/status"
+            f"{path}: {exc}; pass the status file of a running process, such as /proc/self/status"
         ) from None
     values: dict[str, str] = {}
     for line in text.splitlines():
@@ -134,8 +185,8 @@ class _Reader:
 
     def fix(self) -> str:
         if self.snapshot is not None:
-            kernel = self.snapshot.get("kernel_release", "an unknown kernel")
-            when = self.snapshot.get("captured_at", "an unknown time")
+            kernel = shown(self.snapshot.get("kernel_release", "an unknown kernel"), limit=80, quote=False)
+            when = shown(self.snapshot.get("captured_at", "an unknown time"), limit=80, quote=False)
             return (
                 f"this snapshot (captured from kernel {kernel} at {when}) is incomplete or was edited; "
                 f"re-capture it with `{CAPTURE_COMMAND}` on the host it describes"
@@ -161,14 +212,9 @@ class _Reader:
 
     def read(self, rel: str) -> str:
         try:
-            with open(self.path(rel), encoding="ascii", errors="replace") as f:
-                text = f.read()
-        except FileNotFoundError:
-            raise self.error(rel, "missing") from None
-        except IsADirectoryError:
-            raise self.error(rel, "is a directory, expected a file") from None
-        except OSError as exc:
-            raise self.error(rel, f"cannot be read ({exc.strerror})") from None
+            text = read_regular_file(self.path(rel)).decode("ascii", errors="replace")
+        except FileProblem as exc:
+            raise self.error(rel, str(exc)) from None
         self.files[rel] = text
         return text
 
@@ -184,15 +230,14 @@ class _Reader:
         text = self.read(rel)
         try:
             return parse_cpulist(text, what="cpulist")
-        except CpuListError:
-            raise self.error(rel, f"{text.strip()!r} is not a CPU list such as '0-3,8'") from None
+        except CpuListError as exc:
+            raise self.error(rel, f"{shown(text.strip())} is not a CPU list such as '0-3,8' ({exc.reason})") from None
 
     def integer(self, rel: str, *, base: int = 10) -> int:
         text = self.read(rel).strip()
-        try:
-            return int(text, base)
-        except ValueError:
-            raise self.error(rel, f"{text!r} is not an integer") from None
+        if _INTEGER_RE[base].fullmatch(text) is None:
+            raise self.error(rel, f"{shown(text)} is not an integer")
+        return int(text, base)
 
 
 def _read(root: str | os.PathLike) -> TopologyRead:
@@ -226,14 +271,15 @@ def _read(root: str | os.PathLike) -> TopologyRead:
 
 def _read_marker(root: str) -> Optional[dict]:
     path = os.path.join(root, SNAPSHOT_MARKER)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):  # a marker that is a dangling link or a link loop is an error, not absent
         return None
     fix = f"re-capture the snapshot with `{CAPTURE_COMMAND}`"
     try:
-        with open(path, encoding="utf-8") as f:
-            marker = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise TopologyError(f"{path}: is not a readable snapshot marker ({exc}); {fix}") from None
+        marker = json.loads(read_regular_file(path).decode("utf-8"))
+    except FileProblem as exc:
+        raise TopologyError(f"{path}: {exc}; {fix}") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise TopologyError(f"{path}: is not a readable snapshot marker ({shown(exc, quote=False)}); {fix}") from None
     if not isinstance(marker, dict) or not isinstance(marker.get("format"), int):
         raise TopologyError(f"{path}: has no integer 'format' field; {fix}")
     if marker["format"] > SNAPSHOT_FORMAT:
@@ -272,10 +318,10 @@ def _read_nodes(reader: _Reader, online: frozenset[int]) -> tuple[NumaNode, ...]
         if int(match.group(1)) != node_id:
             raise reader.error(f"{base}/meminfo", f"describes node {match.group(1)}, not node {node_id}")
         row_text = reader.read(f"{base}/distance")
-        try:
-            row = [int(word) for word in row_text.split()]
-        except ValueError:
-            raise reader.error(f"{base}/distance", f"{row_text.strip()!r} is not a row of integers") from None
+        words = row_text.split()
+        if not all(_INTEGER_RE[10].fullmatch(word) for word in words):
+            raise reader.error(f"{base}/distance", f"{shown(row_text.strip())} is not a row of integers")
+        row = [int(word) for word in words]
         # The kernel prints one distance per online node, in node id order.
         if len(row) != len(node_ids):
             raise reader.error(
@@ -305,8 +351,9 @@ def _memory_without_numa(reader: _Reader) -> tuple[int, Optional[int]]:
         if blocks == 0:
             raise reader.error(MEMORY_DIR, "holds no online memory block")
         return blocks * block_bytes // 1024, None
-    if reader.snapshot is not None and isinstance(reader.snapshot.get("memory_kb"), int):
-        return reader.snapshot["memory_kb"], reader.snapshot["memory_kb"]
+    memory_kb = reader.snapshot.get("memory_kb") if reader.snapshot is not None else None
+    if isinstance(memory_kb, int) and not isinstance(memory_kb, bool) and memory_kb > 0:
+        return memory_kb, memory_kb
     if reader.snapshot is None and os.path.realpath(reader.root) == LIVE_SYSFS:
         memory_kb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 1024
         return memory_kb, memory_kb
