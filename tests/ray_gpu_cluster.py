@@ -77,14 +77,21 @@ PYTHONPATH = os.pathsep.join([os.path.join(os.path.dirname(HERE), "python"), HER
 START_TIMEOUT_S = 90.0
 
 
+def ray_test_env(ray_tmpdir: str) -> dict[str, str]:
+    """The environment of a test's Ray processes: this checkout importable, Ray's files under ``ray_tmpdir``,
+    no inherited RAY_ADDRESS, and no Ray OOM killer (on a shared machine it reacts to others' memory)."""
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "RAY_TMPDIR": ray_tmpdir, "RAY_memory_monitor_refresh_ms": "0"}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
 @contextlib.contextmanager
 def running_cluster(*gpus_per_node: str) -> Iterator[dict]:
     """Run this script for nodes with ``gpus_per_node`` (e.g. "0,1", "2,3"); yields its JSON plus ``env``, the
     environment under which a driver joins it (RAY_ADDRESS, and the same private RAY_TMPDIR)."""
     # A short private directory: Ray's socket paths under it must stay within 107 characters.
     directory = tempfile.mkdtemp(prefix="sglr-", dir="/tmp")
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "RAY_TMPDIR": directory}
-    env.pop("RAY_ADDRESS", None)
+    env = ray_test_env(directory)
     holder = subprocess.Popen([sys.executable, os.path.abspath(__file__), os.path.join(directory, "trees"),
                                *gpus_per_node], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env)

@@ -179,11 +179,11 @@ def test_ranks_take_their_bundles_ids_and_group_by_node():
     sites = {0: BundleSite(0, "node-a", "10.0.0.1", ("0", "1")), 1: BundleSite(1, "node-b", "10.0.0.2", ("2",)),
              2: BundleSite(2, "node-a", "10.0.0.1", ("3",))}
     ranks = [RankIdentity(0, 0, t, gpu_id=t % 2, global_rank=t) for t in range(4)]
-    on_sites = ranks_on_sites([(ranks[0], 0), (ranks[1], 0), (ranks[2], 1), (ranks[3], 2)], sites)
-    assert [r.accelerator_ids for r in on_sites] == [("0", "1"), ("0", "1"), ("2",), ("3",)]
-    grouped = by_node(on_sites, sites)
-    assert {node: [r.rank.tp_rank for r in members] for node, members in grouped.items()} == {
-        "node-a": [0, 1, 3], "node-b": [2]}
+    pairs = [(ranks[0], 0), (ranks[1], 0), (ranks[2], 1), (ranks[3], 2)]
+    assert [r.accelerator_ids for r in ranks_on_sites(pairs, sites)] == [("0", "1"), ("0", "1"), ("2",), ("3",)]
+    grouped = by_node(pairs, {index: site.node_id for index, site in sites.items()})
+    assert {node: [(r.tp_rank, index) for r, index in members] for node, members in grouped.items()} == {
+        "node-a": [(0, 0), (1, 0), (3, 2)], "node-b": [(2, 1)]}
 
 
 def test_engine_ranks_span_every_node_rank():

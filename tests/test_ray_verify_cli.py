@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from ray_gpu_cluster import PYTHONPATH, run_json, running_cluster
+from ray_gpu_cluster import ray_test_env, run_json, running_cluster
 
 pytestmark = pytest.mark.ray
 
@@ -58,8 +58,7 @@ def test_verify_with_ray_refuses_a_driver_side_sysfs_root_without_starting_ray(t
 
 def test_verify_without_ray_address_starts_a_local_cluster_and_stops_it():
     directory = tempfile.mkdtemp(prefix="sglr-", dir="/tmp")
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "RAY_TMPDIR": directory}
-    env.pop("RAY_ADDRESS", None)
+    env = ray_test_env(directory)
     try:
         status, out, err = run_json(["-m", "sglang.srt.placement", "verify", "--launcher", "ray", "--device", "cpu",
                                      "--json", "--timeout", "90"], env=env)

@@ -1,14 +1,15 @@
 """The Ray launcher: a bundle per rank, each node's ranks planned together there, a ``SchedulerActor`` per bundle.
 
-A placed launch is four steps, each bounded by one deadline: reserve the
-placement group; ``discover_sites`` (one task per bundle, holding its
-accelerator, learns its node and the id Ray assigns there); ``resolve_on_nodes``
-(one task per node plans all of that node's ranks with the whole node in view);
-then each actor is created in its bundle, under numactl through
-``runtime_env={"py_executable": ...}`` when its plan says exec, so the binding
-holds before the interpreter allocates anything. ``placement=False`` skips the
-two middle rounds and starts unbound actors. On any failure nothing is left
-behind: actors are killed and the placement group is removed.
+A placed launch is three steps, all bounded by one deadline: reserve the
+placement group; one planning round (``resolve_on_nodes``: a task per bundle,
+holding its accelerator, learns the id Ray assigns there, and a task per node,
+started by Ray as soon as those are done, plans all of that node's ranks with
+the whole node in view); then each actor is created in its bundle, under
+numactl through ``runtime_env={"py_executable": ...}`` when its plan says exec,
+so the binding holds before the interpreter allocates anything.
+``placement=False`` skips the planning round and starts unbound actors. On any
+failure nothing is left behind: actors are killed and the placement group is
+removed.
 """
 
 from __future__ import annotations
@@ -28,14 +29,8 @@ from sglang.srt.placement.types import ProcessPlacement, RankIdentity
 from sglang.srt.ray.scheduler_actor import SchedulerActor, Target
 from sglang.srt.scheduler_launch.common import DEFAULT_TIMEOUT_S, Deadline, RankLaunchError, RankResult
 from sglang.srt.scheduler_launch.ray_node import Planner
-from sglang.srt.scheduler_launch.ray_plan import (
-    ActorStart,
-    NodePlan,
-    ranks_on_sites,
-    start_decision,
-    unplaced_start,
-)
-from sglang.srt.scheduler_launch.ray_sites import discover_sites, gather, resolve_on_nodes
+from sglang.srt.scheduler_launch.ray_plan import ActorStart, NodePlan, start_decision, unplaced_start
+from sglang.srt.scheduler_launch.ray_sites import gather, resolve_on_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +142,7 @@ def plan_actor_starts(
     timings: Optional[dict[str, float]] = None,
 ) -> tuple[list[tuple[int, ActorStart, Optional[str]]], tuple[NodePlan, ...]]:
     """(bundle index, ActorStart, py_executable) per rank of ``ranks`` ((rank, bundle index) pairs), and the
-    node plans: the site round and the per-node round on an existing placement group.
+    node plans, from one planning round on an existing placement group.
 
     A bundle may hold several ranks and several accelerators (upstream's one
     bundle per node): each rank then has every id of its bundle as a candidate.
@@ -158,19 +153,10 @@ def plan_actor_starts(
     resource = accelerator_resource(server_args.device)
     policy = PlacementPolicy.from_env(server_args, launcher="ray", affinity_mode=affinity_mode,
                                       exec_supported=not force_in_process)
-    labels: dict[int, list[str]] = {}
-    for rank, index in ranks:
-        labels.setdefault(index, []).append(rank.label)
-
     started = time.perf_counter()
-    sites = discover_sites(placement_group, sorted(labels), resource=resource, deadline=deadline,
-                           who=lambda index: ", ".join(labels[index]))
-    timings["discover_s"] = time.perf_counter() - started
-
-    started = time.perf_counter()
-    plans = resolve_on_nodes(ranks_on_sites(ranks, sites), sites, server_args, policy=policy, deadline=deadline,
-                             gpus=gpus, planner=planner)
-    timings["resolve_s"] = time.perf_counter() - started
+    plans = resolve_on_nodes(ranks, server_args, placement_group=placement_group, resource=resource,
+                             policy=policy, deadline=deadline, gpus=gpus, planner=planner)
+    timings["plan_s"] = time.perf_counter() - started
     timings["node_resolve_s"] = max(p.resolve_s for p in plans)
 
     by_rank = {(rp.rank, rp.bundle_index): (plan.node_id, rp) for plan in plans for rp in plan.ranks}
@@ -286,7 +272,8 @@ def _call_all(launch: RayLaunch, *, call: Callable[[LaunchedActor], Any], timeou
     shut all down and raise naming the rank."""
     try:
         refs = {call(a): a for a in launch.actors}
-        got = gather({ref: a.label for ref, a in refs.items()}, deadline=Deadline(timeout_s), **messages)
+        got = gather({ref: a.label for ref, a in refs.items()}, deadline=Deadline(timeout_s), cancel=False,
+                     **messages)
         return {refs[ref].name: value for ref, value in got.items()}
     except BaseException:
         shutdown_ray(launch)

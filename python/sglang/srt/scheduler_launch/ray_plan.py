@@ -86,29 +86,33 @@ class RankPlan:
 
 
 @dataclass(frozen=True)
-class NodePlan:
-    """What a node resolved for its ranks, where, and how long it took."""
-
-    node_id: str
-    node_ip: str
-    ranks: tuple[RankPlan, ...]
-    resolve_s: float = 0.0
-    pid: int = 0
-
-
-@dataclass(frozen=True)
 class NodeRequest:
-    """What the driver asks a node to resolve: its ranks with their candidate ids, under the engine's policy.
+    """What the driver asks a node to resolve: its ranks in their bundles, under the engine's policy.
 
-    The policy is the driver's (engine settings, read once there); host facts,
+    Each rank's candidate ids are its bundle's, from the bundle's site, learnt
+    as the node's task starts, so the driver need not wait for them first. The
+    policy is the driver's (engine settings, read once there); host facts,
     SGLANG_SYSFS_ROOT included, are the node's own.
     """
 
     server_args: object
-    ranks: tuple[RankOnNode, ...]
+    ranks: tuple[tuple[RankIdentity, int], ...]
+    """(rank, bundle index) pairs, in launch order."""
     policy: "PlacementPolicy"
     gpus: Optional[tuple[str, ...]] = None
     """``--gpus``: PCI addresses by physical device index, for every node alike."""
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """What a node resolved for its ranks: its bundles' sites, a plan per rank, and how long that took."""
+
+    node_id: str
+    node_ip: str
+    sites: tuple[BundleSite, ...]
+    ranks: tuple[RankPlan, ...]
+    resolve_s: float = 0.0
+    pid: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,11 +147,12 @@ def ranks_on_sites(ranks_and_bundles: Sequence[tuple[RankIdentity, int]],
                  for rank, index in ranks_and_bundles)
 
 
-def by_node(ranks: Sequence[RankOnNode], sites: Mapping[int, BundleSite]) -> dict[str, tuple[RankOnNode, ...]]:
-    """The ranks grouped by the node their bundle is on, in launch order within a node."""
-    grouped: dict[str, list[RankOnNode]] = {}
-    for r in ranks:
-        grouped.setdefault(sites[r.bundle_index].node_id, []).append(r)
+def by_node(ranks_and_bundles: Sequence[tuple[RankIdentity, int]],
+            node_of_bundle: Mapping[int, str]) -> dict[str, tuple[tuple[RankIdentity, int], ...]]:
+    """The (rank, bundle index) pairs grouped by the node their bundle is on, in launch order within a node."""
+    grouped: dict[str, list[tuple[RankIdentity, int]]] = {}
+    for rank, index in ranks_and_bundles:
+        grouped.setdefault(node_of_bundle[index], []).append((rank, index))
     return {node: tuple(members) for node, members in grouped.items()}
 
 
