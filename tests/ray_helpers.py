@@ -118,3 +118,28 @@ def tree_cpus_planner(server_args: Any, *, ranks_with_ids: Sequence[tuple[RankId
                                source="the node's tree (all online CPUs)")
     return plan_node(server_args, ranks_with_ids=ranks_with_ids, policy=policy, gpus=gpus, topology=topology,
                      affinity=affinity)
+
+
+def failing_planner(server_args: Any, *, ranks_with_ids: Sequence[tuple[RankIdentity, Optional[str]]],
+                    policy: Any, gpus: Any = None) -> tuple[ProcessPlacement, ...]:
+    raise ValueError("no plan on this node")
+
+
+def sleeping_pid_file(node_id: str) -> str:
+    """Where ``sleeping_planner`` on Ray node ``node_id`` writes its pid (a node id is unique to a cluster)."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"sglang-sleeping-planner-{node_id}.pid")
+
+
+def sleeping_planner(server_args: Any, *, ranks_with_ids: Sequence[tuple[RankIdentity, Optional[str]]],
+                     policy: Any, gpus: Any = None) -> tuple[ProcessPlacement, ...]:
+    """Never answers in time; says which process it runs in, so a test can see it cancelled."""
+    import time
+
+    import ray
+
+    with open(sleeping_pid_file(ray.get_runtime_context().get_node_id()), "w", encoding="ascii") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+    raise AssertionError("the launch should have cancelled this task")

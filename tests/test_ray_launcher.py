@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 
 import pytest
 import ray
@@ -21,6 +22,7 @@ from sglang.srt.environ import envs
 from sglang.srt.scheduler_launch.common import RankLaunchError
 from sglang.srt.scheduler_launch.ray_launcher import (
     ACTOR_NAME_PREFIX,
+    SHUTDOWN_WAIT_S,
     launch_scheduler_actors,
     run_ranks_ray,
     shutdown_ray,
@@ -208,3 +210,35 @@ def test_a_launch_that_does_not_fit_the_cluster_fails_at_its_deadline_and_leaves
     assert "was not reserved within 2 s" in str(info.value)
     groups = ray.util.placement_group_table()
     assert all(g["state"] == "REMOVED" for g in groups.values())
+
+
+def test_a_node_that_cannot_plan_fails_the_launch_naming_its_ranks_and_leaves_nothing(cluster):
+    with pytest.raises(RankLaunchError) as info:
+        run_ranks_ray(cpu_args(), target=ray_helpers.reporting_target, timeout_s=TIMEOUT_S,
+                      planner=ray_helpers.failing_planner)
+    assert str(info.value).startswith("DP0 PP0 TP0, DP0 PP0 TP1: placement could not be resolved on its node: ")
+    assert "ValueError: no plan on this node" in str(info.value)
+    assert_nothing_left()
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+
+
+def test_a_node_that_plans_past_the_deadline_fails_in_time_and_its_task_is_cancelled(cluster):
+    started = time.monotonic()
+    with pytest.raises(RankLaunchError) as info:
+        run_ranks_ray(cpu_args(), target=ray_helpers.reporting_target, timeout_s=3.0,
+                      planner=ray_helpers.sleeping_planner)
+    assert time.monotonic() - started < 3.0 + SHUTDOWN_WAIT_S
+    assert str(info.value).startswith("DP0 PP0 TP0, DP0 PP0 TP1: placement not resolved on its node within 3 s. ")
+    assert_nothing_left()
+    # The planning task was cancelled (its worker killed) rather than left sleeping on the node. (On a host
+    # too loaded to start it within the deadline it never ran, and its cancellation kept it from running.)
+    pid_file = ray_helpers.sleeping_pid_file(ray.get_runtime_context().get_node_id())
+    if not os.path.exists(pid_file):
+        return
+    with open(pid_file, encoding="ascii") as f:
+        pid = int(f.read())
+    os.unlink(pid_file)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline, f"the planning task's worker {pid} is still running"
+        time.sleep(0.1)

@@ -148,5 +148,6 @@ def resolve_on_nodes(ranks: Sequence[tuple[RankIdentity, int]], server_args: Any
         node_refs.append(ref)
     plans = gather(labels, deadline=deadline, late="placement not resolved on its node",
                    failed="placement could not be resolved on its node",
-                   fix="Check that the node is alive (ray status), or launch with placement off.")
+                   fix="Check that the node is alive (`ray status`) and see its raylet log (raylet.out), "
+                       "or give the launch more time.")
     return tuple(plans[ref] for ref in node_refs)
