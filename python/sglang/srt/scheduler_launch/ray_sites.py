@@ -2,9 +2,10 @@
 
 Both take a placement group the caller reserved (ours, or upstream RayEngine's
 own), so either launcher can use them. Every task is tiny, with no runtime_env
-and no CPU, so it runs in an already started worker; every wait is bounded by
-the launch's deadline, and on failure the unfinished tasks are cancelled and
-the error names the ranks concerned.
+and no CPU, so it runs in an already started worker, and a node's tasks run
+one after another, chained by Ray rather than by the driver; every wait is
+bounded by the launch's deadline, and on failure the unfinished tasks are
+cancelled and the error names the ranks concerned.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import ray
 from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from sglang.srt.placement.types import RankIdentity
 from sglang.srt.scheduler_launch.common import Deadline, RankLaunchError
 from sglang.srt.scheduler_launch.ray_node import Planner, plan_on_node_task, probe_site_task
-from sglang.srt.placement.types import RankIdentity
 from sglang.srt.scheduler_launch.ray_plan import BundleSite, NodePlan, NodeRequest, by_node
 
 logger = logging.getLogger(__name__)
