@@ -1,6 +1,6 @@
 """What placement costs a Ray launch: the same 4-rank engine placed and unplaced, interleaved, on one cluster.
 
-Run: PYTHONPATH=python .venv/bin/python benchmarks/ray_launch.py [--repeat N] [--modes placed,unplaced,...]
+Run: PYTHONPATH=python .venv/bin/python benchmarks/ray_launch.py [--repeat N] [--modes placed,in-process,unplaced]
 
 A local cluster declares 4 GPUs on this CPU host; its raylet reads a fake /sys
 (SGLANG_SYSFS_ROOT) holding this host's CPUs (padded to 8) and the 4 GPUs on
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -66,13 +67,8 @@ def one_launch(options: dict) -> dict[str, float]:
     return {**launch.timings, "strategy": ",".join(sorted(strategies))}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--modes", default="placed,unplaced", help=f"comma-separated, of {', '.join(MODES)}")
-    args = parser.parse_args()
-    modes = args.modes.split(",")
-    tree = fakesys.write_sysfs(os.path.join(tempfile.mkdtemp(prefix="sglr-bench-"), "sys"), tree_spec([0, 1, 2, 3]))
+def run_modes(modes: list[str], *, repeat: int, tree: os.PathLike) -> dict[str, list[dict]]:
+    """Every mode ``repeat`` times on one local cluster whose raylet reads ``tree``; the timings per mode."""
     os.environ["SGLANG_SYSFS_ROOT"] = str(tree)  # the local raylet, and so its workers, inherit it
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")  # a shared host's other users must not kill ranks
     ray.cloudpickle.register_pickle_by_value(ray_helpers)
@@ -80,17 +76,34 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, configure_logging=False,
              log_to_driver=False)
     print(f"ray.init: {time.perf_counter() - t:.2f} s; fake /sys {tree}")
-    one_launch(MODES[modes[0]])  # warm-up: the first launch also imports the modules in the workers
-    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
-    for i in range(args.repeat):
-        order = modes[i % len(modes):] + modes[:i % len(modes)]
-        for mode in order:
-            r = one_launch(MODES[mode])
-            runs[mode].append(r)
-            phases = ", ".join(f"{k.removesuffix('_s')} {r[k] * 1000:.0f}" for k in (*PHASES, "launch_s",
-                                                                                    "shutdown_s") if k in r)
-            print(f"rep {i + 1} {mode:10s} ({r['strategy']}): {phases} ms")
-    ray.shutdown()
+    try:
+        one_launch(MODES[modes[0]])  # warm-up: the first launch also imports the modules in the workers
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for i in range(repeat):
+            order = modes[i % len(modes):] + modes[:i % len(modes)]
+            for mode in order:
+                r = one_launch(MODES[mode])
+                runs[mode].append(r)
+                phases = ", ".join(f"{k.removesuffix('_s')} {r[k] * 1000:.0f}"
+                                   for k in (*PHASES, "launch_s", "shutdown_s") if k in r)
+                print(f"rep {i + 1} {mode:10s} ({r['strategy']}): {phases} ms")
+        return runs
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--modes", default="placed,unplaced", help=f"comma-separated, of {', '.join(MODES)}")
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    directory = tempfile.mkdtemp(prefix="sglr-bench-")
+    try:
+        runs = run_modes(modes, repeat=args.repeat, tree=fakesys.write_sysfs(os.path.join(directory, "sys"),
+                                                                              tree_spec([0, 1, 2, 3])))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
     print()
     medians = {mode: statistics.median(r["launch_s"] for r in rs) for mode, rs in runs.items()}
     for mode, rs in runs.items():
