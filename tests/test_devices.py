@@ -8,7 +8,6 @@ import types
 import pytest
 
 from sglang.srt.placement.devices import (
-    DeviceIdentityError,
     NvmlRuntime,
     TorchCudaRuntime,
     accelerator_pci_devices,

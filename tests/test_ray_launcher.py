@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 
 import pytest
 import ray
@@ -21,6 +22,7 @@ from sglang.srt.environ import envs
 from sglang.srt.scheduler_launch.common import RankLaunchError
 from sglang.srt.scheduler_launch.ray_launcher import (
     ACTOR_NAME_PREFIX,
+    SHUTDOWN_WAIT_S,
     launch_scheduler_actors,
     run_ranks_ray,
     shutdown_ray,
@@ -83,7 +85,7 @@ def test_exec_with_the_real_resolver_binds_each_cpu_rank_to_its_omp_group(cluste
 
 def test_exec_actor_reads_back_a_binding_that_matches(cluster):
     launch = launch_scheduler_actors(
-        cpu_args(), target=ray_helpers.reporting_target, timeout_s=TIMEOUT_S, resolver=ray_helpers.hand_resolver
+        cpu_args(), target=ray_helpers.reporting_target, timeout_s=TIMEOUT_S, planner=ray_helpers.hand_planner
     )
     try:
         results = wait_ready_ray(launch, timeout_s=TIMEOUT_S)
@@ -105,7 +107,7 @@ def test_exec_actor_reads_back_a_binding_that_matches(cluster):
 
 def test_exec_that_numactl_refuses_falls_back_to_in_process_with_the_reason(cluster):
     results = run_ranks_ray(
-        cpu_args(), target=ray_helpers.reporting_target, timeout_s=TIMEOUT_S, resolver=ray_helpers.refused_resolver
+        cpu_args(), target=ray_helpers.reporting_target, timeout_s=TIMEOUT_S, planner=ray_helpers.refused_planner
     )
     for r in results:
         assert r.placement.strategy == "in-process"
@@ -146,7 +148,7 @@ def test_forced_in_process_binds_every_thread_of_the_worker(cluster):
 def test_actor_not_where_its_placement_says_is_reported(cluster, caplog):
     caplog.set_level(logging.WARNING, logger="sglang.srt.scheduler_launch.ray_launcher")
     launch = launch_scheduler_actors(
-        cpu_args(), target=ray_helpers.reporting_target, timeout_s=TIMEOUT_S, resolver=ray_helpers.lying_resolver
+        cpu_args(), target=ray_helpers.reporting_target, timeout_s=TIMEOUT_S, planner=ray_helpers.lying_planner
     )
     try:
         wait_ready_ray(launch, timeout_s=TIMEOUT_S)
@@ -166,7 +168,7 @@ def test_actor_not_where_its_placement_says_fails_the_launch_under_crash_setting
     with envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.override(True):
         with pytest.raises(RankLaunchError) as info:
             run_ranks_ray(cpu_args(tp_size=1), target=ray_helpers.reporting_target, timeout_s=TIMEOUT_S,
-                          resolver=ray_helpers.lying_resolver)
+                          planner=ray_helpers.lying_planner)
     message = str(info.value)
     assert "scheduler actor failed to initialise: PlacementError" in message
     assert "is not where its placement says" in message
@@ -181,7 +183,7 @@ def test_actor_not_where_its_placement_says_fails_the_launch_under_crash_setting
 def test_actor_raising_in_init_fails_the_launch_naming_the_rank_and_leaves_nothing(cluster):
     with pytest.raises(RankLaunchError) as info:
         run_ranks_ray(cpu_args(), target=ray_helpers.failing_target, timeout_s=TIMEOUT_S,
-                      resolver=ray_helpers.hand_resolver)
+                      planner=ray_helpers.hand_planner)
     err = info.value
     assert err.label == "DP0 PP0 TP1"
     assert str(err).startswith("DP0 PP0 TP1: scheduler actor failed to initialise: ValueError: boom in the constructor of TP1")
@@ -193,7 +195,7 @@ def test_actor_raising_in_init_fails_the_launch_naming_the_rank_and_leaves_nothi
 def test_actor_process_dying_in_init_fails_the_launch_naming_the_rank(cluster):
     with pytest.raises(RankLaunchError) as info:
         run_ranks_ray(cpu_args(tp_size=1), target=ray_helpers.dying_target, timeout_s=TIMEOUT_S,
-                      resolver=ray_helpers.hand_resolver)
+                      planner=ray_helpers.hand_planner)
     assert info.value.label == "DP0 PP0 TP0"
     assert "died before it was ready" in str(info.value)
     assert_nothing_left()
@@ -203,8 +205,40 @@ def test_a_launch_that_does_not_fit_the_cluster_fails_at_its_deadline_and_leaves
     # Three CPU ranks need three CPUs; the cluster has two.
     with pytest.raises(RankLaunchError) as info:
         run_ranks_ray(cpu_args(tp_size=3), target=ray_helpers.reporting_target, timeout_s=2.0,
-                      resolver=ray_helpers.hand_resolver)
+                      planner=ray_helpers.hand_planner)
     assert "placement group for 3 rank(s)" in str(info.value)
     assert "was not reserved within 2 s" in str(info.value)
     groups = ray.util.placement_group_table()
     assert all(g["state"] == "REMOVED" for g in groups.values())
+
+
+def test_a_node_that_cannot_plan_fails_the_launch_naming_its_ranks_and_leaves_nothing(cluster):
+    with pytest.raises(RankLaunchError) as info:
+        run_ranks_ray(cpu_args(), target=ray_helpers.reporting_target, timeout_s=TIMEOUT_S,
+                      planner=ray_helpers.failing_planner)
+    assert str(info.value).startswith("DP0 PP0 TP0, DP0 PP0 TP1: placement could not be resolved on its node: ")
+    assert "ValueError: no plan on this node" in str(info.value)
+    assert_nothing_left()
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+
+
+def test_a_node_that_plans_past_the_deadline_fails_in_time_and_its_task_is_cancelled(cluster):
+    started = time.monotonic()
+    with pytest.raises(RankLaunchError) as info:
+        run_ranks_ray(cpu_args(), target=ray_helpers.reporting_target, timeout_s=3.0,
+                      planner=ray_helpers.sleeping_planner)
+    assert time.monotonic() - started < 3.0 + SHUTDOWN_WAIT_S
+    assert str(info.value).startswith("DP0 PP0 TP0, DP0 PP0 TP1: placement not resolved on its node within 3 s. ")
+    assert_nothing_left()
+    # The planning task was cancelled (its worker killed) rather than left sleeping on the node. (On a host
+    # too loaded to start it within the deadline it never ran, and its cancellation kept it from running.)
+    pid_file = ray_helpers.sleeping_pid_file(ray.get_runtime_context().get_node_id())
+    if not os.path.exists(pid_file):
+        return
+    with open(pid_file, encoding="ascii") as f:
+        pid = int(f.read())
+    os.unlink(pid_file)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline, f"the planning task's worker {pid} is still running"
+        time.sleep(0.1)

@@ -12,7 +12,6 @@ import re
 import sys
 from typing import Callable, Iterator, Optional, Sequence
 
-from sglang.srt.environ import envs
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import CpuListError, elide, format_cpulist, parse_cpulist, shown
 from sglang.srt.placement.engine_args import EngineArgs
@@ -238,14 +237,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from sglang.srt.scheduler_launch.verify_runners import RUNNERS
 
     server_args = EngineArgs.from_cli_args(args)
-    root = args.sysfs_root or envs.SGLANG_SYSFS_ROOT.get()
-    if os.path.realpath(root) != "/sys":
-        raise UsageError(
-            f"verify starts the ranks on this host, so it plans from this host's /sys, not {root}; "
-            f"use `plan --sysfs-root {root}` to see another host's plan"
-        )
     launchers = ("mp", "ray") if args.launcher == "both" else (args.launcher,)
-    inputs = plan_inputs(args)
+    if "mp" in launchers:
+        root = args.sysfs_root or settings.sysfs_root()
+        if os.path.realpath(root) != "/sys":
+            raise UsageError(
+                f"verify starts the ranks on this host, so it plans from this host's /sys, not {root}; "
+                f"use `plan --sysfs-root {root}` to see another host's plan"
+            )
+        inputs = plan_inputs(args)
+    else:
+        # Each Ray node plans from its own host facts (the SGLANG_SYSFS_ROOT its raylet has); the driver reads none.
+        for flag, value in (("--sysfs-root", args.sysfs_root), ("--allowed-cpus", args.allowed_cpus)):
+            if value is not None:
+                raise UsageError(
+                    f"{flag} describes this host, but with --launcher ray each node plans from its own host facts; "
+                    f"drop {flag} (start a node's raylet with SGLANG_SYSFS_ROOT to plan it from another tree)"
+                )
+        inputs = dict(gpus=_parse_gpus(args.gpus), affinity_mode=args.numa_affinity_mode)
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
         if "ray" in launchers:
@@ -262,18 +271,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _local_ray_cluster(server_args: EngineArgs) -> Iterator[None]:
-    """Use the Ray cluster this process is connected to, or start a local one for the ranks and stop it after."""
+    """Use the Ray cluster this process is connected to, else join the one RAY_ADDRESS names, else start a local
+    one; afterwards disconnect from a joined cluster and stop only a cluster started here."""
     try:
         import ray
     except ImportError:
-        raise UsageError("--launcher ray needs Ray: pip install 'sglang-placement[ray]'") from None
+        raise UsageError("--launcher ray needs Ray (pip install 'ray==2.60.*')") from None
     if ray.is_initialized():
         yield
         return
-    from sglang.srt.placement.resolve import local_ranks
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address:
+        ray.init(address=address, configure_logging=False, log_to_driver=False)
+    else:
+        from sglang.srt.placement.resolve import local_ranks
 
-    num_cpus = max(len(local_ranks(server_args)), len(os.sched_getaffinity(0)))
-    ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        num_cpus = max(len(local_ranks(server_args)), len(os.sched_getaffinity(0)))
+        # "local": never join a cluster that someone else's `ray start` recorded on this machine.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, configure_logging=False,
+                 log_to_driver=False)
     try:
         yield
     finally:

@@ -1,15 +1,21 @@
-"""resolve_placement(): the pure decision of where one rank runs, and plan_engine() for a host's ranks."""
+"""The pure decision of where ranks run: plan_engine() for a host's ranks, plan_node() for a Ray node's given ranks.
+
+Each rank's intent (node, CPUs, memory nodes) is computed from host facts and
+policy alone; ``strategy.choose_strategy`` then probes numactl and picks how it
+is applied. Both entry points share one core, so a rank gets the same answer
+whichever launcher asked.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from typing import Hashable, Iterable, Mapping, Optional, Sequence, Union
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import CpuListError, format_cpulist, parse_cpulist
-from sglang.srt.placement.numactl import AssumedNumactl, NumactlProber, cpu_option, default_prober
+from sglang.srt.placement.strategy import HostCapabilities, PlacementIntent, choose_strategy
 from sglang.srt.placement.types import (
     AFFINITY_MODES,
     Accelerator,
@@ -25,8 +31,6 @@ from sglang.srt.placement.types import (
 )
 
 logger = logging.getLogger(__name__)
-
-Prober = Union[NumactlProber, AssumedNumactl]
 
 
 @dataclass(frozen=True)
@@ -67,24 +71,6 @@ class PlacementPolicy:
             cpu_threads_bind=settings.cpu_threads_bind(),
             exec_supported=exec_supported,
         )
-
-
-@dataclass(frozen=True)
-class HostCapabilities:
-    """What can apply a binding on the host: a numactl prober (or a stand-in for a snapshot) and libnuma."""
-
-    numactl: Optional[Prober]
-    libnuma: bool
-
-    @classmethod
-    def live(cls) -> "HostCapabilities":
-        from sglang.srt.placement.libnuma import load_libnuma
-
-        return cls(numactl=default_prober(), libnuma=load_libnuma() is not None)
-
-    @classmethod
-    def snapshot(cls, root: str) -> "HostCapabilities":
-        return cls(numactl=AssumedNumactl(root=root), libnuma=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,20 +313,19 @@ def _node_cpu_set(*, topology: HostTopology, node: NumaNode, policy: PlacementPo
 # The decision
 
 
-def resolve_placement(
+def placement_intent(
     *,
     topology: HostTopology,
     affinity: ProcessAffinity,
     rank: RankIdentity,
     accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
-    capabilities: HostCapabilities,
     exclusive_slice: Optional[tuple[int, int]] = None,
     cpu_rank_set: Optional[frozenset[int]] = None,
-) -> ProcessPlacement:
-    """Where ``rank`` runs and how that is applied. Same inputs, same answer.
+) -> Union[PlacementIntent, ProcessPlacement]:
+    """Where ``rank`` should run (an intent), or its unbound placement with the reason. Pure: probes nothing.
 
-    ``exclusive_slice`` is (index, count) among this host's ranks on the same node, for exclusive mode.
+    ``exclusive_slice`` is (index, count) among the devices planned on the same node, for exclusive mode.
     ``cpu_rank_set`` is a CPU-device rank's CPUs from SGLANG_CPU_OMP_THREADS_BIND.
     """
     pci = accelerator.pci if accelerator is not None else None
@@ -356,6 +341,13 @@ def resolve_placement(
             numa_node=None, cpus=frozenset(), mem_nodes=frozenset(), mem_policy=MemPolicy.NONE, strategy=Strategy.NONE,
             reasons=tuple(reasons), launcher=policy.launcher, warning=failure,
         )
+
+    def intent(node_id: int, cpus: frozenset[int], mem_nodes: tuple[int, ...], whole: Optional[tuple[int, ...]],
+               reasons: list[str]) -> PlacementIntent:
+        if not mem_nodes:
+            reasons.append(f"no memory node this process may use near node {node_id}: CPU binding only")
+        return PlacementIntent(rank=rank, pci=pci, node_id=node_id, cpus=cpus, mem_nodes=mem_nodes,
+                               whole_nodes=whole, reasons=tuple(reasons))
 
     if policy.device == "cpu":
         if cpu_rank_set is None:
@@ -380,9 +372,7 @@ def resolve_placement(
         )
         whole = tuple(sorted(counts)) if cpus == frozenset().union(
             *(topology.node(n).cpus for n in counts)) else None
-        return _finish(rank=rank, pci=None, node_id=node_id, cpus=cpus, mem_nodes=mem_nodes, whole=whole,
-                       reasons=reasons, policy=policy, capabilities=capabilities, topology=topology,
-                       unbound=unbound)
+        return intent(node_id, cpus, mem_nodes, whole, reasons)
 
     choice = choose_node(topology=topology, rank=rank, accelerator=accelerator, policy=policy)
     reasons = list(choice.reasons)
@@ -413,60 +403,26 @@ def resolve_placement(
                        f"({format_cpulist(node.cpus)}; allowed {format_cpulist(affinity.cpus)})"],
             failure=True,
         )
-    return _finish(rank=rank, pci=pci, node_id=node.node_id, cpus=cpus, mem_nodes=mem_nodes, whole=whole,
-                   reasons=reasons, policy=policy, capabilities=capabilities, topology=topology, unbound=unbound)
+    return intent(node.node_id, cpus, mem_nodes, whole, reasons)
 
 
-def _finish(*, rank: RankIdentity, pci: Optional[str], node_id: int, cpus: frozenset[int],
-            mem_nodes: tuple[int, ...], whole: Optional[tuple[int, ...]], reasons: list[str],
-            policy: PlacementPolicy, capabilities: HostCapabilities, topology: HostTopology,
-            unbound) -> ProcessPlacement:
-    """Memory policy and strategy for a rank whose node and CPUs are known."""
-    if mem_nodes:
-        mem_policy = "bind"
-    else:
-        mem_policy = "none"
-        reasons.append(f"no memory node this process may use near node {node_id}: CPU binding only")
-
-    def placed(strategy: str, policy_name: str, nodes: Iterable[int], args: tuple[str, ...] = (),
-               warning: bool = False) -> ProcessPlacement:
-        return ProcessPlacement(
-            dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank, gpu_id=rank.gpu_id, pci=pci,
-            numa_node=node_id, cpus=cpus, mem_nodes=frozenset(nodes) if policy_name != "none" else frozenset(),
-            mem_policy=policy_name, strategy=strategy, reasons=tuple(reasons), numactl_args=args,
-            launcher=policy.launcher, warning=warning,
-        )
-
-    if not policy.bind_v2:
-        reasons.append("SGLANG_NUMA_BIND_V2=0: legacy V1 bind inside the child "
-                       "(numa_run_on_node + numa_set_preferred)")
-        return placed("v1", "preferred" if mem_nodes else "none", (node_id,))
-
-    if policy.exec_supported and capabilities.numactl is not None:
-        outcome = capabilities.numactl.ladder(
-            cpu_args=(cpu_option(cpus=cpus, whole_nodes=whole),),
-            mem_policy=mem_policy, mem_nodes=mem_nodes, preferred_node=node_id if mem_nodes else None,
-        )
-        reasons.extend(outcome.reasons)
-        if outcome.ok:
-            if outcome.mem_policy == MemPolicy.PREFERRED:
-                reasons.append(f"falling back to preferred node {node_id}")
-                return placed("exec", "preferred", (node_id,), outcome.args, warning=True)
-            degraded = outcome.mem_policy == MemPolicy.NONE and mem_policy != MemPolicy.NONE
-            if degraded:
-                reasons.append("falling back to CPU-only binding")
-            reasons.append(f"exec under numactl {' '.join(outcome.args)}")
-            return placed("exec", outcome.mem_policy, mem_nodes, outcome.args, warning=degraded)
-    elif policy.exec_supported:
-        reasons.append("numactl is not installed")
-    else:
-        reasons.append(f"the {policy.launcher} launcher cannot start this rank under numactl")
-
-    if capabilities.libnuma:
-        reasons.append("in-process bind with libnuma")
-        return placed("in-process", mem_policy, mem_nodes)
-    reasons.append("libnuma is not available: in-process CPU affinity only")
-    return placed("in-process", "none", (), warning=mem_policy != MemPolicy.NONE)
+def resolve_placement(
+    *,
+    topology: HostTopology,
+    affinity: ProcessAffinity,
+    rank: RankIdentity,
+    accelerator: Optional[Accelerator],
+    policy: PlacementPolicy,
+    capabilities: HostCapabilities,
+    exclusive_slice: Optional[tuple[int, int]] = None,
+    cpu_rank_set: Optional[frozenset[int]] = None,
+) -> ProcessPlacement:
+    """Where ``rank`` runs and how that is applied: its intent, then the strategy ``capabilities`` allow."""
+    decided = placement_intent(topology=topology, affinity=affinity, rank=rank, accelerator=accelerator,
+                               policy=policy, exclusive_slice=exclusive_slice, cpu_rank_set=cpu_rank_set)
+    if isinstance(decided, ProcessPlacement):
+        return decided
+    return choose_strategy(decided, policy=policy, capabilities=capabilities)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,6 +443,65 @@ def _runtime_for(runtime, *, device: str, topology: HostTopology, gpus: Optional
     return default_runtime(device)
 
 
+def _host_facts(topology: Optional[HostTopology], affinity: Optional[ProcessAffinity],
+                capabilities: Optional[HostCapabilities]) -> tuple[HostTopology, ProcessAffinity, HostCapabilities]:
+    """The given host facts, each missing one read from this host (topology from SGLANG_SYSFS_ROOT)."""
+    from sglang.srt.placement.topology import read_process_affinity, read_topology
+
+    return (
+        topology if topology is not None else read_topology(settings.sysfs_root()),
+        affinity if affinity is not None else read_process_affinity(),
+        capabilities if capabilities is not None else HostCapabilities.live(),
+    )
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One entry to plan: a rank, its device, and what tells exclusive slices apart (its device, or itself)."""
+
+    rank: RankIdentity
+    accelerator: Optional[Accelerator]
+    slice_key: Hashable
+
+
+def _plan(server_args, entries: Sequence[_Planned], *, topology: HostTopology, affinity: ProcessAffinity,
+          policy: PlacementPolicy, capabilities: HostCapabilities,
+          only: Optional[int] = None) -> tuple[ProcessPlacement, ...]:
+    """The one planning core: CPU groups, exclusive slices among the entries, each intent, then its strategy.
+
+    Exclusive slices count distinct ``slice_key`` values per node, so entries that
+    are alternatives for one device (a rank's candidate GPUs) share its slice.
+    Only the entry at ``only`` (all when None) is probed and returned.
+    """
+    cpu_sets: dict[RankIdentity, frozenset[int]] = {}
+    if policy.device == "cpu":
+        groups = validate_cpu_threads_bind(
+            policy.cpu_threads_bind, world_size=world_size(server_args), topology=topology, affinity=affinity
+        )
+        cpu_sets = {e.rank: groups[e.rank.global_rank] for e in entries}
+
+    slices: dict[Hashable, tuple[int, int]] = {}
+    if policy.affinity_mode == "exclusive" and policy.device != "cpu":
+        by_node: dict[int, list[Hashable]] = {}
+        for e in entries:
+            choice = choose_node(topology=topology, rank=e.rank, accelerator=e.accelerator, policy=policy)
+            members = by_node.setdefault(choice.node, []) if choice.node is not None else None
+            if members is not None and e.slice_key not in members:
+                members.append(e.slice_key)
+        for members in by_node.values():
+            for index, key in enumerate(members):
+                slices[key] = (index, len(members))
+
+    return tuple(
+        resolve_placement(
+            topology=topology, affinity=affinity, rank=e.rank, accelerator=e.accelerator, policy=policy,
+            capabilities=capabilities, exclusive_slice=slices.get(e.slice_key), cpu_rank_set=cpu_sets.get(e.rank),
+        )
+        for index, e in enumerate(entries)
+        if only is None or index == only
+    )
+
+
 def plan_engine(
     server_args,
     *,
@@ -500,79 +515,103 @@ def plan_engine(
     runtime=LIVE_RUNTIME,
     affinity_mode: Optional[str] = None,
     exec_supported: bool = True,
-    ray_accelerator_ids: Optional[Mapping[int, Sequence[str]]] = None,
     only: Optional[int] = None,
 ) -> tuple[ProcessPlacement, ...]:
-    """Every rank this host runs, resolved against this host (or the given topology).
+    """Every rank this host runs (``local_ranks``), resolved against this host (or the given topology).
 
-    ``only`` resolves just the rank at that index of ``local_ranks`` (its neighbours still shape
-    exclusive slices), so a rank resolving itself probes numactl for its own options alone.
+    Each rank's device comes from ``env`` (the environment the ranks inherit:
+    ``CUDA_VISIBLE_DEVICES`` / ``ZE_AFFINITY_MASK``). ``only`` resolves just the rank at
+    that index (its neighbours still shape exclusive slices), so a rank resolving
+    itself probes numactl for its own options alone.
     """
     from sglang.srt.placement.devices import identify_accelerators
 
-    if topology is None:
-        from sglang.srt.placement.topology import read_topology
-
-        topology = read_topology(settings.sysfs_root())
-    if affinity is None:
-        from sglang.srt.placement.topology import read_process_affinity
-
-        affinity = read_process_affinity()
-    if capabilities is None:
-        capabilities = HostCapabilities.live()
+    topology, affinity, capabilities = _host_facts(topology, affinity, capabilities)
     policy = PlacementPolicy.from_env(
         server_args, launcher=launcher, affinity_mode=affinity_mode, exec_supported=exec_supported
     )
     ranks = local_ranks(server_args)
-    env = os.environ if env is None else env
-    runtime = _runtime_for(runtime, device=policy.device, topology=topology, gpus=gpus)
-
-    accel_by_rank: dict[RankIdentity, Optional[Accelerator]] = {}
+    found: Sequence[Optional[Accelerator]] = [None] * len(ranks)
     if policy.device != "cpu":
-        if accelerators is None:
-            gpu_ids = [r.gpu_id for r in ranks]
-            accelerators = identify_accelerators(
-                device=policy.device, topology=topology, gpu_ids=gpu_ids, env=env, gpus=gpus, runtime=runtime
+        found = accelerators if accelerators is not None else identify_accelerators(
+            device=policy.device, topology=topology, gpu_ids=[r.gpu_id for r in ranks],
+            env=os.environ if env is None else env, gpus=gpus,
+            runtime=_runtime_for(runtime, device=policy.device, topology=topology, gpus=gpus),
+        )
+    entries = [_Planned(rank=r, accelerator=a, slice_key=index) for index, (r, a) in enumerate(zip(ranks, found))]
+    return _plan(server_args, entries, topology=topology, affinity=affinity, policy=policy,
+                 capabilities=capabilities, only=only)
+
+
+def plan_node(
+    server_args,
+    *,
+    ranks_with_ids: Sequence[tuple[RankIdentity, Optional[str]]],
+    launcher: str = "ray",
+    policy: Optional[PlacementPolicy] = None,
+    topology: Optional[HostTopology] = None,
+    affinity: Optional[ProcessAffinity] = None,
+    capabilities: Optional[HostCapabilities] = None,
+    gpus: Optional[Sequence[str]] = None,
+    runtime=LIVE_RUNTIME,
+    affinity_mode: Optional[str] = None,
+    exec_supported: bool = True,
+) -> tuple[ProcessPlacement, ...]:
+    """One placement per (rank, accelerator id) pair, all ranks of one node resolved together, on that node.
+
+    Each id is the physical device the launcher knows the rank gets (Ray's
+    accelerator id: an index or a UUID), never read from the calling process's
+    ``CUDA_VISIBLE_DEVICES``: the caller (a Ray task) holds no accelerator. A rank
+    may appear with several candidate ids (Ray picks among a bundle's GPUs only
+    when the actor starts); each pair gets its own placement, and they share
+    exclusive slices by device, so the caller can compare them. ``policy`` is
+    the engine's (the driver's settings); without it, this process's settings
+    with ``launcher``, ``affinity_mode`` and ``exec_supported`` are used.
+    """
+    from sglang.srt.placement.devices import DeviceIdentityError
+
+    topology, affinity, capabilities = _host_facts(topology, affinity, capabilities)
+    if policy is None:
+        policy = PlacementPolicy.from_env(
+            server_args, launcher=launcher, affinity_mode=affinity_mode, exec_supported=exec_supported
+        )
+    runtime = _runtime_for(runtime, device=policy.device, topology=topology, gpus=gpus)
+    entries: list[_Planned] = []
+    for index, (rank, accelerator_id) in enumerate(ranks_with_ids):
+        if policy.device == "cpu":
+            entries.append(_Planned(rank=rank, accelerator=None, slice_key=index))
+            continue
+        if accelerator_id is None or not str(accelerator_id).strip():
+            raise DeviceIdentityError(
+                f"{rank.label}: no accelerator id was given for a --device {policy.device} rank; give each rank "
+                f"the id its launcher assigns (in Ray, the rank's bundle must hold one GPU: {{'GPU': 1}})."
             )
-        for rank, accel in zip(ranks, accelerators):
-            accel_by_rank[rank] = accel
-        if ray_accelerator_ids:
-            for index, ids in ray_accelerator_ids.items():
-                rank = ranks[index]
-                (accel,) = identify_accelerators(
-                    device=policy.device, topology=topology, gpu_ids=[0], env=env,
-                    ray_accelerator_ids=ids, runtime=runtime,
-                )
-                accel_by_rank[rank] = Accelerator(
-                    gpu_id=rank.gpu_id, physical_id=accel.physical_id, pci=accel.pci, source=accel.source
-                )
+        accelerator = _accelerator_of_id(str(accelerator_id).strip(), rank=rank, device=policy.device,
+                                         topology=topology, gpus=gpus, runtime=runtime)
+        entries.append(_Planned(rank=rank, accelerator=accelerator,
+                                slice_key=accelerator.pci or accelerator.physical_id))
+    return _plan(server_args, entries, topology=topology, affinity=affinity, policy=policy,
+                 capabilities=capabilities)
 
-    cpu_sets: dict[RankIdentity, frozenset[int]] = {}
-    if policy.device == "cpu":
-        groups = validate_cpu_threads_bind(
-            policy.cpu_threads_bind, world_size=world_size(server_args), topology=topology, affinity=affinity
-        )
-        cpu_sets = {rank: groups[rank.global_rank] for rank in ranks}
 
-    slices: dict[RankIdentity, tuple[int, int]] = {}
-    if policy.affinity_mode == "exclusive" and policy.device != "cpu":
-        by_node: dict[int, list[RankIdentity]] = {}
-        for rank in ranks:
-            choice = choose_node(topology=topology, rank=rank, accelerator=accel_by_rank.get(rank), policy=policy)
-            if choice.node is not None:
-                by_node.setdefault(choice.node, []).append(rank)
-        for members in by_node.values():
-            for index, rank in enumerate(members):
-                slices[rank] = (index, len(members))
+def _accelerator_of_id(accelerator_id: str, *, rank: RankIdentity, device: str, topology: HostTopology,
+                       gpus: Optional[Sequence[str]], runtime) -> Accelerator:
+    """The device behind a launcher-assigned physical id, labelled with the rank's own logical index."""
+    from sglang.srt.placement.devices import DeviceIdentityError, identify_accelerators
 
-    return tuple(
-        resolve_placement(
-            topology=topology, affinity=affinity, rank=rank, accelerator=accel_by_rank.get(rank), policy=policy,
-            capabilities=capabilities, exclusive_slice=slices.get(rank), cpu_rank_set=cpu_sets.get(rank),
-        )
-        for index, rank in enumerate(ranks)
-        if only is None or index == only
-    )
+    if gpus is not None:
+        # --gpus lists PCI addresses by physical device index, which is what an index id names.
+        if not accelerator_id.isdigit():
+            raise DeviceIdentityError(
+                f"{rank.label}: --gpus lists devices by index, but the rank's device is {accelerator_id!r}; "
+                f"drop --gpus to identify it through NVML or sysfs."
+            )
+        (found,) = identify_accelerators(device=device, topology=topology, gpu_ids=[int(accelerator_id)],
+                                         env=os.environ, gpus=gpus)
+    else:
+        (found,) = identify_accelerators(device=device, topology=topology, gpu_ids=[0], env=os.environ,
+                                         ray_accelerator_ids=[accelerator_id], runtime=runtime)
+    return Accelerator(gpu_id=rank.gpu_id, physical_id=accelerator_id, pci=found.pci, source=found.source)
 
 
 def resolve_rank(
@@ -586,7 +625,12 @@ def resolve_rank(
     ray_accelerator_ids: Optional[Sequence[str]] = None,
     **plan_kwargs,
 ) -> ProcessPlacement:
-    """One rank's placement, resolved on the host where this is called (e.g. inside a Ray task on that node)."""
+    """One rank's placement, resolved on the host where this is called, its neighbours in view.
+
+    With ``ray_accelerator_ids`` (the ids an actor holds; the rank uses the first)
+    the rank is planned alone through ``plan_node``: a Ray launcher resolves all
+    of a node's ranks together with ``plan_node`` instead.
+    """
     ranks = local_ranks(server_args)
     for index, rank in enumerate(ranks):
         if (rank.dp_rank, rank.pp_rank, rank.tp_rank) == (dp_rank, pp_rank, tp_rank):
@@ -598,8 +642,12 @@ def resolve_rank(
         )
     if gpu_id is not None and gpu_id != rank.gpu_id:
         raise ValueError(f"{rank.label} uses GPU {rank.gpu_id}, not GPU {gpu_id} ({_layout(server_args)})")
-    ids = {index: list(ray_accelerator_ids)} if ray_accelerator_ids else None
-    (placement,) = plan_engine(server_args, launcher=launcher, ray_accelerator_ids=ids, only=index, **plan_kwargs)
+    if ray_accelerator_ids:
+        plan_kwargs.pop("env", None)  # the id is explicit; no environment names the device
+        (placement,) = plan_node(server_args, ranks_with_ids=[(rank, str(ray_accelerator_ids[0]))],
+                                 launcher=launcher, **plan_kwargs)
+        return placement
+    (placement,) = plan_engine(server_args, launcher=launcher, only=index, **plan_kwargs)
     return placement
 
 

@@ -2,6 +2,8 @@
 
 ``common`` holds what both launchers share; ``mp`` starts ranks as spawned
 processes (``spawn_hook`` puts numactl in front of them, ``child`` is their
-entry); ``ray_launcher`` and ``ray_node`` start them as Ray actors. Nothing is
-imported here, so that importing the package imports neither Ray nor torch.
+entry); ``ray_launcher`` starts them as Ray actors, through ``ray_sites`` (the
+driver's rounds), ``ray_node`` (what runs on a node) and ``ray_plan`` (the
+values passed between them). Nothing is imported here, so that importing the
+package imports neither Ray nor torch.
 """

@@ -1,28 +1,21 @@
-"""The Ray launcher: one ``SchedulerActor`` per rank, each in its own placement-group bundle.
+"""The Ray launcher: a bundle per rank, each node's ranks planned together there, a ``SchedulerActor`` per bundle.
 
-Per rank, in that rank's bundle and with the actor's resources (so Ray hands it
-the same node and accelerator), a small task resolves the placement where the
-rank will run. The actor is then created in the same bundle; an ``exec``
-placement starts its worker under numactl through
-``runtime_env={"py_executable": ...}``, so the binding holds before the
-interpreter allocates anything, and the worker keeps its pid.
-
-Ray 2.60 does not exec ``py_executable`` as an argv: the worker is started by
-``bash -c "exec <py_executable> <quoted worker args>"`` (``RuntimeEnvContext.exec_worker``),
-so the string is split and expanded by a shell. Every token is therefore
-checked against a strict pattern (an absolute path, or a numactl option whose
-value is digits, commas and dashes) before it is joined; a token that fails
-(say, a Python path with a space) makes the rank bind in-process instead, with
-the reason in its placement.
+A placed launch is three steps, all bounded by one deadline: reserve the
+placement group; one planning round (``resolve_on_nodes``: a task per bundle,
+holding its accelerator, learns the id Ray assigns there, and a task per node,
+started by Ray as soon as those are done, plans all of that node's ranks with
+the whole node in view); then each actor is created in its bundle, under
+numactl through ``runtime_env={"py_executable": ...}`` when its plan says exec,
+so the binding holds before the interpreter allocates anything.
+``placement=False`` skips the planning round and starts unbound actors. On any
+failure nothing is left behind: actors are killed and the placement group is
+removed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import re
-import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -32,53 +25,20 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sglang.srt.placement import settings
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
+from sglang.srt.placement.types import ProcessPlacement, RankIdentity
 from sglang.srt.ray.scheduler_actor import SchedulerActor, Target
-from sglang.srt.scheduler_launch.common import (
-    DEFAULT_TIMEOUT_S,
-    ExecCommand,
-    RankLaunchError,
-    RankResult,
-    decide_start,
-)
-from sglang.srt.scheduler_launch.ray_node import resolve_on_node_task
+from sglang.srt.scheduler_launch.common import DEFAULT_TIMEOUT_S, Deadline, RankLaunchError, RankResult
+from sglang.srt.scheduler_launch.ray_node import Planner
+from sglang.srt.scheduler_launch.ray_plan import ActorStart, NodePlan, start_decision, unplaced_start
+from sglang.srt.scheduler_launch.ray_sites import gather, resolve_on_nodes
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_WAIT_S = 15.0
 ACTOR_NAME_PREFIX = "sglang_scheduler"
 
-_NUMACTL_OPTION = re.compile(r"--[a-z][a-z-]*(=[0-9][0-9,-]*)?")
-_ABSOLUTE_PATH = re.compile(r"/[A-Za-z0-9_.+@/-]*")
-
 
 # --------------------------------------------------------------------------- pure decisions
-
-
-def exec_argv_problem(argv: Sequence[str]) -> Optional[str]:
-    """Why ``argv`` ([numactl, *options, python]) cannot be handed to Ray's shell safely; None when it can."""
-    if len(argv) < 2:
-        return f"the exec command {list(argv)!r} needs at least numactl and a Python interpreter"
-    numactl, *options, python = argv
-    for what, path in (("numactl path", numactl), ("Python interpreter path", python)):
-        if not _ABSOLUTE_PATH.fullmatch(path):
-            return (
-                f"the {what} {path!r} is not an absolute path of letters, digits and _.+@/- only "
-                f"(Ray runs py_executable through a shell)"
-            )
-    for option in options:
-        if not _NUMACTL_OPTION.fullmatch(option):
-            return f"the numactl option {option!r} is not of the form --name=digits,commas,dashes"
-    return None
-
-
-def py_executable(argv: Sequence[str]) -> str:
-    """The ``runtime_env["py_executable"]`` string for ``argv``; raises ValueError when it is not safe."""
-    problem = exec_argv_problem(argv)
-    if problem is not None:
-        raise ValueError(problem)
-    # Quoting is a no-op for tokens that passed the check; it stays as a second guard.
-    return " ".join(shlex.quote(token) for token in argv)
 
 
 def accelerator_resource(device: str) -> str:
@@ -87,7 +47,7 @@ def accelerator_resource(device: str) -> str:
 
 
 def rank_resources(device: str) -> dict[str, float]:
-    """num_cpus/num_gpus of a rank's bundle, its resolve task and its actor."""
+    """num_cpus/num_gpus of a rank's actor (its bundle holds exactly this)."""
     if accelerator_resource(device) == "CPU":
         return {"num_cpus": 1, "num_gpus": 0}
     return {"num_cpus": 0, "num_gpus": 1}
@@ -98,49 +58,32 @@ def rank_bundle(device: str) -> dict[str, float]:
 
 
 def forwarded_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """The placement settings (``Envs`` fields) set on the driver, passed to every rank's task and actor.
+    """The engine-policy settings set on the driver, passed to every actor.
 
     Ray workers inherit the raylet's environment, not the driver's; the settings
-    the user gave the engine must reach the node that resolves and runs a rank.
+    the user gave the engine must reach each rank. Host-local settings
+    (SGLANG_SYSFS_ROOT: a path on the driver's host) are never passed on: each
+    node's own environment decides them.
     """
     environ = os.environ if environ is None else environ
     return {name: environ[name] for name in settings.ENGINE_POLICY_VARS if name in environ}
 
 
-def engine_ranks(server_args: Any) -> list[tuple[Any, RankIdentity]]:
-    """Every rank of the engine with the server args of its node (node_rank set), in launch order."""
+def engine_ranks(server_args: Any) -> tuple[RankIdentity, ...]:
+    """Every rank of the engine, all node ranks, in launch order; which Ray node runs it is the group's choice."""
+    import dataclasses
+
     from sglang.srt.placement.resolve import local_ranks
 
-    out: list[tuple[Any, RankIdentity]] = []
-    for node_rank in range(server_args.nnodes):
-        node_args = (
-            server_args if node_rank == server_args.node_rank else dataclasses.replace(server_args, node_rank=node_rank)
-        )
-        out.extend((node_args, rank) for rank in local_ranks(node_args))
-    return out
+    return tuple(
+        rank
+        for node_rank in range(server_args.nnodes)
+        for rank in local_ranks(dataclasses.replace(server_args, node_rank=node_rank))
+    )
 
 
 def actor_name(rank: RankIdentity, *, group_hex: str) -> str:
     return f"{ACTOR_NAME_PREFIX}_{group_hex[:12]}_dp{rank.dp_rank}_pp{rank.pp_rank}_tp{rank.tp_rank}"
-
-
-def start_decision(
-    *, rank: RankIdentity, resolved: Mapping[str, Any], force_in_process: bool
-) -> tuple[ProcessPlacement, Optional[str]]:
-    """The placement the actor gets and its py_executable (None unless exec), from the node's resolution."""
-    placement = ProcessPlacement.from_json(resolved["placement_json"])
-    if placement.strategy != Strategy.EXEC:
-        return placement, None
-    command: Optional[ExecCommand] = None
-    if not force_in_process:
-        argv = resolved.get("exec_argv")
-        problem = resolved.get("exec_problem") or exec_argv_problem(argv or ())
-        command = ExecCommand(argv=tuple(argv), refusal=None) if problem is None else ExecCommand(
-            argv=None, refusal=f"cannot start the Ray worker under numactl: {problem}")
-    started = decide_start(placement, command, log=logger.warning)
-    if started.strategy != Strategy.EXEC:
-        return started, None
-    return started, py_executable(command.argv)
 
 
 # --------------------------------------------------------------------------- the launch
@@ -148,15 +91,14 @@ def start_decision(
 
 @dataclass
 class LaunchedActor:
-    """One rank's actor and what the driver knows of it."""
+    """One rank's actor and what the driver knows of it (its placement is the actor's own once it is ready)."""
 
     rank: RankIdentity
-    placement: ProcessPlacement
+    start: ActorStart
     name: str
     actor: Any
-    node_id: str
     py_executable: Optional[str]
-    resolve_s: float
+    placement: Optional[ProcessPlacement] = None
     info: Optional[dict] = None
     binding: dict = field(default_factory=dict)
 
@@ -164,19 +106,20 @@ class LaunchedActor:
     def label(self) -> str:
         return self.rank.label
 
+    @property
+    def node_id(self) -> Optional[str]:
+        return self.start.node_id
+
 
 @dataclass
 class RayLaunch:
-    """The placement group and the actors of one launch, with where the time went."""
+    """The placement group and the actors of one launch, each node's plan, and where the time went."""
 
     placement_group: Any
     actors: list[LaunchedActor] = field(default_factory=list)
+    plans: tuple[NodePlan, ...] = ()
     timings: dict[str, float] = field(default_factory=dict)
     closed: bool = False
-
-
-def _remaining(deadline: Optional[float]) -> Optional[float]:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _require_ray() -> None:
@@ -186,26 +129,108 @@ def _require_ray() -> None:
         )
 
 
+def plan_actor_starts(
+    placement_group: Any,
+    ranks: Sequence[tuple[RankIdentity, int]],
+    server_args: Any,
+    *,
+    deadline: Deadline,
+    force_in_process: bool = False,
+    planner: Optional[Planner] = None,
+    gpus: Optional[Sequence[str]] = None,
+    affinity_mode: Optional[str] = None,
+    timings: Optional[dict[str, float]] = None,
+) -> tuple[list[tuple[int, ActorStart, Optional[str]]], tuple[NodePlan, ...]]:
+    """(bundle index, ActorStart, py_executable) per rank of ``ranks`` ((rank, bundle index) pairs), and the
+    node plans, from one planning round on an existing placement group.
+
+    A bundle may hold several ranks and several accelerators (upstream's one
+    bundle per node): each rank then has every id of its bundle as a candidate.
+    """
+    from sglang.srt.placement.resolve import PlacementPolicy
+
+    timings = {} if timings is None else timings
+    resource = accelerator_resource(server_args.device)
+    policy = PlacementPolicy.from_env(server_args, launcher="ray", affinity_mode=affinity_mode,
+                                      exec_supported=not force_in_process)
+    started = time.perf_counter()
+    plans = resolve_on_nodes(ranks, server_args, placement_group=placement_group, resource=resource,
+                             policy=policy, deadline=deadline, gpus=gpus, planner=planner)
+    timings["plan_s"] = time.perf_counter() - started
+    timings["node_resolve_s"] = max(p.resolve_s for p in plans)
+
+    by_rank = {(rp.rank, rp.bundle_index): (plan.node_id, rp) for plan in plans for rp in plan.ranks}
+    out = []
+    for rank, index in ranks:
+        node_id, rank_plan = by_rank[(rank, index)]
+        start, exec_string = start_decision(rank_plan, accelerator_resource=resource, node_id=node_id,
+                                            force_in_process=force_in_process, log=logger.warning)
+        out.append((index, start, exec_string))
+    return out, plans
+
+
+def start_actors(
+    placement_group: Any,
+    starts: Sequence[tuple[int, ActorStart, Optional[str]]],
+    server_args: Any,
+    *,
+    target: Target,
+    env: Optional[Mapping[str, str]] = None,
+) -> list[LaunchedActor]:
+    """Create one SchedulerActor per (bundle index, ActorStart, py_executable), each in its bundle; returns at once."""
+    env = forwarded_env() if env is None else dict(env)
+    resources = rank_resources(server_args.device)
+    group_hex = placement_group.id.hex()
+    launched = []
+    for index, start, exec_string in starts:
+        runtime_env: dict[str, Any] = {}
+        if env:
+            runtime_env["env_vars"] = dict(env)
+        if exec_string is not None:
+            runtime_env["py_executable"] = exec_string
+        name = actor_name(start.rank, group_hex=group_hex)
+        actor = SchedulerActor.options(
+            name=name,
+            **resources,
+            max_restarts=0,
+            max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=index
+            ),
+            runtime_env=runtime_env or None,
+        ).remote(server_args=server_args, start=start, target=target)
+        placement = start.candidates[0][1] if start.placed else None
+        launched.append(LaunchedActor(rank=start.rank, start=start, name=name, actor=actor,
+                                      py_executable=exec_string, placement=placement))
+        how = f"under {exec_string}" if exec_string else (
+            f"strategy {placement.strategy}" if placement is not None else "unplaced")
+        where = f" on node {start.node_id[:12]}" if start.node_id else ""
+        logger.info(f"{start.rank.label}: scheduler actor {name} created{where} {how}")
+    return launched
+
+
 def launch_scheduler_actors(
     server_args: Any,
     *,
     target: Target,
     timeout_s: Optional[float] = DEFAULT_TIMEOUT_S,
     force_in_process: bool = False,
-    resolver: Optional[Callable[..., ProcessPlacement]] = None,
+    placement: bool = True,
+    planner: Optional[Planner] = None,
+    gpus: Optional[Sequence[str]] = None,
+    affinity_mode: Optional[str] = None,
 ) -> RayLaunch:
-    """Reserve one bundle per rank, resolve each rank on its node, and create its actor there.
+    """Reserve one bundle per rank, plan each node's ranks on that node, and create each rank's actor in its bundle.
 
     ``force_in_process`` makes every bound rank bind in-process (libnuma) rather
-    than start under numactl. ``resolver`` replaces
-    ``sglang.srt.placement.resolve_rank`` (same keyword arguments) in the task
-    that runs on the rank's node. On any failure nothing is left behind.
+    than start under numactl; ``placement=False`` skips planning and starts
+    unbound actors. ``planner`` replaces ``plan_node`` on the nodes (tests);
+    ``gpus`` and ``affinity_mode`` are ``plan_node``'s. On any failure nothing
+    is left behind.
     """
     _require_ray()
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    deadline = Deadline(timeout_s)
     ranks = engine_ranks(server_args)
-    resources = rank_resources(server_args.device)
-    resource = accelerator_resource(server_args.device)
     bundle = rank_bundle(server_args.device)
     strategy = "STRICT_PACK" if server_args.nnodes == 1 else "PACK"
 
@@ -213,74 +238,27 @@ def launch_scheduler_actors(
     group = placement_group([dict(bundle) for _ in ranks], strategy=strategy)
     launch = RayLaunch(placement_group=group)
     try:
-        ready, _ = ray.wait([group.ready()], timeout=_remaining(deadline))
+        ready, _ = ray.wait([group.ready()], timeout=deadline.remaining())
         if not ready:
             raise RankLaunchError(
                 f"the Ray placement group for {len(ranks)} rank(s) ({len(ranks)} x {bundle}, {strategy}) was not "
-                f"reserved within {timeout_s:.0f} s; free cluster resources: {ray.available_resources()}. "
+                f"reserved within {deadline.text()}; free cluster resources: {ray.available_resources()}. "
                 f"Free or add resources, or lower --tp-size/--pp-size/--dp-size."
             )
         launch.timings["placement_group_s"] = time.perf_counter() - started
 
-        env = forwarded_env()
-        started = time.perf_counter()
-        refs = [
-            resolve_on_node_task.options(
-                **resources,
-                max_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=index
-                ),
-            ).remote(
-                server_args=node_args,
-                rank=rank,
-                env=env,
-                accelerator_resource=resource,
-                exec_supported=not force_in_process,
-                resolver=resolver,
+        pairs = [(rank, index) for index, rank in enumerate(ranks)]
+        if placement:
+            starts, launch.plans = plan_actor_starts(
+                group, pairs, server_args, deadline=deadline, force_in_process=force_in_process, planner=planner,
+                gpus=gpus, affinity_mode=affinity_mode, timings=launch.timings,
             )
-            for index, (node_args, rank) in enumerate(ranks)
-        ]
-        resolved = _get_each(refs, [rank for _, rank in ranks], deadline=deadline, timeout_s=timeout_s,
-                             stage="placement could not be resolved on its node")
-        launch.timings["resolve_s"] = time.perf_counter() - started
+        else:
+            resource = accelerator_resource(server_args.device)
+            starts = [(index, unplaced_start(rank, accelerator_resource=resource), None) for rank, index in pairs]
 
         started = time.perf_counter()
-        group_hex = group.id.hex()
-        for index, ((_, rank), res) in enumerate(zip(ranks, resolved)):
-            placement, exec_command = start_decision(rank=rank, resolved=res, force_in_process=force_in_process)
-            runtime_env: dict[str, Any] = {}
-            if env:
-                runtime_env["env_vars"] = dict(env)
-            if exec_command is not None:
-                runtime_env["py_executable"] = exec_command
-            name = actor_name(rank, group_hex=group_hex)
-            actor = SchedulerActor.options(
-                name=name,
-                **resources,
-                max_restarts=0,
-                max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=index
-                ),
-                runtime_env=runtime_env or None,
-            ).remote(
-                server_args=server_args,
-                placement_json=placement.to_json(),
-                rank=rank,
-                target=target,
-                resolved_node_id=res["node_id"],
-                resolved_accelerator_ids=tuple(res["accelerator_ids"]),
-                accelerator_resource=resource,
-            )
-            launch.actors.append(
-                LaunchedActor(
-                    rank=rank, placement=placement, name=name, actor=actor, node_id=res["node_id"],
-                    py_executable=exec_command, resolve_s=res["resolve_s"],
-                )
-            )
-            how = f"under {exec_command}" if exec_command else f"strategy {placement.strategy}"
-            logger.info(f"{rank.label}: scheduler actor {name} created on node {res['node_id'][:12]} {how}")
+        launch.actors = start_actors(group, starts, server_args, target=target)
         launch.timings["create_s"] = time.perf_counter() - started
     except BaseException:
         shutdown_ray(launch)
@@ -288,43 +266,15 @@ def launch_scheduler_actors(
     return launch
 
 
-def _get_each(refs: Sequence[Any], ranks: Sequence[RankIdentity], *, deadline: Optional[float],
-              timeout_s: Optional[float], stage: str) -> list[Any]:
-    """ray.get each ref, naming the rank of the first that fails or is late."""
-    index_of = {ref: i for i, ref in enumerate(refs)}
-    values: list[Any] = [None] * len(refs)
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=_remaining(deadline))
-        if not done:
-            labels = ", ".join(ranks[index_of[ref]].label for ref in pending)
-            raise RankLaunchError(f"{labels}: {stage}: no answer within {timeout_s:.0f} s",
-                                  label=ranks[index_of[pending[0]]].label)
-        for ref in done:
-            i = index_of[ref]
-            try:
-                values[i] = ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                raise RankLaunchError(f"{ranks[i].label}: {stage}: {exc}", label=ranks[i].label,
-                                      error=str(exc)) from exc
-    return values
-
-
-def _wait_all(launch: RayLaunch, *, call: Callable[[LaunchedActor], Any], on_done: Callable[[LaunchedActor, Any], None],
-              timeout_s: Optional[float], late: Callable[[list[LaunchedActor]], str]) -> None:
-    """Call a remote method on every actor and hand each result to ``on_done`` as it comes; on the first
-    failure or the deadline, shut all down and raise."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+def _call_all(launch: RayLaunch, *, call: Callable[[LaunchedActor], Any], timeout_s: Optional[float],
+              **messages: str) -> dict[str, Any]:
+    """Call a remote method on every actor; its result per actor name. On the first failure or the deadline,
+    shut all down and raise naming the rank."""
     try:
-        by_ref = {call(a): a for a in launch.actors}
-        pending = list(by_ref)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=_remaining(deadline))
-            if not done:
-                stuck = [by_ref[ref] for ref in pending]
-                raise RankLaunchError(late(stuck), label=stuck[0].label)
-            for ref in done:
-                on_done(by_ref[ref], ref)
+        refs = {call(a): a for a in launch.actors}
+        got = gather({ref: a.label for ref, a in refs.items()}, deadline=Deadline(timeout_s), cancel=False,
+                     **messages)
+        return {refs[ref].name: value for ref, value in got.items()}
     except BaseException:
         shutdown_ray(launch)
         raise
@@ -333,31 +283,32 @@ def _wait_all(launch: RayLaunch, *, call: Callable[[LaunchedActor], Any], on_don
 def wait_ready_ray(launch: RayLaunch, *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S) -> list[RankResult]:
     """Wait until every actor reports readiness; on the first failure or the deadline, shut all down and raise.
 
-    A rank whose read-back binding differs from its placement is logged as a
-    warning here (the actor refused to start instead under
-    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1).
+    Each result's placement is the one the actor applied (for a rank with
+    several candidate ids, the one of the id Ray gave it). A rank whose binding
+    differs from its placement is logged as a warning here (the actor refused
+    to start instead under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1).
     """
-
-    def late(stuck: list[LaunchedActor]) -> str:
-        hint = ""
-        if any(a.py_executable for a in stuck):
-            hint = (" A worker that numactl or the interpreter refused to start never registers with Ray: "
-                    "see the raylet log (raylet.out) on the rank's node.")
-        return f"{', '.join(a.label for a in stuck)}: scheduler actor not ready within {timeout_s:.0f} s.{hint}"
-
+    fix = ""
+    if any(a.py_executable for a in launch.actors):
+        fix = ("A worker that numactl or the interpreter refused to start never registers with Ray: "
+               "see the raylet log (raylet.out) on the rank's node.")
     started = time.perf_counter()
-    _wait_all(launch, call=lambda a: a.actor.ready.remote(), on_done=_take_report, timeout_s=timeout_s, late=late)
+    reports = _call_all(launch, call=lambda a: a.actor.ready.remote(), timeout_s=timeout_s,
+                        late="scheduler actor not ready", failed="scheduler actor died before it was ready", fix=fix)
+    try:
+        for a in launch.actors:
+            _take_report(a, reports[a.name])
+    except BaseException:
+        shutdown_ray(launch)
+        raise
     launch.timings["ready_s"] = time.perf_counter() - started
     return [RankResult(placement=a.placement, rank=a.rank, info=a.info or {}) for a in launch.actors]
 
 
-def _take_report(a: LaunchedActor, ref: Any) -> None:
-    try:
-        report = ray.get(ref)
-    except ray.exceptions.RayError as exc:
-        raise RankLaunchError(f"{a.label}: scheduler actor {a.name} died before it was ready: {exc}",
-                              label=a.label, error=str(exc)) from exc
+def _take_report(a: LaunchedActor, report: dict) -> None:
     a.binding = report.get("binding") or {}
+    if report.get("placement") is not None:
+        a.placement = report["placement"]
     if report["status"] != "ready":
         raise RankLaunchError(
             f"{a.label}: scheduler actor failed to initialise: {report['error']}\n{report['traceback']}",
@@ -371,7 +322,7 @@ def _take_report(a: LaunchedActor, ref: Any) -> None:
             f"{a.label}: scheduler actor {a.name} (pid {pid}) is not where its placement says "
             f"(strategy {a.placement.strategy}): {'; '.join(mismatches)}"
         )
-    else:
+    elif a.placement is not None:
         from sglang.srt.placement.resolve import describe
 
         logger.info(f"{a.label}: scheduler actor ready (pid {pid}): {describe(a.placement)}")
@@ -379,17 +330,8 @@ def _take_report(a: LaunchedActor, ref: Any) -> None:
 
 def wait_finished_ray(launch: RayLaunch, *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S) -> None:
     """Run every actor's event loop until it returns; on failure or the deadline, shut all down and raise."""
-
-    def finished(a: LaunchedActor, ref: Any) -> None:
-        try:
-            ray.get(ref)
-        except ray.exceptions.RayError as exc:
-            raise RankLaunchError(f"{a.label}: scheduler event loop failed: {exc}", label=a.label,
-                                  error=str(exc)) from exc
-
-    _wait_all(launch, call=lambda a: a.actor.event_loop.remote(), on_done=finished, timeout_s=timeout_s,
-              late=lambda stuck: f"{', '.join(a.label for a in stuck)}: event loop still running after "
-                                 f"{timeout_s:.0f} s")
+    _call_all(launch, call=lambda a: a.actor.event_loop.remote(), timeout_s=timeout_s,
+              late="scheduler event loop still running", failed="scheduler event loop failed")
 
 
 def shutdown_ray(launch: RayLaunch, *, wait_s: float = SHUTDOWN_WAIT_S) -> None:
@@ -422,18 +364,16 @@ def run_ranks_ray(
     *,
     target: Target,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    force_in_process: bool = False,
-    resolver: Optional[Callable[..., ProcessPlacement]] = None,
+    **launch_options: Any,
 ) -> list[RankResult]:
     """Start every rank of the engine as a Ray actor, wait for readiness, run the event loops out, shut down.
 
-    Each RankResult carries the placement resolved on the actor's node (not the
-    driver's). Raises :class:`RankLaunchError` naming the failed rank with its
-    error and traceback, and leaves no actor or placement group behind.
+    ``launch_options`` are ``launch_scheduler_actors``'s. Each RankResult carries
+    the placement the actor applied, resolved on its node (not the driver's).
+    Raises :class:`RankLaunchError` naming the failed rank with its error and
+    traceback, and leaves no actor or placement group behind.
     """
-    launch = launch_scheduler_actors(
-        server_args, target=target, timeout_s=timeout_s, force_in_process=force_in_process, resolver=resolver
-    )
+    launch = launch_scheduler_actors(server_args, target=target, timeout_s=timeout_s, **launch_options)
     try:
         results = wait_ready_ray(launch, timeout_s=timeout_s)
         wait_finished_ray(launch, timeout_s=timeout_s)

@@ -1,38 +1,32 @@
-"""What runs on a Ray node for the launcher: the resolve task and the actor's read-back of its binding.
+"""What runs on a Ray node for the launcher: the bundle probe, the node's plan for its ranks, and the actor's read-back.
 
-A rank's placement is decided on the node that runs it, for the accelerator Ray
-gave it, never from the driver's topology. ``resolve_on_node`` runs as a small
-task in the rank's placement-group bundle with the same resources as the actor
-(so Ray hands it the same accelerator), resolves the placement there and, for
-an ``exec`` placement, returns that node's numactl and Python paths. The driver
-then creates ``SchedulerActor`` in the same bundle, started under numactl
-through ``runtime_env={"py_executable": ...}`` when the strategy is exec.
-
-Inside, the actor applies the in-process part of its placement (the same
-``configure_scheduler_process`` the multiprocessing child uses), then reads its
-binding back, every thread included, and compares it with the placement; a rank
-that is not where its placement says is reported to the driver, and is an
-initialisation error under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
+``probe_site`` runs in a bundle holding all of the bundle's accelerators, so
+Ray hands it every id an actor in that bundle may get. ``plan_on_node`` runs
+once per node with no resources, as soon as its bundles' probes are done (their
+results are its arguments): it resolves all of the node's ranks together
+from the ids it is given (it holds no GPU, and never reads its own
+``CUDA_VISIBLE_DEVICES``), against the node's own topology (its
+``SGLANG_SYSFS_ROOT``) under the driver's policy, and for each exec candidate
+returns that node's numactl and Python paths, checked by numactl's own dry
+run: a worker that numactl refuses to start never registers with Ray, and the
+launch would only learn of it at its deadline.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 
-from sglang.srt.placement.scoped_environ import scoped_environ
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
+from sglang.srt.placement.types import ProcessPlacement, Strategy
 from sglang.srt.scheduler_launch.common import exec_command, read_back
+from sglang.srt.scheduler_launch.ray_plan import BundleSite, Candidate, NodePlan, NodeRequest, RankPlan, ranks_on_sites
 
-logger = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------- the resolve task
+Planner = Callable[..., Sequence[ProcessPlacement]]
+"""``plan_node``'s signature: (server_args, *, ranks_with_ids, policy, gpus) -> one placement per pair."""
 
 
 def accelerator_ids_here(resource: str) -> tuple[str, ...]:
@@ -43,87 +37,76 @@ def accelerator_ids_here(resource: str) -> tuple[str, ...]:
     return tuple(str(i) for i in ids)
 
 
-def _default_resolver(server_args: Any, **kwargs: Any) -> ProcessPlacement:
-    from sglang.srt.placement.resolve import resolve_rank
+def probe_site(bundle_index: int, resource: str, *after: BundleSite) -> BundleSite:
+    """Where this task's bundle is, and the ids of ``resource`` it holds (run in the bundle, holding all of them).
 
-    return resolve_rank(server_args, **kwargs)
+    ``after`` is the previous probe's site, only there to make Ray run the probes one after another.
+    """
+    context = ray.get_runtime_context()
+    return BundleSite(bundle_index=bundle_index, node_id=context.get_node_id(),
+                      node_ip=ray.util.get_node_ip_address(), accelerator_ids=accelerator_ids_here(resource))
 
 
-def resolve_on_node(
-    *,
-    server_args: Any,
-    rank: RankIdentity,
-    env: Mapping[str, str],
-    accelerator_resource: str,
-    exec_supported: bool,
-    resolver: Optional[Callable[..., ProcessPlacement]] = None,
-) -> dict[str, Any]:
-    """Resolve ``rank`` on this node (run as a Ray task in the rank's bundle); a JSON-friendly dict.
+def _default_planner(server_args: Any, **kwargs: Any) -> Sequence[ProcessPlacement]:
+    from sglang.srt.placement.resolve import plan_node
 
-    ``exec_argv`` is [numactl, *options, python] for an exec placement whose
-    options numactl accepts on this node (the probe resolving it already ran):
-    a worker that numactl refuses to start never registers with Ray, and the
-    launch would only learn of it at its deadline.
+    return plan_node(server_args, **kwargs)
+
+
+def plan_on_node(request: NodeRequest, planner: Optional[Planner], *sites: BundleSite) -> NodePlan:
+    """Resolve every rank of ``request`` on this node, one placement per candidate id (run as a Ray task).
+
+    ``sites`` are this node's bundles as their probes found them (passed as task
+    arguments, so Ray starts this task once they are known); a bundle without
+    one (a CPU bundle holds no accelerator) is this node with no ids.
     """
     started = time.perf_counter()
-    accelerator_ids = accelerator_ids_here(accelerator_resource)
-    with scoped_environ(env):
-        placement = (resolver or _default_resolver)(
-            server_args,
-            dp_rank=rank.dp_rank,
-            pp_rank=rank.pp_rank,
-            tp_rank=rank.tp_rank,
-            gpu_id=rank.gpu_id,
-            launcher="ray",
-            ray_accelerator_ids=list(accelerator_ids) or None,
-            exec_supported=exec_supported,
-        )
-    exec_argv: Optional[list[str]] = None
-    exec_problem: Optional[str] = None
-    if placement.strategy == Strategy.EXEC:
-        exec_argv, exec_problem = _exec_argv_here(placement)
-    return {
-        "placement_json": placement.to_json(),
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "accelerator_ids": list(accelerator_ids),
-        "exec_argv": exec_argv,
-        "exec_problem": exec_problem,
-        "pid": os.getpid(),
-        "resolve_s": time.perf_counter() - started,
-    }
+    node_id = ray.get_runtime_context().get_node_id()
+    node_ip = ray.util.get_node_ip_address()
+    found = {site.bundle_index: site for site in sites}
+    for site in sites:
+        if site.node_id != node_id:
+            raise RuntimeError(f"bundle {site.bundle_index} is on Ray node {site.node_id}, not on this node "
+                               f"{node_id} that Ray's placement-group table named")
+    bundles = sorted({index for _, index in request.ranks})
+    site_of = {i: found.get(i) or BundleSite(bundle_index=i, node_id=node_id, node_ip=node_ip) for i in bundles}
+    on_node = ranks_on_sites(request.ranks, site_of)
+    pairs = [(r.rank, candidate) for r in on_node for candidate in (r.accelerator_ids or (None,))]
+    placements = list((planner or _default_planner)(
+        request.server_args, ranks_with_ids=pairs, policy=request.policy, gpus=request.gpus))
+    if len(placements) != len(pairs):
+        raise ValueError(f"the planner returned {len(placements)} placements for {len(pairs)} (rank, id) pairs")
+    where = f"resolved on Ray node {node_id}"
+    ranks: list[RankPlan] = []
+    for r in on_node:
+        candidates = []
+        for candidate in r.accelerator_ids or (None,):
+            placement = placements.pop(0)
+            placement = placement.replace(reasons=(*placement.reasons, where))
+            argv, problem = _exec_argv_here(placement)
+            candidates.append(Candidate(accelerator_id=candidate, placement=placement, exec_argv=argv,
+                                        exec_problem=problem))
+        ranks.append(RankPlan(rank=r.rank, bundle_index=r.bundle_index, candidates=tuple(candidates)))
+    return NodePlan(node_id=node_id, node_ip=node_ip, sites=tuple(site_of[i] for i in bundles), ranks=tuple(ranks),
+                    resolve_s=time.perf_counter() - started, pid=os.getpid())
 
 
-def _exec_argv_here(placement: ProcessPlacement) -> tuple[Optional[list[str]], Optional[str]]:
+def _exec_argv_here(placement: ProcessPlacement) -> tuple[Optional[tuple[str, ...]], Optional[str]]:
+    if placement.strategy != Strategy.EXEC:
+        return None, None
     command = exec_command(placement, python=sys.executable)
     if command.argv is None:
         if command.numactl_missing:
             return None, command.refusal
         return None, f"numactl {' '.join(placement.numactl_args)} does not start on this node: {command.refusal}"
-    return list(command.argv), None
+    return command.argv, None
 
 
-# --------------------------------------------------------------------------- reading the binding back
-
-
-def check_binding(
-    placement: ProcessPlacement,
-    *,
-    resolved_node_id: str,
-    resolved_accelerator_ids: Sequence[str],
-    accelerator_resource: str,
-) -> dict[str, Any]:
-    """Read this actor's binding back and list every way it differs from ``placement`` (and its premises)."""
-    mismatches: list[str] = []
+def check_binding(placement: ProcessPlacement, *, premises: Sequence[str], accelerator_ids: Sequence[str]) -> dict:
+    """Read this actor's binding back and list every way it differs from ``placement`` (premises first)."""
     node_id = ray.get_runtime_context().get_node_id()
-    if node_id != resolved_node_id:
-        mismatches.append(f"placement resolved on Ray node {resolved_node_id}, actor runs on node {node_id}")
-    accelerator_ids = accelerator_ids_here(accelerator_resource)
-    if tuple(accelerator_ids) != tuple(resolved_accelerator_ids):
-        mismatches.append(
-            f"placement resolved for {accelerator_resource} {list(resolved_accelerator_ids)}, "
-            f"Ray gave this actor {list(accelerator_ids)}"
-        )
-    return {"node_id": node_id, "accelerator_ids": list(accelerator_ids), **read_back(placement, premises=mismatches)}
+    return {"node_id": node_id, "accelerator_ids": list(accelerator_ids), **read_back(placement, premises=premises)}
 
 
-resolve_on_node_task = ray.remote(resolve_on_node)
+probe_site_task = ray.remote(probe_site)
+plan_on_node_task = ray.remote(plan_on_node)
