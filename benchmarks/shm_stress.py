@@ -111,6 +111,10 @@ def _worker(slot: int, counters, shm_dir: str, namespaces: int, ranks: int,
     counters[base + _HELD] = 0
 
 
+def _noop() -> None:
+    pass
+
+
 def _leftovers(shm_dir: str) -> tuple[str, ...]:
     found = []
     for root, dirs, files in os.walk(shm_dir):
@@ -129,7 +133,13 @@ def run(
     seed: int = 0,
 ) -> StressResult:
     """Run the load in ``shm_dir`` (which should start empty) and report what happened."""
-    context = multiprocessing.get_context("spawn")
+    # Workers fork from a server that imported the shm modules once: a restarted owner is back at
+    # once, instead of paying sglang.srt.distributed's imports (seconds) inside the measured window.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__ if __name__ != "__main__" else "sglang.srt.distributed.shm_segments"])
+    warm_up = context.Process(target=_noop)
+    warm_up.start()
+    warm_up.join()
     counters = context.RawArray("q", processes * _FIELDS)
     deadline = time.time() + seconds
     rng = random.Random(seed)

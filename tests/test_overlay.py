@@ -61,12 +61,14 @@ def _has_upstream_actor_body(pkg: Path) -> bool:
 
 @pytest.fixture(scope="session")
 def pristine() -> Path:
-    """The pristine sglang package dir: $SGLANG_PRISTINE_DIR/sglang, else the installed one (not imported)."""
+    """The pristine sglang package dir: $SGLANG_PRISTINE_DIR/sglang, else the copy scripts/setup.sh keeps in
+    .venv/pristine, else the installed one (not imported)."""
     if os.environ.get("SGLANG_PRISTINE_DIR"):
         candidates = [Path(os.environ["SGLANG_PRISTINE_DIR"]) / "sglang"]
     else:
+        candidates = [OVERLAY.parent.parent / ".venv" / "pristine" / "sglang"]
         spec = importlib.util.find_spec("sglang")
-        candidates = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+        candidates += [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
         try:
             candidates.append(Path(str(importlib.metadata.distribution("sglang").locate_file("sglang"))))
         except importlib.metadata.PackageNotFoundError:

@@ -103,7 +103,7 @@ def test_plan_human_output_one_line_per_rank(tmp_path):
     (["--gpus", "0000:18:00.0,"], {}, "--gpus='0000:18:00.0,' is not valid"),
     (["--gpus", "zz:00.0"], {}, "--gpus"),
     (["--numa-node", "0"], {}, "--numa-node has 1 entry (0) but DP0 PP0 TP1 uses GPU 1"),
-    ([], {"SGLANG_NUMA_BIND_V2": "perhaps"}, "SGLANG_NUMA_BIND_V2='perhaps' is not valid"),
+    ([], {"SGLANG_NUMA_AFFINITY_MODE": "perhaps"}, "SGLANG_NUMA_AFFINITY_MODE='perhaps' is not valid"),
     (["--device", "cpu"], {"SGLANG_CPU_OMP_THREADS_BIND": "0-3"}, "SGLANG_CPU_OMP_THREADS_BIND='0-3' has 1 group(s)"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, env, message):

