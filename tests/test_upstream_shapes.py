@@ -8,6 +8,7 @@ that callers and operators rely on.
 from __future__ import annotations
 
 import ast
+import json
 import ctypes
 import importlib
 import multiprocessing
@@ -280,3 +281,25 @@ def test_sglang_router_imports_its_launch_server_from_the_overlaid_package():
                          capture_output=True, text=True, timeout=300, env=full_import_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().startswith(str(PACKAGE))
+
+
+# --------------------------------------------------------------------------- Ray actors as RayEngine creates them
+
+
+def test_scheduler_actors_created_as_ray_engine_creates_them_start_under_their_placement():
+    tests_dir = Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tests_dir), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    out = subprocess.run([sys.executable, str(tests_dir / "upstream_ray_driver.py")], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    infos = result["infos"]
+    # Each actor built the (stand-in) Scheduler for the GPU Ray gave it, after upstream's configure step.
+    assert sorted(i["cuda_visible_devices"] for i in infos) == ["0", "1"]
+    assert all(i["configured_gpu_id"] == int(i["cuda_visible_devices"]) for i in infos)
+    assert {i["model_path"] for i in infos} == {"/nonexistent"}
+    # Both GPUs are on node 0, so the bundle's plan agrees and each worker started under numactl.
+    assert [(i["policy"], i["policy_nodes"]) for i in infos] == [("bind", [0]), ("bind", [0])]
+    assert result["mismatches"] == [[], []]
+    assert len(result["names"]) == 2 and all("_dp0_pp0_tp" in n and "_bundle0" in n for n in result["names"])

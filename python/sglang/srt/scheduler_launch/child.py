@@ -124,11 +124,12 @@ def configure_scheduler_process(
                 logger.info(f"{who}: bound to NUMA node {numa_node} in the child (SGLANG_NUMA_BIND_V2=0)")
         return prefix
 
-    _apply_in_child(placement, who=who)
+    apply_in_rank(placement, who=who)
     return prefix
 
 
-def _apply_in_child(placement: ProcessPlacement, *, who: str) -> None:
+def apply_in_rank(placement: ProcessPlacement, *, who: str) -> None:
+    """Apply the part of ``placement`` that is done inside the rank (in-process or legacy V1); log what holds."""
     summary = _placement_summary(placement)
     if placement.strategy == Strategy.IN_PROCESS:
         from sglang.srt.placement import apply
@@ -139,9 +140,9 @@ def _apply_in_child(placement: ProcessPlacement, *, who: str) -> None:
         if placement.numa_node is None:
             logger.warning(f"{who}: legacy placement without a NUMA node, nothing bound ({summary})")
             return
-        from sglang.srt.utils.numa_utils import numa_bind_to_node
+        from sglang.srt.placement.apply import bind_legacy_v1
 
-        numa_bind_to_node(placement.numa_node)
+        bind_legacy_v1(placement.numa_node)
         logger.info(f"{who}: bound to NUMA node {placement.numa_node} in the child (legacy V1)")
     elif placement.strategy == Strategy.EXEC:
         logger.info(f"{who}: started under numactl {' '.join(placement.numactl_args)}: {summary}")

@@ -198,7 +198,8 @@ def start_actors(
                 placement_group=placement_group, placement_group_bundle_index=index
             ),
             runtime_env=runtime_env or None,
-        ).remote(server_args=server_args, start=start, target=target)
+        ).remote(server_args, None, start.rank.gpu_id or 0, start.rank.tp_rank, start.rank.pp_rank, start.rank.dp_rank,
+                  start=start, target=target)
         placement = start.candidates[0][1] if start.placed else None
         launched.append(LaunchedActor(rank=start.rank, start=start, name=name, actor=actor,
                                       py_executable=exec_string, placement=placement))
@@ -330,7 +331,7 @@ def _take_report(a: LaunchedActor, report: dict) -> None:
 
 def wait_finished_ray(launch: RayLaunch, *, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S) -> None:
     """Run every actor's event loop until it returns; on failure or the deadline, shut all down and raise."""
-    _call_all(launch, call=lambda a: a.actor.event_loop.remote(), timeout_s=timeout_s,
+    _call_all(launch, call=lambda a: a.actor.run_event_loop.remote(), timeout_s=timeout_s,
               late="scheduler event loop still running", failed="scheduler event loop failed")
 
 

@@ -48,6 +48,13 @@ _PLACEMENT_FIELDS = {
 }
 
 
+def placement_fields(server_args: Any) -> dict[str, Any]:
+    """The ServerArgs fields placement reads, taken from any object, with upstream's defaults for those it lacks."""
+    fields = {name: getattr(server_args, name, default) for name, default in _PLACEMENT_FIELDS.items()}
+    fields["device"] = fields["device"] or "cuda"
+    return fields
+
+
 def _placement_view(server_args: Any, gpu_id: int) -> tuple[Any, RankIdentity]:
     """The fields placement reads, and the rank of the engine that uses ``gpu_id``.
 
@@ -56,8 +63,7 @@ def _placement_view(server_args: Any, gpu_id: int) -> tuple[Any, RankIdentity]:
     """
     from sglang.srt.placement.resolve import local_ranks
 
-    fields = {name: getattr(server_args, name, default) for name, default in _PLACEMENT_FIELDS.items()}
-    fields["device"] = fields["device"] or "cuda"
+    fields = placement_fields(server_args)
     view = types.SimpleNamespace(**fields)
     for rank in local_ranks(view):
         if rank.gpu_id == gpu_id:
@@ -89,7 +95,8 @@ def _numa_binding_possible(device: Optional[str], *, what: str) -> bool:
     return True
 
 
-def _placement_for_gpu(server_args: Any, gpu_id: int) -> ProcessPlacement:
+def placement_for_gpu(server_args: Any, gpu_id: int) -> ProcessPlacement:
+    """The placement of the rank that uses ``gpu_id`` (or of a one-rank engine on it), resolved on this host."""
     from sglang.srt.placement.resolve import resolve_rank
 
     view, rank = _placement_view(server_args, gpu_id)
@@ -115,7 +122,7 @@ def configure_subprocess(
         if not _numa_binding_possible(getattr(server_args, "device", None), what=f"GPU {gpu_id}"):
             yield
             return
-        placement = _placement_for_gpu(server_args, gpu_id)
+        placement = placement_for_gpu(server_args, gpu_id)
     if placement.strategy != Strategy.EXEC:
         logger.debug(f"GPU {gpu_id}: placement strategy {placement.strategy}, nothing to wrap around the spawn")
         yield

@@ -1,0 +1,149 @@
+"""Upstream ``RayEngine``'s scheduler actors, placed: what its ``_create_scheduler_actor`` delegates to.
+
+sglang's RayEngine (and its Ray data-parallel controller) reserve their own
+placement group and create one ``SchedulerActor`` per rank, one call at a time.
+The first call for a placement group plans the whole group, in one round, on
+the nodes themselves: where each bundle is, which GPU ids it holds, and each
+node's placement for those GPUs (``ray_launcher.plan_actor_starts``). Every
+call then starts its actor with its bundle's plan: under numactl through
+``runtime_env={"py_executable": ...}`` when every GPU Ray may give it there
+binds alike, else bound in-process once it knows its GPU.
+
+A plan that cannot be made is a warning (the actor then resolves its own
+placement on its node and binds in-process), or an error under
+SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import types
+from typing import Any, Optional
+
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from sglang.srt.placement import settings
+from sglang.srt.placement.types import RankIdentity
+from sglang.srt.ray.scheduler_actor import SchedulerActor
+from sglang.srt.scheduler_launch.common import DEFAULT_TIMEOUT_S, Deadline
+from sglang.srt.scheduler_launch.ray_plan import ActorStart
+
+logger = logging.getLogger(__name__)
+
+_PLANS_KEPT = 8
+_plans: "collections.OrderedDict[str, dict[int, tuple[ActorStart, Optional[str]]]]" = collections.OrderedDict()
+_plans_lock = threading.Lock()
+
+
+def _placement_fields(server_args: Any) -> Any:
+    """The fields placement reads, as a light value a node's task can unpickle without importing sglang's ServerArgs."""
+    from sglang.srt.utils.numa_utils import placement_fields
+
+    return types.SimpleNamespace(**placement_fields(server_args))
+
+
+def _plan_group(pg: Any, server_args: Any) -> dict[int, tuple[ActorStart, Optional[str]]]:
+    """Each GPU bundle's start (one placement per GPU id it holds) and py_executable, planned on its node."""
+    from sglang.srt.scheduler_launch.ray_launcher import plan_actor_starts
+
+    bundles = [index for index, spec in enumerate(pg.bundle_specs) if spec.get("GPU", 0) > 0]
+    # One stand-in rank per bundle: every rank started in a bundle may get any of its GPUs.
+    ranks = [(RankIdentity(dp_rank=0, pp_rank=0, tp_rank=index, gpu_id=0, global_rank=index), index)
+             for index in bundles]
+    starts, _ = plan_actor_starts(pg, ranks, _placement_fields(server_args), deadline=Deadline(DEFAULT_TIMEOUT_S))
+    return {index: (start, exec_string) for index, start, exec_string in starts}
+
+
+def _group_plan(pg: Any, server_args: Any) -> Optional[dict[int, tuple[ActorStart, Optional[str]]]]:
+    key = pg.id.hex()
+    with _plans_lock:
+        if key in _plans:
+            _plans.move_to_end(key)
+            return _plans[key]
+        try:
+            plan = _plan_group(pg, server_args)
+        except Exception as exc:  # noqa: BLE001 - any planning failure has one policy
+            message = f"scheduler placement could not be planned on the nodes of placement group {key[:12]}: {exc}"
+            if settings.bind_failure_is_fatal():
+                raise RuntimeError(f"{message} (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1)") from exc
+            logger.warning(f"{message}; each actor resolves its own placement and binds in-process")
+            plan = None
+        _plans[key] = plan
+        while len(_plans) > _PLANS_KEPT:
+            _plans.popitem(last=False)
+        return plan
+
+
+def _start_of(template: ActorStart, rank: RankIdentity) -> ActorStart:
+    """The bundle's planned start, told which rank it is for."""
+    candidates = tuple(
+        (accelerator_id, placement.replace(dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank,
+                                           gpu_id=rank.gpu_id))
+        for accelerator_id, placement in template.candidates
+    )
+    return ActorStart(rank=rank, accelerator_resource=template.accelerator_resource, node_id=template.node_id,
+                      candidates=candidates)
+
+
+def create_scheduler_actor(
+    *,
+    pg: Any,
+    bundle_idx: int,
+    gpu_id: int,
+    server_args: Any,
+    port_args: Any,
+    tp_rank: int,
+    pp_rank: int,
+    dp_rank: int,
+    dist_init_addr: str,
+    rank0_node_ip: str,
+) -> Any:
+    """Upstream's ``_create_scheduler_actor``, with the actor started under the placement planned on its node."""
+    rank = RankIdentity(dp_rank=dp_rank or 0, pp_rank=pp_rank, tp_rank=tp_rank, gpu_id=gpu_id)
+    start: Optional[ActorStart] = None
+    exec_string: Optional[str] = None
+    if settings.bind_v2() and getattr(server_args, "device", None) != "cpu":
+        plan = _group_plan(pg, server_args)
+        if plan is not None and bundle_idx in plan:
+            template, exec_string = plan[bundle_idx]
+            start = _start_of(template, rank)
+    options: dict[str, Any] = {}
+    if exec_string is not None:
+        options["runtime_env"] = {"py_executable": exec_string}
+    how = f"under {exec_string}" if exec_string else ("bound in the actor" if start is not None else "unplanned")
+    logger.info(f"{rank.label}: scheduler actor in bundle {bundle_idx} of placement group {pg.id.hex()[:8]}, {how}")
+    return SchedulerActor.options(
+        num_cpus=0,
+        num_gpus=1,
+        name=(
+            f"sglang_scheduler_node{rank0_node_ip}"
+            f"_dp{dp_rank}_pp{pp_rank}_tp{tp_rank}"
+            f"_pg{pg.id.hex()[:8]}_bundle{bundle_idx}"
+        ),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg,
+            placement_group_bundle_index=bundle_idx,
+        ),
+        **options,
+    ).remote(
+        server_args=server_args,
+        port_args=port_args,
+        gpu_id=gpu_id,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        dist_init_addr=dist_init_addr,
+        start=start,
+    )
+
+
+def forget_plans() -> None:
+    """Drop every cached placement-group plan (a group's plan is kept for its later calls)."""
+    with _plans_lock:
+        _plans.clear()
+
+
+__all__ = ["create_scheduler_actor", "forget_plans"]
+
