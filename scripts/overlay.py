@@ -143,6 +143,9 @@ SHM_IMPORT = (
     "init_shm_collective, start_shm_collective  # noqa: F401"
 )
 CPU_BRANCH = "_is_cpu_amx_available or _is_cpu_arm64"
+SHM_COMMENT = (
+    "# The shared-memory all-reduce, its /dev/shm segments named by this engine's own init address (no env vars)"
+)
 SHM_OLD = (
     'os.environ["LOCAL_SIZE"] = str(parallel.tp_size)',
     "_set_shm_master_env(dist_init_method)",
@@ -186,8 +189,11 @@ def rewrite_bootstrap(module: "cst.Module", rel: str) -> "cst.Module":
         return module
     if old_at is None or new_at:
         raise Refusal(f"{where}: expected {expected}, or one start_shm_collective(...) call instead of them")
+    # The comments above the old statements explain LOCAL_SIZE and MASTER_ADDR/PORT: say what replaces them.
+    blank = [line for line in stmts[old_at].leading_lines if line.comment is None][:1]
+    blank = [cst.EmptyLine(indent=False)] if blank else []
     stmts[old_at : old_at + len(SHM_OLD)] = [
-        _statement(SHM_NEW).with_changes(leading_lines=stmts[old_at].leading_lines)
+        _statement(SHM_NEW).with_changes(leading_lines=[*blank, cst.EmptyLine(comment=cst.Comment(SHM_COMMENT))])
     ]
     return module.deep_replace(branch, branch.with_changes(body=branch.body.with_changes(body=stmts)))
 

@@ -19,7 +19,7 @@ import time
 
 from sglang.srt.placement.types import ProcessPlacement
 from sglang.srt.scheduler_launch import mp
-from sglang.srt.scheduler_launch.common import ExecCommand, RankLaunchError
+from sglang.srt.scheduler_rank.common import ExecCommand, RankLaunchError
 from sglang.srt.placement.engine_args import EngineArgs
 
 from mp_launch_targets import exec_placement, report_target, unbound_placement

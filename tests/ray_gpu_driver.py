@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import ray_helpers
 from sglang.srt.placement.verify import probe_target
-from sglang.srt.scheduler_launch.common import Deadline
+from sglang.srt.scheduler_rank.common import Deadline
 from sglang.srt.scheduler_launch.ray_launcher import (
     RayLaunch,
     launch_scheduler_actors,

@@ -18,7 +18,7 @@ from sglang.srt.placement import numactl
 from sglang.srt.scheduler_launch.mp import run_ranks_mp
 from sglang.srt.scheduler_launch.spawn_hook import armed_prefix, spawn_hook_installed, spawn_with_prefix
 from sglang.srt.environ import envs
-from sglang.srt.scheduler_launch.common import RankLaunchError
+from sglang.srt.scheduler_rank.common import RankLaunchError
 from sglang.srt.placement.types import PlacementError
 from sglang.srt.placement.engine_args import EngineArgs
 

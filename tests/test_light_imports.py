@@ -17,7 +17,7 @@ def test_placement_and_the_mp_launcher_load_without_heavy_modules():
         "import sglang_light\n"
         "import sglang.srt.placement, sglang.srt.placement.resolve, sglang.srt.placement.verify\n"
         "import sglang.srt.placement.apply, sglang.srt.placement.observe, sglang.srt.placement.capture\n"
-        "import sglang.srt.scheduler_launch.mp, sglang.srt.scheduler_launch.common\n"
+        "import sglang.srt.scheduler_launch.mp, sglang.srt.scheduler_rank.common\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

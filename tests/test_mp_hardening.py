@@ -19,7 +19,7 @@ import pytest
 
 from sglang.srt.placement.types import PlacementError
 from sglang.srt.scheduler_launch import spawn_hook
-from sglang.srt.scheduler_launch.common import RankLaunchError
+from sglang.srt.scheduler_rank.common import RankLaunchError
 from sglang.srt.scheduler_launch.mp import launch_scheduler_processes, shutdown_ranks, wait_finished, wait_ready
 from sglang.srt.placement.engine_args import EngineArgs
 

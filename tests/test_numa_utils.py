@@ -15,7 +15,7 @@ import pytest
 from sglang.srt.scheduler_launch.spawn_hook import armed_prefix
 from sglang.srt.environ import envs
 from sglang.srt.placement.types import PlacementError
-from sglang.srt.placement.engine_args import EngineArgs
+from sglang.srt.placement.engine_args import EngineArgs, placement_for_gpu
 from sglang.srt.utils import numa_utils
 from sglang.srt.utils.numa_utils import (
     configure_subprocess,
@@ -196,11 +196,11 @@ def test_gpu_helpers_answer_for_the_gpu_they_are_given(tmp_path, monkeypatch):
     server_args = EngineArgs(tp_size=4)
     with envs.SGLANG_SYSFS_ROOT.override(str(root)):
         assert [get_numa_node_if_available(server_args, gpu) for gpu in range(4)] == [0, 0, 1, 1]
-        placement = numa_utils.placement_for_gpu(server_args, 2)
+        placement = placement_for_gpu(server_args, 2)
         # This process may only use CPUs of node 0, so the rank stays unbound; its reasons name GPU 2's node.
         assert (placement.tp_rank, placement.gpu_id, placement.pci) == (2, 2, "0000:38:00.0")
         assert "node 1 from PCI 0000:38:00.0" in placement.reasons
         # A GPU id no rank uses is placed as upstream places any id: by that GPU's own node.
-        alone = numa_utils.placement_for_gpu(EngineArgs(tp_size=2), 3)
+        alone = placement_for_gpu(EngineArgs(tp_size=2), 3)
         assert (alone.gpu_id, alone.pci) == (3, "0000:48:00.0")
         assert "node 1 from PCI 0000:48:00.0" in alone.reasons

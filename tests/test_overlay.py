@@ -149,7 +149,8 @@ def bootstrap_spans(text: str) -> List[Tuple[int, int]]:
     last_import = max(n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)))
     branch = next(n for n in _top(tree, "_init_cpu_threads_env").body if isinstance(n, ast.If))
     stmts = [s for s in branch.body if ast.unparse(s) in {ast.unparse(ast.parse(c).body[0]) for c in SHM_OLD}]
-    return [(last_import, last_import), (stmts[0].lineno - 1, stmts[-1].end_lineno)]
+    # The comment right above the first statement is replaced too.
+    return [(last_import, last_import), (stmts[0].lineno - 2, stmts[-1].end_lineno)]
 
 
 def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:

@@ -13,7 +13,7 @@ from sglang.srt.scheduler_launch.ray_launcher import (
     rank_bundle,
     rank_resources,
 )
-from sglang.srt.scheduler_launch.ray_plan import (
+from sglang.srt.scheduler_rank.ray_plan import (
     BundleSite,
     Candidate,
     RankPlan,
@@ -214,7 +214,7 @@ def test_a_thread_left_on_other_cpus_is_reported_even_when_the_main_thread_is_bo
     import os
     import threading
 
-    from sglang.srt.scheduler_launch.common import thread_mismatches
+    from sglang.srt.scheduler_rank.common import thread_mismatches
 
     everything = frozenset(os.sched_getaffinity(0))
     if len(everything) < 2:

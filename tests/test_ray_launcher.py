@@ -19,7 +19,7 @@ from ray import cloudpickle
 
 import ray_helpers
 from sglang.srt.environ import envs
-from sglang.srt.scheduler_launch.common import RankLaunchError
+from sglang.srt.scheduler_rank.common import RankLaunchError
 from sglang.srt.scheduler_launch.ray_launcher import (
     ACTOR_NAME_PREFIX,
     SHUTDOWN_WAIT_S,

@@ -18,7 +18,7 @@ from sglang.srt.placement.resolve import (
 )
 from sglang.srt.placement.topology import read_topology
 from sglang.srt.placement.types import Accelerator, ProcessAffinity
-from sglang.srt.scheduler_launch.ray_plan import Candidate, RankPlan
+from sglang.srt.scheduler_rank.ray_plan import Candidate, RankPlan
 from sglang.srt.placement.engine_args import EngineArgs
 
 GPUS = [fakesys.gpu_address(i) for i in range(4)]

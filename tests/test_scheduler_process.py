@@ -9,9 +9,9 @@ import pytest
 
 from sglang.srt.scheduler_launch.mp import run_ranks_mp
 from sglang.srt.environ import envs
-from sglang.srt.scheduler_launch import child as scheduler
-from sglang.srt.scheduler_launch.child import run_scheduler_process, scheduler_log_prefix
-from sglang.srt.scheduler_launch.common import RankResult
+from sglang.srt.scheduler_rank import child as scheduler
+from sglang.srt.scheduler_rank.child import run_scheduler_process, scheduler_log_prefix
+from sglang.srt.scheduler_rank.common import RankResult
 from sglang.srt.placement.types import RankIdentity
 from sglang.srt.placement.engine_args import EngineArgs
 

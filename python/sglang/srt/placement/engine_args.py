@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
+
+from sglang.srt.placement.types import ProcessPlacement, RankIdentity
 
 DEVICE_CHOICES = ("cuda", "xpu", "cpu")
 
@@ -109,3 +112,55 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+
+# The ServerArgs fields placement reads, with upstream's defaults: upstream's helpers only
+# promise to read ``numa_node``, so a caller may hand in any object that has it.
+_PLACEMENT_FIELDS = {
+    "tp_size": 1,
+    "pp_size": 1,
+    "dp_size": 1,
+    "nnodes": 1,
+    "node_rank": 0,
+    "base_gpu_id": 0,
+    "gpu_id_step": 1,
+    "numa_node": None,
+    "device": None,
+    "enable_dp_attention": False,
+}
+
+
+def placement_fields(server_args: Any) -> dict[str, Any]:
+    """The ServerArgs fields placement reads, taken from any object, with upstream's defaults for those it lacks."""
+    fields = {name: getattr(server_args, name, default) for name, default in _PLACEMENT_FIELDS.items()}
+    fields["device"] = fields["device"] or "cuda"
+    return fields
+
+
+def placement_view(server_args: Any, gpu_id: int) -> tuple[Any, RankIdentity]:
+    """The fields placement reads, and the rank of the engine that uses ``gpu_id``.
+
+    A GPU id that no rank of this node uses (a caller that re-indexes devices)
+    is placed as a one-rank engine on that GPU, as upstream places any id.
+    """
+    from sglang.srt.placement.resolve import local_ranks
+
+    fields = placement_fields(server_args)
+    view = types.SimpleNamespace(**fields)
+    for rank in local_ranks(view):
+        if rank.gpu_id == gpu_id:
+            return view, rank
+    alone = types.SimpleNamespace(
+        **{**fields, "tp_size": 1, "pp_size": 1, "dp_size": 1, "nnodes": 1, "node_rank": 0,
+           "base_gpu_id": gpu_id, "gpu_id_step": 1}
+    )
+    return alone, local_ranks(alone)[0]
+
+
+def placement_for_gpu(server_args: Any, gpu_id: int) -> ProcessPlacement:
+    """The placement of the rank that uses ``gpu_id`` (or of a one-rank engine on it), resolved on this host."""
+    from sglang.srt.placement.resolve import resolve_rank
+
+    view, rank = placement_view(server_args, gpu_id)
+    return resolve_rank(view, dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank,
+                        gpu_id=gpu_id, launcher="mp")

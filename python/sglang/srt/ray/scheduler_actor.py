@@ -31,7 +31,7 @@ import ray
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity
 
 if TYPE_CHECKING:
-    from sglang.srt.scheduler_launch.ray_plan import ActorStart
+    from sglang.srt.scheduler_rank.ray_plan import ActorStart
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,9 @@ def _load_target(target: Target) -> Callable[..., Any]:
 def _own_start(server_args: Any, *, rank: RankIdentity, gpu_id: int, resource: str) -> "ActorStart":
     """An older caller's actor: its placement resolved here, on its own node, bound in-process."""
     from sglang.srt.placement import settings
-    from sglang.srt.scheduler_launch.common import demote_to_in_process
-    from sglang.srt.scheduler_launch.ray_plan import ActorStart
-    from sglang.srt.utils.numa_utils import placement_for_gpu
+    from sglang.srt.scheduler_rank.common import demote_to_in_process
+    from sglang.srt.scheduler_rank.ray_plan import ActorStart
+    from sglang.srt.placement.engine_args import placement_for_gpu
 
     if not settings.bind_v2():
         return ActorStart(rank=rank, accelerator_resource=resource)
@@ -109,10 +109,10 @@ class SchedulerActor:
 
     def _place(self, start: Optional["ActorStart"], *, server_args: Any, gpu_id: int) -> None:
         """Take this actor's placement from ``start``, apply its in-rank part, and read the binding back."""
-        from sglang.srt.scheduler_launch.child import apply_in_rank
-        from sglang.srt.scheduler_launch.common import report_mismatches
-        from sglang.srt.scheduler_launch.ray_node import accelerator_ids_here, check_binding
-        from sglang.srt.scheduler_launch.ray_plan import actor_placement
+        from sglang.srt.scheduler_rank.child import apply_in_rank
+        from sglang.srt.scheduler_rank.common import report_mismatches
+        from sglang.srt.scheduler_rank.ray_node import accelerator_ids_here, check_binding
+        from sglang.srt.scheduler_rank.ray_plan import actor_placement
 
         resource = start.accelerator_resource if start is not None else "GPU"
         if start is None:
@@ -159,8 +159,8 @@ class SchedulerActor:
 
     def _start_target(self, server_args: Any, *, start: Optional["ActorStart"], target: Callable[..., Any],
                       gpu_id: int) -> None:
-        from sglang.srt.scheduler_launch.child import configure_scheduler_rank
-        from sglang.srt.scheduler_launch.common import ready_info_of
+        from sglang.srt.scheduler_rank.child import configure_scheduler_rank
+        from sglang.srt.scheduler_rank.common import ready_info_of
 
         configure_scheduler_rank(server_args, rank=self._rank, placement=None)
         self._place(start, server_args=server_args, gpu_id=gpu_id)

@@ -1,9 +1,9 @@
 """The launcher cores that start scheduler ranks under their placements.
 
-``common`` holds what both launchers share; ``mp`` starts ranks as spawned
-processes (``spawn_hook`` puts numactl in front of them, ``child`` is their
-entry); ``ray_launcher`` starts them as Ray actors, through ``ray_sites`` (the
-driver's rounds), ``ray_node`` (what runs on a node) and ``ray_plan`` (the
-values passed between them). Nothing is imported here, so that importing the
-package imports neither Ray nor torch.
+``mp`` starts ranks as spawned processes (``spawn_hook`` puts numactl in front
+of them); ``ray_launcher`` starts them as Ray actors, planning on each node
+through ``ray_sites``; ``ray_actors`` is what sglang's own ``RayEngine``
+delegates to; ``verify_runners`` hands both to ``verify``. What runs inside a
+rank is in ``sglang.srt.scheduler_rank``. Nothing is imported here, so that
+importing the package imports neither Ray nor torch.
 """

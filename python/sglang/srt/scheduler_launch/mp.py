@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity, Strategy
-from sglang.srt.scheduler_launch.child import frame_arguments, run_spawned_rank
-from sglang.srt.scheduler_launch.common import (
+from sglang.srt.scheduler_rank.child import frame_arguments, run_spawned_rank
+from sglang.srt.scheduler_rank.common import (
     DEFAULT_TIMEOUT_S,
     Deadline,
     RankLaunchError,

@@ -27,8 +27,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from sglang.srt.placement import settings
 from sglang.srt.placement.types import RankIdentity
 from sglang.srt.ray.scheduler_actor import SchedulerActor
-from sglang.srt.scheduler_launch.common import DEFAULT_TIMEOUT_S, Deadline
-from sglang.srt.scheduler_launch.ray_plan import ActorStart
+from sglang.srt.scheduler_rank.common import DEFAULT_TIMEOUT_S, Deadline
+from sglang.srt.scheduler_rank.ray_plan import ActorStart
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ _plans_lock = threading.Lock()
 
 def _placement_fields(server_args: Any) -> Any:
     """The fields placement reads, as a light value a node's task can unpickle without importing sglang's ServerArgs."""
-    from sglang.srt.utils.numa_utils import placement_fields
+    from sglang.srt.placement.engine_args import placement_fields
 
     return types.SimpleNamespace(**placement_fields(server_args))
 

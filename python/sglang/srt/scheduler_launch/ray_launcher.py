@@ -27,9 +27,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from sglang.srt.placement import settings
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity
 from sglang.srt.ray.scheduler_actor import SchedulerActor, Target
-from sglang.srt.scheduler_launch.common import DEFAULT_TIMEOUT_S, Deadline, RankLaunchError, RankResult
-from sglang.srt.scheduler_launch.ray_node import Planner
-from sglang.srt.scheduler_launch.ray_plan import ActorStart, NodePlan, start_decision, unplaced_start
+from sglang.srt.scheduler_rank.common import DEFAULT_TIMEOUT_S, Deadline, RankLaunchError, RankResult
+from sglang.srt.scheduler_rank.ray_node import Planner
+from sglang.srt.scheduler_rank.ray_plan import ActorStart, NodePlan, start_decision, unplaced_start
 from sglang.srt.scheduler_launch.ray_sites import gather, resolve_on_nodes
 
 logger = logging.getLogger(__name__)

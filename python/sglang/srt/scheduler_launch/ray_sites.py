@@ -18,9 +18,9 @@ from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from sglang.srt.placement.types import RankIdentity
-from sglang.srt.scheduler_launch.common import Deadline, RankLaunchError
-from sglang.srt.scheduler_launch.ray_node import Planner, plan_on_node_task, probe_site_task
-from sglang.srt.scheduler_launch.ray_plan import BundleSite, NodePlan, NodeRequest, by_node
+from sglang.srt.scheduler_rank.common import Deadline, RankLaunchError
+from sglang.srt.scheduler_rank.ray_node import Planner, plan_on_node_task, probe_site_task
+from sglang.srt.scheduler_rank.ray_plan import BundleSite, NodePlan, NodeRequest, by_node
 
 logger = logging.getLogger(__name__)
 

@@ -22,87 +22,14 @@ import ctypes
 import logging
 import multiprocessing.spawn
 import os
-import types
 from typing import Any, Iterator, Optional
 
 from sglang.srt.placement import settings
-from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity, Strategy
+from sglang.srt.placement.engine_args import placement_for_gpu
+from sglang.srt.placement.gpu_node import gpu_numa_node, numa_binding_possible
+from sglang.srt.placement.types import PlacementError, ProcessPlacement, Strategy
 
 logger = logging.getLogger(__name__)
-
-_ACCELERATOR_DEVICES = ("cuda", "xpu")
-
-# The ServerArgs fields placement reads, with upstream's defaults: upstream's helpers only
-# promise to read ``numa_node``, so a caller may hand in any object that has it.
-_PLACEMENT_FIELDS = {
-    "tp_size": 1,
-    "pp_size": 1,
-    "dp_size": 1,
-    "nnodes": 1,
-    "node_rank": 0,
-    "base_gpu_id": 0,
-    "gpu_id_step": 1,
-    "numa_node": None,
-    "device": None,
-    "enable_dp_attention": False,
-}
-
-
-def placement_fields(server_args: Any) -> dict[str, Any]:
-    """The ServerArgs fields placement reads, taken from any object, with upstream's defaults for those it lacks."""
-    fields = {name: getattr(server_args, name, default) for name, default in _PLACEMENT_FIELDS.items()}
-    fields["device"] = fields["device"] or "cuda"
-    return fields
-
-
-def _placement_view(server_args: Any, gpu_id: int) -> tuple[Any, RankIdentity]:
-    """The fields placement reads, and the rank of the engine that uses ``gpu_id``.
-
-    A GPU id that no rank of this node uses (a caller that re-indexes devices)
-    is placed as a one-rank engine on that GPU, as upstream places any id.
-    """
-    from sglang.srt.placement.resolve import local_ranks
-
-    fields = placement_fields(server_args)
-    view = types.SimpleNamespace(**fields)
-    for rank in local_ranks(view):
-        if rank.gpu_id == gpu_id:
-            return view, rank
-    alone = types.SimpleNamespace(
-        **{**fields, "tp_size": 1, "pp_size": 1, "dp_size": 1, "nnodes": 1, "node_rank": 0,
-           "base_gpu_id": gpu_id, "gpu_id_step": 1}
-    )
-    return alone, local_ranks(alone)[0]
-
-
-def _numa_binding_possible(device: Optional[str], *, what: str) -> bool:
-    """Upstream's preconditions: an accelerator device, a second NUMA node, and numactl for the V2 path."""
-    from sglang.srt.placement.numactl import find_numactl
-    from sglang.srt.placement.topology import read_topology
-
-    if (device or "cuda") not in _ACCELERATOR_DEVICES:
-        logger.debug(f"{what}: device {device!r} is not an accelerator, no NUMA binding")
-        return False
-    if len(read_topology(settings.sysfs_root()).cpu_nodes) < 2:
-        logger.debug(f"{what}: this host has one NUMA node with CPUs, no NUMA binding")
-        return False
-    if settings.bind_v2() and find_numactl() is None:
-        logger.debug(
-            f"{what}: numactl command not found, skipping NUMA node configuration for GPU. Install numactl "
-            "(e.g., apt-get install numactl) to enable automatic NUMA binding."
-        )
-        return False
-    return True
-
-
-def placement_for_gpu(server_args: Any, gpu_id: int) -> ProcessPlacement:
-    """The placement of the rank that uses ``gpu_id`` (or of a one-rank engine on it), resolved on this host."""
-    from sglang.srt.placement.resolve import resolve_rank
-
-    view, rank = _placement_view(server_args, gpu_id)
-    return resolve_rank(view, dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank,
-                        gpu_id=gpu_id, launcher="mp")
-
 
 @contextlib.contextmanager
 def configure_subprocess(
@@ -119,7 +46,7 @@ def configure_subprocess(
         yield
         return
     if placement is None:
-        if not _numa_binding_possible(getattr(server_args, "device", None), what=f"GPU {gpu_id}"):
+        if not numa_binding_possible(getattr(server_args, "device", None), what=f"GPU {gpu_id}"):
             yield
             return
         placement = placement_for_gpu(server_args, gpu_id)
@@ -184,32 +111,8 @@ def numa_bind_to_node(node: int) -> None:
 
 
 def get_numa_node_if_available(server_args: Any, gpu_id: int) -> Optional[int]:
-    """The NUMA node of GPU ``gpu_id``: ``--numa-node`` first, then discovery when SGLANG_AUTO_NUMA_BIND is on.
-
-    Only ``server_args.numa_node`` is required of ``server_args``. None when
-    discovery is off or not possible here (no accelerator device, one NUMA node,
-    no numactl for the V2 path) or the device's node is unknown (the debug log
-    says why).
-    """
-    numa_nodes = getattr(server_args, "numa_node", None)
-    if numa_nodes is not None:
-        if not 0 <= gpu_id < len(numa_nodes):
-            raise ValueError(
-                f"--numa-node has {len(numa_nodes)} entries but GPU {gpu_id} needs entry {gpu_id}: "
-                f"give one NUMA node per GPU id, e.g. --numa-node {' '.join(['0'] * (gpu_id + 1))}"
-            )
-        return numa_nodes[gpu_id]
-    if not settings.auto_numa_bind():
-        return None
-    if not _numa_binding_possible(getattr(server_args, "device", None), what=f"GPU {gpu_id}"):
-        return None
-    from sglang.srt.placement.resolve import device_numa_node
-
-    view, _ = _placement_view(server_args, gpu_id)
-    choice = device_numa_node(view, gpu_id=gpu_id)
-    if choice.node is None:
-        logger.debug(f"GPU {gpu_id}: no NUMA node ({'; '.join(choice.reasons)})")
-    return choice.node
+    """The NUMA node of GPU ``gpu_id`` (``--numa-node``, else discovery), or None: see ``placement.gpu_node``."""
+    return gpu_numa_node(server_args, gpu_id)
 
 
 def get_libnuma() -> Optional[ctypes.CDLL]:

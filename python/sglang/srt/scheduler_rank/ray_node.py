@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 
 from sglang.srt.placement.types import ProcessPlacement, Strategy
-from sglang.srt.scheduler_launch.common import exec_command, read_back
-from sglang.srt.scheduler_launch.ray_plan import BundleSite, Candidate, NodePlan, NodeRequest, RankPlan, ranks_on_sites
+from sglang.srt.scheduler_rank.common import exec_command, read_back
+from sglang.srt.scheduler_rank.ray_plan import BundleSite, Candidate, NodePlan, NodeRequest, RankPlan, ranks_on_sites
 
 Planner = Callable[..., Sequence[ProcessPlacement]]
 """``plan_node``'s signature: (server_args, *, ranks_with_ids, policy, gpus) -> one placement per pair."""

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
-from sglang.srt.scheduler_launch.common import read_back, ready_info_of, report_mismatches
+from sglang.srt.scheduler_rank.common import read_back, ready_info_of, report_mismatches
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +116,12 @@ def configure_scheduler_process(
 
     if placement is None:
         if not settings.bind_v2() and gpu_id is not None:
-            from sglang.srt.utils.numa_utils import get_numa_node_if_available, numa_bind_to_node
+            from sglang.srt.placement.apply import bind_legacy_v1
+            from sglang.srt.placement.gpu_node import gpu_numa_node
 
-            numa_node = get_numa_node_if_available(server_args, gpu_id)
+            numa_node = gpu_numa_node(server_args, gpu_id)
             if numa_node is not None:
-                numa_bind_to_node(numa_node)
+                bind_legacy_v1(numa_node)
                 logger.info(f"{who}: bound to NUMA node {numa_node} in the child (SGLANG_NUMA_BIND_V2=0)")
         return prefix
 

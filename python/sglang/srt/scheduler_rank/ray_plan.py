@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
-from sglang.srt.scheduler_launch.common import ExecCommand, decide_start, demote_to_in_process
+from sglang.srt.scheduler_rank.common import ExecCommand, decide_start, demote_to_in_process
 
 if TYPE_CHECKING:
     from sglang.srt.placement.resolve import PlacementPolicy
