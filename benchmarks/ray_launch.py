@@ -1,6 +1,6 @@
 """What placement costs a Ray launch: the same 4-rank engine placed and unplaced, interleaved, on one cluster.
 
-Run: PYTHONPATH=python .venv/bin/python benchmarks/ray_launch.py [--repeat N] [--modes placed,in-process,unplaced]
+Run (after scripts/setup.sh): .venv/bin/python benchmarks/ray_launch.py [--repeat N] [--modes placed,in-process,unplaced]
 
 A local cluster declares 4 GPUs on this CPU host; its raylet reads a fake /sys
 (SGLANG_SYSFS_ROOT) holding this host's CPUs (padded to 8) and the 4 GPUs on

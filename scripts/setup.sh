@@ -26,7 +26,7 @@ stamp=.venv/.installed-$(sha256sum "$requirements" | cut -c1-16)
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 if [ ! -f "$stamp" ]; then
     # The list is complete and pinned, so nothing outside it is pulled in.
-    .venv/bin/python -m pip install -q --no-deps -r "$requirements"
+    .venv/bin/python -m pip install -qq --no-deps -r "$requirements"
     rm -rf .venv/pristine
     mkdir -p .venv/pristine
     cp -a "$site/sglang" .venv/pristine/sglang

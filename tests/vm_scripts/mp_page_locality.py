@@ -43,6 +43,7 @@ def main() -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv, "--plan-json", plan_json])
 
     from sglang.srt.placement.verify import format_verify_rows, verify_ranks
+    from sglang.srt.scheduler_launch.verify_runners import run_mp
 
     plan = [ProcessPlacement.from_dict(d) for d in json.loads(args.plan_json)]
     rows = []
@@ -51,7 +52,8 @@ def main() -> None:
             placements = plan
         else:
             placements = [p.replace(strategy=strategy, numactl_args=()) for p in plan]
-        rows.extend(verify_ranks(server_args, launcher="mp", placements=placements, timeout_s=240))
+        rows.extend(verify_ranks(server_args, launcher="mp", placements=placements, timeout_s=240,
+                                 runners={"mp": run_mp}))
     print(format_verify_rows(rows), file=sys.stderr)
     print(json.dumps({"plan": [p.to_dict() for p in plan], "parent_cpus": sorted(os.sched_getaffinity(0)), "rows": rows}))
 
