@@ -40,6 +40,7 @@ from sglang.srt.scheduler_rank.common import (
     decide_start,
     exec_command,
     numactl_complaint,
+    wait_for_all,
 )
 from sglang.srt.scheduler_launch.spawn_hook import spawn_with_prefix
 
@@ -201,24 +202,21 @@ def _wait_all(launched: Sequence[LaunchedRank], *, expect: str, timeout_s: Optio
     its messages and reaps it when its sentinel fires. The first failure, or the
     deadline, stops every rank and raises :class:`RankLaunchError` naming the rank.
     """
+
+    def step(pending: list[LaunchedRank], timeout: Optional[float]) -> None:
+        _wait_for_any(pending, timeout_s=timeout)
+        for r in pending:
+            _step(r, expect=expect)
+
+    def overdue(pending: list[LaunchedRank]) -> RankLaunchError:
+        return RankLaunchError(
+            f"{', '.join(r.label for r in pending)}: {late} {deadline.text()}{_stall_hint(pending)}",
+            label=pending[0].label,
+        )
+
     deadline = Deadline(timeout_s)
-    reached = _REACHED[expect]
-    try:
-        while True:
-            pending = [r for r in launched if not reached(r)]
-            if not pending:
-                return
-            if deadline.expired():
-                raise RankLaunchError(
-                    f"{', '.join(r.label for r in pending)}: {late} {deadline.text()}{_stall_hint(pending)}",
-                    label=pending[0].label,
-                )
-            _wait_for_any(pending, timeout_s=deadline.remaining())
-            for r in pending:
-                _step(r, expect=expect)
-    except BaseException:
-        shutdown_ranks(launched)
-        raise
+    wait_for_all(launched, reached=_REACHED[expect], wait_some=step, deadline=deadline, late=overdue,
+                 stop_all=lambda: shutdown_ranks(launched))
 
 
 _REACHED: dict[str, Callable[[LaunchedRank], bool]] = {

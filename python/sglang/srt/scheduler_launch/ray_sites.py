@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from sglang.srt.placement.types import RankIdentity
-from sglang.srt.scheduler_rank.common import Deadline, RankLaunchError
+from sglang.srt.scheduler_rank.common import Deadline, RankLaunchError, wait_for_all
 from sglang.srt.scheduler_rank.ray_node import Planner, plan_on_node_task, probe_site_task
 from sglang.srt.scheduler_rank.ray_plan import BundleSite, NodePlan, NodeRequest, by_node
 
@@ -34,27 +34,28 @@ def gather(labels: Mapping[Any, str], *, deadline: Deadline, late: str, failed: 
     The message is "<who>: <late> within <deadline>. <fix>" or "<who>: <failed>: <Ray's error>".
     """
     values: dict[Any, Any] = {}
-    pending = list(labels)
-    try:
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=deadline.remaining())
-            if not done:
-                who = ", ".join(labels[ref] for ref in pending)
-                raise RankLaunchError(f"{who}: {late} within {deadline.text()}. {fix}".rstrip(),
-                                      label=labels[pending[0]])
-            for ref in done:
-                try:
-                    values[ref] = ray.get(ref)
-                except ray.exceptions.RayError as exc:
-                    raise RankLaunchError(f"{labels[ref]}: {failed}: {exc}", label=labels[ref],
-                                          error=str(exc)) from exc
-    except BaseException:
-        for ref in pending if cancel else ():
+
+    def step(pending: list[Any], timeout: Optional[float]) -> None:
+        done, _ = ray.wait(pending, num_returns=1, timeout=timeout)
+        for ref in done:
+            try:
+                values[ref] = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                raise RankLaunchError(f"{labels[ref]}: {failed}: {exc}", label=labels[ref], error=str(exc)) from exc
+
+    def overdue(pending: list[Any]) -> RankLaunchError:
+        who = ", ".join(labels[ref] for ref in pending)
+        return RankLaunchError(f"{who}: {late} within {deadline.text()}. {fix}".rstrip(), label=labels[pending[0]])
+
+    def cancel_the_rest() -> None:
+        for ref in [ref for ref in labels if ref not in values] if cancel else ():
             try:
                 ray.cancel(ref, force=True)  # force: a task stuck on its node must not outlive the launch
             except Exception as exc:  # noqa: BLE001 - the error being raised matters more than this one
                 logger.warning(f"{labels[ref]}: could not cancel its Ray task: {exc}")
-        raise
+
+    wait_for_all(list(labels), reached=lambda ref: ref in values, wait_some=step, deadline=deadline, late=overdue,
+                 stop_all=cancel_the_rest)
     return values
 
 

@@ -14,13 +14,15 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity, Strategy
 
 DEFAULT_TIMEOUT_S = 600.0
+
+T = TypeVar("T")
 
 # Only these strategies promise that every thread runs on ``placement.cpus``.
 _THREAD_CHECKED_STRATEGIES = ("exec", "in-process")
@@ -138,6 +140,35 @@ class Deadline:
 
     def text(self) -> str:
         return "ever" if self.timeout_s is None else f"{self.timeout_s:.0f} s"
+
+
+def wait_for_all(
+    items: Sequence[T],
+    *,
+    reached: Callable[[T], bool],
+    wait_some: Callable[[list[T], Optional[float]], None],
+    deadline: Deadline,
+    late: Callable[[list[T]], BaseException],
+    stop_all: Callable[[], None],
+) -> None:
+    """Wait until every item has ``reached`` its goal, all under one ``deadline``: both launchers' one wait loop.
+
+    ``wait_some(pending, timeout)`` blocks until something may have changed for
+    a pending item (or the timeout) and takes the step it can, raising at the
+    first failure. On that failure, or at the deadline (``late(pending)`` is
+    raised), ``stop_all`` stops every rank before the error goes up.
+    """
+    try:
+        while True:
+            pending = [item for item in items if not reached(item)]
+            if not pending:
+                return
+            if deadline.expired():
+                raise late(pending)
+            wait_some(pending, deadline.remaining())
+    except BaseException:
+        stop_all()
+        raise
 
 
 # --------------------------------------------------------------------------- reading the binding back
