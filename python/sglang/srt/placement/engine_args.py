@@ -13,7 +13,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity
+from sglang.srt.placement.types import HostTopology, ProcessPlacement, RankIdentity
 
 DEVICE_CHOICES = ("cuda", "xpu", "cpu")
 
@@ -157,10 +157,11 @@ def placement_view(server_args: Any, gpu_id: int) -> tuple[Any, RankIdentity]:
     return alone, local_ranks(alone)[0]
 
 
-def placement_for_gpu(server_args: Any, gpu_id: int) -> ProcessPlacement:
-    """The placement of the rank that uses ``gpu_id`` (or of a one-rank engine on it), resolved on this host."""
+def placement_for_gpu(server_args: Any, gpu_id: int, *, topology: Optional[HostTopology] = None) -> ProcessPlacement:
+    """The placement of the rank that uses ``gpu_id`` (or of a one-rank engine on it), resolved on this host
+    (``topology``: this host's, when the caller has already read it)."""
     from sglang.srt.placement.resolve import resolve_rank
 
     view, rank = placement_view(server_args, gpu_id)
     return resolve_rank(view, dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank,
-                        gpu_id=gpu_id, launcher="mp")
+                        gpu_id=gpu_id, launcher="mp", topology=topology)

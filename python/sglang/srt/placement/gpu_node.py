@@ -7,21 +7,28 @@ from typing import Any, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.engine_args import placement_view
+from sglang.srt.placement.types import HostTopology
 
 logger = logging.getLogger(__name__)
 
 _ACCELERATOR_DEVICES = ("cuda", "xpu")
 
 
-def numa_binding_possible(device: Optional[str], *, what: str) -> bool:
+def host_topology() -> HostTopology:
+    """This host's topology, from ``SGLANG_SYSFS_ROOT``."""
+    from sglang.srt.placement.topology import read_topology
+
+    return read_topology(settings.sysfs_root())
+
+
+def numa_binding_possible(device: Optional[str], *, what: str, topology: HostTopology) -> bool:
     """Upstream's preconditions: an accelerator device, a second NUMA node, and numactl for the V2 path."""
     from sglang.srt.placement.numactl import find_numactl
-    from sglang.srt.placement.topology import read_topology
 
     if (device or "cuda") not in _ACCELERATOR_DEVICES:
         logger.debug(f"{what}: device {device!r} is not an accelerator, no NUMA binding")
         return False
-    if len(read_topology(settings.sysfs_root()).cpu_nodes) < 2:
+    if len(topology.cpu_nodes) < 2:
         logger.debug(f"{what}: this host has one NUMA node with CPUs, no NUMA binding")
         return False
     if settings.bind_v2() and find_numactl() is None:
@@ -51,12 +58,13 @@ def gpu_numa_node(server_args: Any, gpu_id: int) -> Optional[int]:
         return numa_nodes[gpu_id]
     if not settings.auto_numa_bind():
         return None
-    if not numa_binding_possible(getattr(server_args, "device", None), what=f"GPU {gpu_id}"):
+    topology = host_topology()
+    if not numa_binding_possible(getattr(server_args, "device", None), what=f"GPU {gpu_id}", topology=topology):
         return None
     from sglang.srt.placement.resolve import device_numa_node
 
     view, _ = placement_view(server_args, gpu_id)
-    choice = device_numa_node(view, gpu_id=gpu_id)
+    choice = device_numa_node(view, gpu_id=gpu_id, topology=topology)
     if choice.node is None:
         logger.debug(f"GPU {gpu_id}: no NUMA node ({'; '.join(choice.reasons)})")
     return choice.node

@@ -114,9 +114,8 @@ class SchedulerActor:
         from sglang.srt.scheduler_rank.ray_node import accelerator_ids_here, check_binding
         from sglang.srt.scheduler_rank.ray_plan import actor_placement
 
-        resource = start.accelerator_resource if start is not None else "GPU"
         if start is None:
-            start = _own_start(server_args, rank=self._rank, gpu_id=gpu_id, resource=resource)
+            start = _own_start(server_args, rank=self._rank, gpu_id=gpu_id, resource="GPU")
         accelerator_ids = accelerator_ids_here(start.accelerator_resource)
         placement, premises = actor_placement(start, accelerator_ids, node_id=ray.get_runtime_context().get_node_id())
         self._placement = placement

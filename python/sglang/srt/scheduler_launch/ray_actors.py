@@ -25,6 +25,7 @@ from typing import Any, Optional
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sglang.srt.placement import settings
+from sglang.srt.placement.engine_args import placement_fields
 from sglang.srt.placement.types import RankIdentity
 from sglang.srt.ray.scheduler_actor import SchedulerActor
 from sglang.srt.scheduler_rank.common import DEFAULT_TIMEOUT_S, Deadline
@@ -37,13 +38,6 @@ _plans: "collections.OrderedDict[str, dict[int, tuple[ActorStart, Optional[str]]
 _plans_lock = threading.Lock()
 
 
-def _placement_fields(server_args: Any) -> Any:
-    """The fields placement reads, as a light value a node's task can unpickle without importing sglang's ServerArgs."""
-    from sglang.srt.placement.engine_args import placement_fields
-
-    return types.SimpleNamespace(**placement_fields(server_args))
-
-
 def _plan_group(pg: Any, server_args: Any) -> dict[int, tuple[ActorStart, Optional[str]]]:
     """Each GPU bundle's start (one placement per GPU id it holds) and py_executable, planned on its node."""
     from sglang.srt.scheduler_launch.ray_launcher import plan_actor_starts
@@ -52,7 +46,9 @@ def _plan_group(pg: Any, server_args: Any) -> dict[int, tuple[ActorStart, Option
     # One stand-in rank per bundle: every rank started in a bundle may get any of its GPUs.
     ranks = [(RankIdentity(dp_rank=0, pp_rank=0, tp_rank=index, gpu_id=0, global_rank=index), index)
              for index in bundles]
-    starts, _ = plan_actor_starts(pg, ranks, _placement_fields(server_args), deadline=Deadline(DEFAULT_TIMEOUT_S))
+    # The fields placement reads, as a light value that a node's task unpickles without importing ServerArgs.
+    fields = types.SimpleNamespace(**placement_fields(server_args))
+    starts, _ = plan_actor_starts(pg, ranks, fields, deadline=Deadline(DEFAULT_TIMEOUT_S))
     return {index: (start, exec_string) for index, start, exec_string in starts}
 
 

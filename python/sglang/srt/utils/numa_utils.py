@@ -26,10 +26,11 @@ from typing import Any, Iterator, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.engine_args import placement_for_gpu
-from sglang.srt.placement.gpu_node import gpu_numa_node, numa_binding_possible
+from sglang.srt.placement.gpu_node import gpu_numa_node, host_topology, numa_binding_possible
 from sglang.srt.placement.types import PlacementError, ProcessPlacement, Strategy
 
 logger = logging.getLogger(__name__)
+
 
 @contextlib.contextmanager
 def configure_subprocess(
@@ -46,10 +47,12 @@ def configure_subprocess(
         yield
         return
     if placement is None:
-        if not numa_binding_possible(getattr(server_args, "device", None), what=f"GPU {gpu_id}"):
+        # One read of this host's topology serves the preconditions and the placement.
+        topology = host_topology()
+        if not numa_binding_possible(getattr(server_args, "device", None), what=f"GPU {gpu_id}", topology=topology):
             yield
             return
-        placement = placement_for_gpu(server_args, gpu_id)
+        placement = placement_for_gpu(server_args, gpu_id, topology=topology)
     if placement.strategy != Strategy.EXEC:
         logger.debug(f"GPU {gpu_id}: placement strategy {placement.strategy}, nothing to wrap around the spawn")
         yield
