@@ -1,17 +1,11 @@
 """Where each scheduler rank runs: one ProcessPlacement per rank, resolved once on the rank's host."""
 
 from sglang.srt.placement.cpulist import CpuListError, format_cpulist, parse_cpulist
-from sglang.srt.placement.resolve import (
-    HostCapabilities,
-    PlacementPolicy,
-    cpu_rank_cpus,
-    describe,
-    local_ranks,
-    log_placements,
-    plan_engine,
-    resolve_placement,
-    resolve_rank,
-)
+from sglang.srt.placement.plan import HostFacts, place_gpu_id, plan_engine, plan_node
+from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.ranks import local_ranks
+from sglang.srt.placement.resolve import describe, log_placements, resolve_placement
+from sglang.srt.placement.strategy import HostCapabilities
 from sglang.srt.placement.types import (
     Accelerator,
     HostTopology,
@@ -26,6 +20,7 @@ __all__ = [
     "Accelerator",
     "CpuListError",
     "HostCapabilities",
+    "HostFacts",
     "HostTopology",
     "PlacementError",
     "PlacementPolicy",
@@ -33,13 +28,13 @@ __all__ = [
     "ProcessPlacement",
     "RankIdentity",
     "TopologyError",
-    "cpu_rank_cpus",
     "describe",
     "format_cpulist",
     "local_ranks",
     "log_placements",
     "parse_cpulist",
+    "place_gpu_id",
     "plan_engine",
+    "plan_node",
     "resolve_placement",
-    "resolve_rank",
 ]

@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import CpuListError, elide, format_cpulist, parse_cpulist, shown
-from sglang.srt.placement.engine_args import EngineArgs
+from sglang.srt.placement.plan_args import PlanArgs
 from sglang.srt.placement.types import AFFINITY_MODES, PlacementError, ProcessAffinity
 
 PROG = "python -m sglang.srt.placement"
@@ -111,7 +111,7 @@ def path_arg(flag: str) -> Callable[[str], str]:
 
 
 def _bound_integer_flags(parser: argparse.ArgumentParser) -> None:
-    """Give every ``type=int`` flag (EngineArgs' included, whose parser is upstream's) a bounded type."""
+    """Give every ``type=int`` flag (PlanArgs' included, which follow upstream's names) a bounded type."""
     for action in parser._actions:  # argparse has no public way to list a parser's arguments
         if action.type is int:
             name = action.option_strings[-1] if action.option_strings else action.dest
@@ -120,7 +120,7 @@ def _bound_integer_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_plan_args(parser: argparse.ArgumentParser, *, launchers: Sequence[str]) -> None:
-    EngineArgs.add_cli_args(parser)
+    PlanArgs.add_cli_args(parser)
     _bound_integer_flags(parser)
     group = parser.add_argument_group("placement")
     group.add_argument("--launcher", choices=launchers, default="mp",
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_args(plan, launchers=("mp", "ray"))
     verify = sub.add_parser("verify", help="Start the ranks through the real launcher(s) and read each binding back.")
     _add_plan_args(verify, launchers=("mp", "ray", "both"))
+    verify.add_argument("--dp-threads", action="store_true",
+                        help="Start each dp rank's schedulers from its own thread, as sglang's data-parallel "
+                             "controller does (default: one after another, as the engine does).")
     verify.add_argument("--timeout", type=bounded_seconds("--timeout", MAX_TIMEOUT_S), default=120.0,
                         help=f"Seconds to wait for the ranks, above 0 and at most {MAX_TIMEOUT_S:g} (default 120).")
     capture = sub.add_parser("capture", help="Copy the sysfs files placement reads into DIR, for plan --sysfs-root.")
@@ -168,8 +171,9 @@ def _parse_gpus(text: Optional[str]) -> Optional[list[str]]:
 
 
 def plan_inputs(args: argparse.Namespace) -> dict:
-    """The keyword arguments of plan_engine() for these flags: host facts, capabilities, devices."""
-    from sglang.srt.placement.resolve import HostCapabilities
+    """The keyword arguments of plan_engine() for these flags: host facts and devices."""
+    from sglang.srt.placement.plan import HostFacts
+    from sglang.srt.placement.strategy import HostCapabilities
     from sglang.srt.placement.topology import read_process_affinity, read_topology
 
     root = args.sysfs_root or settings.sysfs_root()
@@ -179,7 +183,7 @@ def plan_inputs(args: argparse.Namespace) -> dict:
             f"with `{PROG} capture DIR`"
         )
     snapshot = os.path.realpath(root) != "/sys"
-    topology = read_topology(root)
+    topology = read_topology(root, setting="--sysfs-root" if args.sysfs_root else "SGLANG_SYSFS_ROOT")
     if args.allowed_cpus is not None:
         try:
             cpus = parse_cpulist(args.allowed_cpus, what="--allowed-cpus")
@@ -205,18 +209,17 @@ def plan_inputs(args: argparse.Namespace) -> dict:
         affinity = read_process_affinity()
     capabilities = HostCapabilities.snapshot(root) if snapshot else HostCapabilities.live()
     return dict(
-        topology=topology,
-        affinity=affinity,
-        capabilities=capabilities,
+        facts=HostFacts(topology=topology, affinity=affinity, capabilities=capabilities),
         gpus=_parse_gpus(args.gpus),
         affinity_mode=args.numa_affinity_mode,
     )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from sglang.srt.placement.resolve import describe, plan_engine
+    from sglang.srt.placement.plan import plan_engine
+    from sglang.srt.placement.resolve import describe
 
-    server_args = EngineArgs.from_cli_args(args)
+    server_args = PlanArgs.from_cli_args(args)
     placements = plan_engine(server_args, launcher=args.launcher, **plan_inputs(args))
     if args.json:
         keys = ("dp_rank", "pp_rank", "tp_rank", "gpu_id", "pci", "numa_node", "cpus", "mem_policy", "strategy",
@@ -229,39 +232,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         for p in placements:
             print(describe(p))
+        failing = [p.label for p in placements if p.warning]
+        if failing and settings.bind_failure_is_fatal():
+            print(f"SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1: the launch stops at {', '.join(failing)} "
+                  "(each is less bound than intended)")
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from sglang.srt.placement.verify import format_verify_rows, verify_ranks
-    from sglang.srt.scheduler_launch.verify_runners import RUNNERS
+    from sglang.srt.placement.verify import format_verify_rows, verify_mp
 
-    server_args = EngineArgs.from_cli_args(args)
+    server_args = PlanArgs.from_cli_args(args)
     launchers = ("mp", "ray") if args.launcher == "both" else (args.launcher,)
-    if "mp" in launchers:
-        root = args.sysfs_root or settings.sysfs_root()
-        if os.path.realpath(root) != "/sys":
+    # verify drives sglang's own launch path, which takes its settings from the environment, not from flags.
+    for flag, value in (("--sysfs-root", args.sysfs_root), ("--allowed-cpus", args.allowed_cpus),
+                        ("--gpus", args.gpus)):
+        if value is not None:
             raise UsageError(
-                f"verify starts the ranks on this host, so it plans from this host's /sys, not {root}; "
-                f"use `plan --sysfs-root {root}` to see another host's plan"
+                f"{flag} is a planning input that sglang's launch path does not take, so verify cannot check "
+                f"it; drop {flag} (use `plan {flag} ...` to see that plan; a Ray node plans from the "
+                f"SGLANG_SYSFS_ROOT of its raylet)"
             )
-        inputs = plan_inputs(args)
-    else:
-        # Each Ray node plans from its own host facts (the SGLANG_SYSFS_ROOT its raylet has); the driver reads none.
-        for flag, value in (("--sysfs-root", args.sysfs_root), ("--allowed-cpus", args.allowed_cpus)):
-            if value is not None:
-                raise UsageError(
-                    f"{flag} describes this host, but with --launcher ray each node plans from its own host facts; "
-                    f"drop {flag} (start a node's raylet with SGLANG_SYSFS_ROOT to plan it from another tree)"
-                )
-        inputs = dict(gpus=_parse_gpus(args.gpus), affinity_mode=args.numa_affinity_mode)
+    if os.path.realpath(settings.sysfs_root()) != "/sys" and "mp" in launchers:
+        raise UsageError(
+            f"SGLANG_SYSFS_ROOT={settings.sysfs_root()} is not this host's /sys, but verify starts the ranks here "
+            "and reads their real binding back; unset it (use `plan` to see another host's plan)"
+        )
+    if args.numa_affinity_mode is not None:
+        # The flag stands for the setting sglang reads; this process's spawns and plan both see it.
+        os.environ["SGLANG_NUMA_AFFINITY_MODE"] = args.numa_affinity_mode
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
-        if "ray" in launchers:
-            stack.enter_context(_local_ray_cluster(server_args))
         for launcher in launchers:
-            rows.extend(verify_ranks(server_args, launcher=launcher, timeout_s=args.timeout, plan_kwargs=inputs,
-                                     runners=RUNNERS))
+            if launcher == "mp":
+                rows.extend(verify_mp(server_args, timeout_s=args.timeout, dp_threads=args.dp_threads))
+            else:
+                from sglang.srt.placement.verify_ray import verify_ray
+
+                stack.enter_context(_local_ray_cluster(server_args))
+                rows.extend(verify_ray(server_args, timeout_s=args.timeout))
     if args.json:
         print(json.dumps({"ranks": rows}, indent=2))
     else:
@@ -270,7 +279,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _local_ray_cluster(server_args: EngineArgs) -> Iterator[None]:
+def _local_ray_cluster(server_args: PlanArgs) -> Iterator[None]:
     """Use the Ray cluster this process is connected to, else join the one RAY_ADDRESS names, else start a local
     one; afterwards disconnect from a joined cluster and stop only a cluster started here."""
     try:
@@ -284,7 +293,7 @@ def _local_ray_cluster(server_args: EngineArgs) -> Iterator[None]:
     if address:
         ray.init(address=address, configure_logging=False, log_to_driver=False)
     else:
-        from sglang.srt.placement.resolve import local_ranks
+        from sglang.srt.placement.ranks import local_ranks
 
         num_cpus = max(len(local_ranks(server_args)), len(os.sched_getaffinity(0)))
         # "local": never join a cluster that someone else's `ray start` recorded on this machine.
@@ -336,7 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_verify(args)
         return cmd_capture(args)
     # Bad input of any kind - a flag, an environment variable or a file - is one line and exit status 2:
-    # ValueError covers SettingError, EngineArgsError, CpuListError, TopologyError and UnicodeError; OSError the
+    # ValueError covers SettingError, PlanArgsError, CpuListError, TopologyError and UnicodeError; OSError the
     # file errors; ArithmeticError OverflowError; MemoryError and RecursionError what no bound foresaw.
     except (UsageError, PlacementError, ValueError, OSError, ArithmeticError, MemoryError, RecursionError) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)

@@ -237,12 +237,12 @@ def _err(exc: OSError) -> str:
     return f"{name} {text}".strip()
 
 
-def handle_bind_failure(reason: str) -> None:
-    """Upstream's failure policy for a bind that cannot be applied: a warning, or an error under
-    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1."""
-    logger.warning(reason)
+def handle_bind_failure(message: str, *, log: logging.Logger = logger) -> None:
+    """Upstream's failure policy for a binding that cannot be applied: a warning (on ``log``), and under
+    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 an error with the same text."""
+    log.warning(message)
     if settings.bind_failure_is_fatal():
-        raise PlacementError(f"{reason} (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1)")
+        raise PlacementError(message)
 
 
 def can_set_mempolicy() -> bool:
@@ -254,70 +254,3 @@ def can_set_mempolicy() -> bool:
     except OSError:
         return False
     return True
-
-
-def bind_legacy_v1(
-    node: int,
-    *,
-    libnuma: Optional[LibNumaApi] = None,
-    topology=None,
-    allowed_cpus: Optional[frozenset[int]] = None,
-    mempolicy_allowed: Optional[Callable[[], bool]] = None,
-) -> Optional[frozenset[int]]:
-    """Upstream's in-child bind of the running process to ``node``; returns the CPUs bound, or None.
-
-    As sglang 0.5.23: the process runs on the node's CPUs that its current
-    affinity allows (an empty intersection, or a node this host does not have,
-    goes to the failure policy), and prefers the node's memory only where the
-    memory policy may be set. Unlike 0.5.23, every thread of the process is
-    moved, not only the calling one.
-    """
-    lib = libnuma if libnuma is not None else load_libnuma()
-    if lib is None:
-        # Upstream's wording, which operators grep for.
-        logger.warning("numa not available on this system, skip bind action")
-        return None
-    if topology is None:
-        from sglang.srt.placement.topology import read_topology
-
-        topology = read_topology(settings.sysfs_root())
-    target = topology.node(node)
-    if target is None:
-        handle_bind_failure(
-            f"NUMA node {node} does not exist on this host (nodes: {format_cpulist(topology.node_ids)}), "
-            f"skipping NUMA binding."
-        )
-        return None
-    bound: Optional[frozenset[int]] = None
-    if target.cpus:
-        allowed = frozenset(os.sched_getaffinity(0)) if allowed_cpus is None else allowed_cpus
-        cpus = target.cpus & allowed
-        if not cpus:
-            handle_bind_failure(
-                f"NUMA node {node} has no CPU cores allowed by the current affinity {sorted(allowed)}, "
-                f"skipping NUMA binding."
-            )
-            return None
-        try:
-            set_all_threads_affinity(cpus)
-        except OSError as exc:
-            handle_bind_failure(f"cannot bind to the CPUs of NUMA node {node} ({_err(exc)}), skipping NUMA binding.")
-            return None
-        bound = cpus
-    else:
-        try:
-            lib.run_on_node(node)
-        except OSError as exc:
-            handle_bind_failure(f"cannot run on NUMA node {node} ({_err(exc)}), skipping NUMA binding.")
-            return None
-    if (mempolicy_allowed or can_set_mempolicy)():
-        try:
-            lib.set_preferred(node)
-        except OSError as exc:
-            handle_bind_failure(f"cannot prefer the memory of NUMA node {node} ({_err(exc)}).")
-    else:
-        logger.info(
-            f"NUMA memory policy not permitted; binding CPUs only to NUMA node {node}. "
-            "If using docker, --cap-add SYS_NICE also binds host memory."
-        )
-    return bound

@@ -54,7 +54,7 @@ def capture_sysfs(dest: str | os.PathLike, *, root: str | os.PathLike = "/sys") 
         raise CaptureError(f"{shown(dest_text)}: a path cannot hold a NUL byte; choose another directory")
     with _Destination(dest_text) as out:
         try:
-            read = _read(root)
+            read = _read(root, setting="--sysfs-root")
             for rel, text in sorted(_snapshot_files(read).items()):
                 out.write_new(rel, text)
         except BaseException as exc:

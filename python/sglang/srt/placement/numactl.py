@@ -125,17 +125,33 @@ class NumactlProber:
             steps = ["preferred", "none"]
         else:
             steps = ["none"]
-        reasons: list[str] = []
+        tried: list[tuple[tuple[str, ...], str]] = []  # (options, numactl's refusal), strongest first
         for step in steps:
             if step == "preferred" and preferred_node is None:
                 continue
             args = tuple(cpu_args) + memory_options(mem_policy=step, mem_nodes=mem_nodes, preferred_node=preferred_node)
             result = self.probe(args)
             if result.ok:
-                return LadderOutcome(mem_policy=step, args=args, reasons=tuple(reasons), ok=True)
-            label = {"bind": "membind", "preferred": "preferred", "none": "CPU-only binding"}[step]
-            reasons.append(f"numactl {label} rejected by the kernel ({result.message})")
-        return LadderOutcome(mem_policy=MemPolicy.NONE, args=(), reasons=tuple(reasons), ok=False)
+                return LadderOutcome(mem_policy=step, args=args, reasons=_fallback_reasons(tried, step, args), ok=True)
+            tried.append((args, result.message))
+        return LadderOutcome(mem_policy=MemPolicy.NONE, args=(), reasons=(tried[-1][1],) if tried else (), ok=False)
+
+
+def _fallback_reasons(tried: Sequence[tuple[tuple[str, ...], str]], step: str, args: tuple[str, ...]) -> tuple[str, ...]:
+    """Upstream's wording for a weaker binding that numactl accepted, which operators search logs for."""
+    if not tried:
+        return ()
+    first_args, first_refusal = tried[0]
+    suffix = f": {first_refusal}" if first_refusal else ""
+    if step == "preferred":
+        return (
+            f"numactl rejected hard memory binding ({' '.join(first_args)!r}){suffix}; falling back to soft "
+            f"preferred policy ({' '.join(args)!r})",
+        )
+    return (
+        f"numactl rejected memory binding ({' '.join(first_args)!r}){suffix}; falling back to CPU-only "
+        f"binding ({' '.join(args)!r})",
+    )
 
 
 class AssumedNumactl:

@@ -30,6 +30,11 @@ def bind_failure_is_fatal() -> bool:
     return bool(envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.get())
 
 
+def one_visible_device_per_process() -> bool:
+    """``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS``: sglang spawns each CUDA rank under one visible GPU, as GPU 0."""
+    return bool(envs.SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS.get())
+
+
 def affinity_mode() -> str:
     """``SGLANG_NUMA_AFFINITY_MODE``: node, exclusive or socket."""
     value = str(envs.SGLANG_NUMA_AFFINITY_MODE.get()).strip()

@@ -9,13 +9,11 @@ decision stays pure and the probing happens once, where the rank will run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 from sglang.srt.placement.numactl import AssumedNumactl, NumactlProber, cpu_option, default_prober
+from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.types import MemPolicy, ProcessPlacement, RankIdentity, Strategy
-
-if TYPE_CHECKING:
-    from sglang.srt.placement.resolve import PlacementPolicy
 
 Prober = Union[NumactlProber, AssumedNumactl]
 
@@ -57,7 +55,7 @@ class PlacementIntent:
         return MemPolicy.BIND if self.mem_nodes else MemPolicy.NONE
 
 
-def choose_strategy(intent: PlacementIntent, *, policy: "PlacementPolicy",
+def choose_strategy(intent: PlacementIntent, *, policy: PlacementPolicy,
                     capabilities: HostCapabilities) -> ProcessPlacement:
     """The placement that applies ``intent``: exec under the strongest numactl form the kernel accepts, else
     in-process (libnuma), or the legacy V1 bind under SGLANG_NUMA_BIND_V2=0."""
@@ -84,21 +82,30 @@ def choose_strategy(intent: PlacementIntent, *, policy: "PlacementPolicy",
             cpu_args=(cpu_option(cpus=intent.cpus, whole_nodes=intent.whole_nodes),),
             mem_policy=intent.mem_policy, mem_nodes=mem_nodes, preferred_node=node_id if mem_nodes else None,
         )
-        reasons.extend(outcome.reasons)
         if outcome.ok:
-            if outcome.mem_policy == MemPolicy.PREFERRED:
-                reasons.append(f"falling back to preferred node {node_id}")
-                return placed(Strategy.EXEC, MemPolicy.PREFERRED, (node_id,), outcome.args, warning=True)
-            degraded = outcome.mem_policy == MemPolicy.NONE and intent.mem_policy != MemPolicy.NONE
-            if degraded:
-                reasons.append("falling back to CPU-only binding")
+            reasons.extend(outcome.reasons)
+            degraded = outcome.mem_policy != intent.mem_policy
+            nodes = (node_id,) if outcome.mem_policy == MemPolicy.PREFERRED else mem_nodes
             reasons.append(f"exec under numactl {' '.join(outcome.args)}")
-            return placed(Strategy.EXEC, MemPolicy(outcome.mem_policy), mem_nodes, outcome.args, warning=degraded)
+            return placed(Strategy.EXEC, MemPolicy(outcome.mem_policy), nodes, outcome.args, warning=degraded)
+        refusal = f": {outcome.reasons[0]}" if outcome.reasons else ""
+        reasons.append(
+            f"numactl could not apply NUMA binding for node {node_id} (e.g. set_mempolicy/sched_setaffinity "
+            f"blocked by seccomp, or cpuset rejects the policy){refusal}"
+        )
     elif policy.exec_supported:
         reasons.append("numactl is not installed")
     else:
         reasons.append(f"the {policy.launcher} launcher cannot start this rank under numactl")
 
+    if not policy.in_process_supported:
+        # sglang's spawned scheduler runs sglang's own code: nothing would apply an in-process bind.
+        reasons.append(f"the {policy.launcher} launcher binds only by exec: running unbound")
+        return ProcessPlacement(
+            dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank, gpu_id=rank.gpu_id, pci=intent.pci,
+            numa_node=None, cpus=frozenset(), mem_nodes=frozenset(), mem_policy=MemPolicy.NONE,
+            strategy=Strategy.NONE, reasons=tuple(reasons), launcher=policy.launcher, warning=True,
+        )
     if capabilities.libnuma:
         reasons.append("in-process bind with libnuma")
         return placed(Strategy.IN_PROCESS, intent.mem_policy, mem_nodes)

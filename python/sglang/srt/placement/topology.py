@@ -119,13 +119,18 @@ def _check_regular(mode: int) -> None:
         raise FileProblem(f"is {kind}, expected a regular file")
 
 
-def read_topology(root: str | os.PathLike = LIVE_SYSFS) -> HostTopology:
+ROOT_SETTING = "SGLANG_SYSFS_ROOT"
+"""What chooses the tree outside the CLI; errors name it, since sglang's server has no --sysfs-root."""
+
+
+def read_topology(root: str | os.PathLike = LIVE_SYSFS, *, setting: str = ROOT_SETTING) -> HostTopology:
     """Read the NUMA nodes, online CPUs and PCI devices under ``root`` (a sysfs tree).
 
     Raises TopologyError, naming the file, what is wrong with it and how to fix it, when
-    the tree is incomplete or holds values that do not parse.
+    the tree is incomplete or holds values that do not parse. ``setting`` is what chose
+    ``root`` (``SGLANG_SYSFS_ROOT``, or the CLI's ``--sysfs-root``), named in the fix.
     """
-    return _read(root).topology
+    return _read(root, setting=setting).topology
 
 
 def read_process_affinity(
@@ -177,6 +182,7 @@ class _Reader:
     """Reads text files below one root, remembering each for a capture; every failure names its file."""
 
     root: str
+    setting: str = ROOT_SETTING
     snapshot: Optional[dict] = None
     files: dict[str, str] = field(default_factory=dict)
 
@@ -192,14 +198,8 @@ class _Reader:
                 f"re-capture it with `{CAPTURE_COMMAND}` on the host it describes"
             )
         if os.path.realpath(self.root) == LIVE_SYSFS:
-            return (
-                "this kernel's sysfs lacks it; pass --sysfs-root pointing at a sysfs tree "
-                f"captured with `{CAPTURE_COMMAND}`"
-            )
-        return (
-            "pass --sysfs-root pointing at a sysfs tree (the live /sys, or a snapshot made with "
-            f"`{CAPTURE_COMMAND}`)"
-        )
+            return f"this kernel's sysfs lacks it; {_point(self.setting)} a sysfs tree captured with `{CAPTURE_COMMAND}`"
+        return f"{_point(self.setting)} a sysfs tree (the live /sys, or a snapshot made with `{CAPTURE_COMMAND}`)"
 
     def error(self, rel: str, problem: str) -> TopologyError:
         return TopologyError(f"{self.path(rel)}: {problem}; {self.fix()}")
@@ -240,15 +240,19 @@ class _Reader:
         return int(text, base)
 
 
-def _read(root: str | os.PathLike) -> TopologyRead:
+def _point(setting: str) -> str:
+    return f"pass {setting} pointing at" if setting.startswith("--") else f"set {setting} to"
+
+
+def _read(root: str | os.PathLike, *, setting: str = ROOT_SETTING) -> TopologyRead:
     root_text = os.path.abspath(os.fspath(root))
     if not os.path.isdir(root_text):
         problem = "is not a directory" if os.path.exists(root_text) else "does not exist"
         raise TopologyError(
-            f"{root_text}: {problem}; pass --sysfs-root pointing at a sysfs tree (the live /sys, "
+            f"{setting}={root_text}: {problem}; {_point(setting)} a sysfs tree (the live /sys, "
             f"or a snapshot made with `{CAPTURE_COMMAND}`)"
         )
-    reader = _Reader(root=root_text)
+    reader = _Reader(root=root_text, setting=setting)
     reader.snapshot = _read_marker(root_text)
 
     online = reader.cpulist(CPU_ONLINE)

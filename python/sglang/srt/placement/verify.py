@@ -1,15 +1,26 @@
-"""verify: start the ranks through a real launcher and read each rank's binding back from inside it.
+"""verify: start probe ranks through sglang's own launch path and read each binding back from inside it.
 
-The probe runs as the scheduler ``target`` of the launcher protocol, after the
-launcher applied the placement (numactl before the interpreter, or in-process
-in ``configure_scheduler_process``), so what it sees is what a scheduler would
-get. Rows carry the plan's fields and what was observed, one per rank.
+With ``--launcher mp`` every probe rank is started as
+``Engine._launch_scheduler_processes`` starts a scheduler: a spawn-context
+``Process`` whose ``start()`` runs inside ``numa_utils.configure_subprocess(
+server_args, gpu_id)``, for the ids sglang's arithmetic gives
+(``placement.ranks``), under ``maybe_reindex_device_id`` when
+``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1``, and optionally from one thread per
+dp rank as the data-parallel controller does. The probe (the only thing that
+differs from a real rank) reports the binding its process has, and each row
+compares it with what ``plan`` says for that rank. ``--launcher ray`` is in
+``placement.verify_ray``. This is the CLI's layer: it imports the launch path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Mapping, Optional, Sequence
+import multiprocessing
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.types import MemPolicy, ProcessPlacement, RankIdentity, Strategy
@@ -25,112 +36,236 @@ DEFAULT_TIMEOUT_S = 300.0
 MIN_LOCAL_PAGE_RATIO = {"exec": 0.99, "in-process": 0.95}
 
 
-class VerifyProbe:
-    """The scheduler stand-in verify starts in each rank: it only reports the rank's binding."""
-
-    def __init__(self, *, placement: Optional[ProcessPlacement]) -> None:
-        self.placement = placement
-
-    def ready_info(self) -> dict:
-        from sglang.srt.placement import observe
-
-        observed = observe.observe_self()
-        differences = observe.compare_binding(self.placement, observed) if self.placement is not None else []
-        nodes = _target_nodes(self.placement)
-        return {
-            "observed": observed.to_dict(),
-            "differences": list(differences),
-            "local_page_ratio": observed.local_page_ratio(nodes, anon_only=True) if nodes else None,
-            "local_page_ratio_all": observed.local_page_ratio(nodes) if nodes else None,
-        }
+class VerifyError(RuntimeError):
+    """A probe rank did not report within the deadline, or failed; the message names it."""
 
 
-def probe_target(*, server_args: Any, placement: Optional[ProcessPlacement], rank: RankIdentity) -> VerifyProbe:
-    """Launcher-protocol target (importable, top level) that makes each rank report its binding."""
-    return VerifyProbe(placement=placement)
+# --------------------------------------------------------------------------- inside a probe rank
 
 
-def _target_nodes(placement: Optional[ProcessPlacement]) -> frozenset[int]:
-    if placement is None or placement.strategy == Strategy.NONE:
+def observe_rank() -> dict:
+    """What a probe rank reports: its binding as the kernel sees it (CPUs, memory nodes, policy, pages)."""
+    from sglang.srt.placement.observe import observe_self
+
+    return {"observed": observe_self().to_dict()}
+
+
+def probe_main(label: str, writer: Any) -> None:
+    """A probe rank's target (top level, so a spawned child can import it): report, then exit."""
+    try:
+        writer.send({"status": "ready", "label": label, **observe_rank()})
+    except BaseException as exc:  # noqa: BLE001 - the launcher must hear about every failure
+        writer.send({"status": "error", "label": label, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        writer.close()
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def _target_nodes(placement: ProcessPlacement) -> frozenset[int]:
+    if placement.strategy == Strategy.NONE:
         return frozenset()
     if placement.mem_nodes:
         return placement.mem_nodes
     return frozenset() if placement.numa_node is None else frozenset([placement.numa_node])
 
 
-def page_ratio_difference(placement: ProcessPlacement, ratio: Optional[float]) -> Optional[str]:
-    """A difference line when a bound rank keeps too little of its memory on its node; None when fine."""
+def differences(placement: ProcessPlacement, observed: Any, *, unbound_cpus: frozenset[int]) -> list[str]:
+    """Every way a rank's observed binding differs from its placement.
+
+    An unbound rank must have been left alone: the launcher's CPUs and the
+    default memory policy. A bound one must hold its CPUs and memory policy,
+    and keep most of its own memory on its node(s).
+    """
+    from sglang.srt.placement.observe import compare_binding
+
+    if placement.strategy == Strategy.NONE:
+        found = []
+        if observed.cpus != unbound_cpus:
+            found.append(
+                f"cpus {format_cpulist(observed.cpus)} observed, the launcher's "
+                f"{format_cpulist(unbound_cpus)} expected for an unbound rank"
+            )
+        if observed.policy != "default":
+            found.append(f"memory policy {observed.policy} observed, default expected for an unbound rank")
+        return found
+    found = list(compare_binding(placement, observed))
     minimum = MIN_LOCAL_PAGE_RATIO.get(placement.strategy)
-    if minimum is None or placement.mem_policy != MemPolicy.BIND or ratio is None:
-        return None
-    if ratio >= minimum:
-        return None
-    return (
-        f"{ratio:.1%} of the rank's resident anonymous memory is on node(s) "
-        f"{format_cpulist(_target_nodes(placement))}, at least {minimum:.0%} expected for strategy {placement.strategy}"
-    )
+    nodes = _target_nodes(placement)
+    ratio = observed.local_page_ratio(nodes, anon_only=True) if nodes else None
+    if minimum is not None and placement.mem_policy == MemPolicy.BIND and ratio is not None and ratio < minimum:
+        found.append(
+            f"{ratio:.1%} of the rank's resident anonymous memory is on node(s) {format_cpulist(nodes)}, "
+            f"at least {minimum:.0%} expected for strategy {placement.strategy}"
+        )
+    return found
 
 
-def verify_row(result: Any, *, launcher: str) -> dict:
-    """One output row from a launcher's RankResult: the plan's fields, then what the rank observed."""
-    placement: ProcessPlacement = result.placement
-    info = dict(result.info or {})
-    observed = info.get("observed") or {}
-    differences = list(info.get("differences") or [])
-    ratio = info.get("local_page_ratio")
-    extra = page_ratio_difference(placement, ratio)
-    if extra is not None:
-        differences.append(extra)
-    policy = observed.get("policy")
-    policy_nodes = observed.get("policy_nodes") or ""
+def verify_row(placement: ProcessPlacement, report: dict, *, launcher: str,
+               unbound_cpus: frozenset[int]) -> dict:
+    """One output row: the plan's fields, then what the rank observed, and whether they agree."""
+    from sglang.srt.placement.observe import ObservedBinding
+
+    observed = ObservedBinding.from_dict(report["observed"])
+    nodes = _target_nodes(placement)
     row = placement.to_dict()
+    found = differences(placement, observed, unbound_cpus=unbound_cpus)
+    policy_nodes = format_cpulist(observed.policy_nodes)
     row.update(
         {
             "launcher": launcher,
-            "observed_cpus": observed.get("cpus"),
-            "observed_mems": observed.get("mems"),
-            "observed_policy": f"{policy}:{policy_nodes}" if policy and policy_nodes else policy,
-            "local_page_ratio": ratio,
-            "local_page_ratio_all": info.get("local_page_ratio_all"),
-            "ok": not differences,
-            "differences": differences,
+            "observed_pid": observed.pid,
+            "observed_cpus": format_cpulist(observed.cpus),
+            "observed_mems": format_cpulist(observed.mems),
+            "observed_policy": f"{observed.policy}:{policy_nodes}" if policy_nodes else observed.policy,
+            "local_page_ratio": observed.local_page_ratio(nodes, anon_only=True) if nodes else None,
+            "local_page_ratio_all": observed.local_page_ratio(nodes) if nodes else None,
+            "ok": not found,
+            "differences": found,
         }
     )
+    for extra in ("node_id", "actor"):
+        if extra in report:
+            row[extra] = report[extra]
     return row
 
 
-def verify_ranks(
+# --------------------------------------------------------------------------- the multiprocessing path
+
+
+@contextlib.contextmanager
+def _reindexed(gpu_id: int, *, device: str) -> Iterator[int]:
+    """sglang's ``maybe_reindex_device_id`` for CUDA ranks (it narrows CUDA_VISIBLE_DEVICES when asked)."""
+    from sglang.srt.placement import settings
+
+    if device != "cuda" or not settings.one_visible_device_per_process():
+        yield gpu_id
+        return
+    from sglang.srt.utils.common import maybe_reindex_device_id
+
+    with maybe_reindex_device_id(gpu_id) as reindexed:
+        yield reindexed
+
+
+def run_mp_probes(
     server_args: Any,
     *,
-    launcher: str,
-    placements: Optional[Sequence[ProcessPlacement]] = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    plan_kwargs: Optional[Mapping[str, Any]] = None,
-    runners: Mapping[str, Callable[..., list]],
-) -> list[dict]:
-    """Start every local rank through ``launcher`` ("mp", "ray" or "both") with the probe; one row per rank.
+    dp_threads: bool = False,
+    configure: Optional[Callable[[Any, int], Any]] = None,
+) -> list[tuple[RankIdentity, dict]]:
+    """Start one probe per local rank as sglang's engine (or, with ``dp_threads``, its data-parallel
+    controller) spawns schedulers, each ``start()`` inside ``configure_subprocess(server_args, gpu_id)``;
+    return (rank, report) pairs in launch order. Every probe ends, or is killed, within ``timeout_s``.
 
-    ``plan_kwargs`` go to ``plan_engine`` for the mp launcher (``placements``
-    replaces that plan); Ray ranks resolve on their own node, with ``gpus`` and
-    ``affinity_mode`` from ``plan_kwargs`` passed along.
+    ``configure`` replaces ``numa_utils.configure_subprocess`` (tests that show verify notices a bypass).
     """
-    if launcher not in LAUNCHER_CHOICES:
-        raise ValueError(f"--launcher={launcher!r} is not valid: choose one of {', '.join(LAUNCHER_CHOICES)}")
-    missing = [name for name in (("mp", "ray") if launcher == "both" else (launcher,)) if name not in runners]
-    if missing:
-        raise ValueError(f"no runner for launcher(s) {', '.join(missing)}: pass runners={{name: run}}")
-    run = runners
-    names = ("mp", "ray") if launcher == "both" else (launcher,)
-    rows: list[dict] = []
-    for name in names:
-        results = run[name](
-            server_args,
-            placements=placements if name == "mp" else None,
-            timeout_s=timeout_s,
-            plan_kwargs=dict(plan_kwargs or {}),
-        )
-        rows.extend(verify_row(result, launcher=name) for result in results)
-    return rows
+    from sglang.srt.placement.ranks import local_ranks
+
+    if configure is None:
+        from sglang.srt.utils import numa_utils
+
+        configure = numa_utils.configure_subprocess
+    ctx = multiprocessing.get_context("spawn")
+    ranks = list(local_ranks(server_args))
+    device = getattr(server_args, "device", "cuda")
+    started: list[tuple[RankIdentity, Any, Any]] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def spawn(rank: RankIdentity) -> None:
+        reader, writer = ctx.Pipe(duplex=False)
+        with _reindexed(rank.gpu_id, device=device) as gpu_id:
+            proc = ctx.Process(target=probe_main, args=(rank.label, writer), name=f"verify-{rank.label}")
+            with configure(server_args, gpu_id):
+                proc.start()
+        writer.close()
+        started.append((rank, proc, reader))
+
+    def spawn_group(group: list[RankIdentity]) -> None:
+        try:
+            for rank in group:
+                with lock:  # the data-parallel controller's env_lock
+                    spawn(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the launching thread
+            errors.append(exc)
+
+    try:
+        if dp_threads:
+            groups: dict[int, list[RankIdentity]] = {}
+            for rank in ranks:
+                groups.setdefault(rank.dp_rank, []).append(rank)
+            threads = [threading.Thread(target=spawn_group, args=(g,), name=f"verify-dp{d}")
+                       for d, g in groups.items()]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            if errors:
+                raise errors[0]
+        else:
+            for rank in ranks:
+                spawn(rank)
+        return _collect(started, timeout_s=timeout_s)
+    finally:
+        for _, proc, reader in started:
+            reader.close()
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _collect(started: Sequence[tuple[RankIdentity, Any, Any]], *, timeout_s: float) -> list[tuple[RankIdentity, dict]]:
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + timeout_s
+    reports: dict[int, dict] = {}
+    while len(reports) < len(started):
+        pending = {id(reader): (i, rank, proc, reader) for i, (rank, proc, reader) in enumerate(started)
+                   if i not in reports}
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            who = ", ".join(rank.label for _, rank, _, _ in pending.values())
+            raise VerifyError(f"{who}: no report within {timeout_s:g} s (see the rank's output above)")
+        ready = wait([entry[3] for entry in pending.values()] + [entry[2].sentinel for entry in pending.values()],
+                     timeout=remaining)
+        for i, rank, proc, reader in pending.values():
+            if reader in ready or reader.poll():
+                try:
+                    report = reader.recv()
+                except EOFError:
+                    report = None
+                if report is None or report.get("status") != "ready":
+                    why = (report or {}).get("error") or f"it exited with status {proc.exitcode}"
+                    raise VerifyError(f"{rank.label}: the probe rank failed: {why}")
+                reports[i] = report
+            elif proc.sentinel in ready and not reader.poll():
+                proc.join(timeout=1)
+                raise VerifyError(
+                    f"{rank.label}: the probe rank exited with status {proc.exitcode} before reporting "
+                    "(see its output above)"
+                )
+    return [(rank, reports[i]) for i, (rank, _, _) in enumerate(started)]
+
+
+def verify_mp(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, dp_threads: bool = False,
+              configure: Optional[Callable[[Any, int], Any]] = None) -> list[dict]:
+    """One row per local rank: what ``plan`` says sglang's spawn does, against what the spawned rank observed."""
+    from sglang.srt.placement.plan import plan_engine
+    from sglang.srt.placement.topology import read_process_affinity
+
+    placements = plan_engine(server_args, launcher="mp")
+    reports = run_mp_probes(server_args, timeout_s=timeout_s, dp_threads=dp_threads, configure=configure)
+    unbound_cpus = read_process_affinity().cpus
+    by_label = {p.label: p for p in placements}
+    return [verify_row(by_label[rank.label], report, launcher="mp", unbound_cpus=unbound_cpus)
+            for rank, report in reports]
+
+
+# --------------------------------------------------------------------------- output
 
 
 def _percent(ratio: Optional[float]) -> str:
@@ -142,13 +277,13 @@ def format_verify_rows(rows: Sequence[dict]) -> str:
     lines = []
     for row in rows:
         label = f"DP{row['dp_rank']} PP{row['pp_rank']} TP{row['tp_rank']}"
-        gpu = f" GPU {row['gpu_id']}" if row.get("gpu_id") is not None else ""
+        gpu = f" gpu_id {row['gpu_id']}" if row.get("gpu_id") is not None else ""
         pci = f" ({row['pci']})" if row.get("pci") else ""
         node = row.get("numa_node")
         planned_mem = f"{row.get('mem_policy')}:{row.get('mem_nodes') or '-'}"
         head = (
-            f"[{label}] {row.get('launcher')}{gpu}{pci} node {'-' if node is None else node} via {row.get('strategy')}: "
-            f"cpus {row.get('observed_cpus')} (plan {row.get('cpus') or 'any'}), "
+            f"[{label}] {row.get('launcher')}{gpu}{pci} node {'-' if node is None else node} via "
+            f"{row.get('strategy')}: cpus {row.get('observed_cpus')} (plan {row.get('cpus') or 'unbound'}), "
             f"mems {row.get('observed_mems')}, policy {row.get('observed_policy')} (plan {planned_mem}), "
             f"local pages {_percent(row.get('local_page_ratio'))}"
         )

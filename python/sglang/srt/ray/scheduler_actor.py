@@ -31,7 +31,7 @@ import ray
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity
 
 if TYPE_CHECKING:
-    from sglang.srt.scheduler_rank.ray_plan import ActorStart
+    from sglang.srt.scheduler_placement.ray_plan import ActorStart
 
 logger = logging.getLogger(__name__)
 
@@ -51,19 +51,22 @@ def _load_target(target: Target) -> Callable[..., Any]:
 
 
 def _own_start(server_args: Any, *, rank: RankIdentity, gpu_id: int, resource: str) -> "ActorStart":
-    """An older caller's actor: its placement resolved here, on its own node, bound in-process."""
+    """An actor created without a plan from its node: its placement resolved here, for the device Ray gave
+    it (Ray's own id, never re-derived from the engine), bound in-process."""
     from sglang.srt.placement import settings
-    from sglang.srt.scheduler_rank.common import demote_to_in_process
-    from sglang.srt.scheduler_rank.ray_plan import ActorStart
-    from sglang.srt.placement.engine_args import placement_for_gpu
+    from sglang.srt.placement.plan import plan_node
+    from sglang.srt.placement.plan_args import placement_view
+    from sglang.srt.scheduler_placement.ray_node import accelerator_ids_here
+    from sglang.srt.scheduler_placement.ray_plan import ActorStart, demote_to_in_process
 
     if not settings.bind_v2():
         return ActorStart(rank=rank, accelerator_resource=resource)
-    placement = placement_for_gpu(server_args, gpu_id)
-    if placement.bound:
+    ids = accelerator_ids_here(resource)
+    (placement,) = plan_node(placement_view(server_args), ranks_with_ids=[(rank, ids[0] if ids else None)])
+    if placement.strategy.value == "exec":
         placement = demote_to_in_process(placement, why="the actor was created without a plan from its node")
     return ActorStart(rank=rank, accelerator_resource=resource, node_id=ray.get_runtime_context().get_node_id(),
-                      candidates=((None, placement),))
+                      candidates=((ids[0] if ids else None, placement),))
 
 
 @ray.remote
@@ -109,10 +112,9 @@ class SchedulerActor:
 
     def _place(self, start: Optional["ActorStart"], *, server_args: Any, gpu_id: int) -> None:
         """Take this actor's placement from ``start``, apply its in-rank part, and read the binding back."""
-        from sglang.srt.scheduler_rank.child import apply_in_rank
-        from sglang.srt.scheduler_rank.common import report_mismatches
-        from sglang.srt.scheduler_rank.ray_node import accelerator_ids_here, check_binding
-        from sglang.srt.scheduler_rank.ray_plan import actor_placement
+        from sglang.srt.scheduler_placement.in_rank import apply_in_rank, report_mismatches
+        from sglang.srt.scheduler_placement.ray_node import accelerator_ids_here, check_binding
+        from sglang.srt.scheduler_placement.ray_plan import actor_placement
 
         if start is None:
             start = _own_start(server_args, rank=self._rank, gpu_id=gpu_id, resource="GPU")
@@ -158,13 +160,10 @@ class SchedulerActor:
 
     def _start_target(self, server_args: Any, *, start: Optional["ActorStart"], target: Callable[..., Any],
                       gpu_id: int) -> None:
-        from sglang.srt.scheduler_rank.child import configure_scheduler_rank
-        from sglang.srt.scheduler_rank.common import ready_info_of
-
-        configure_scheduler_rank(server_args, rank=self._rank, placement=None)
         self._place(start, server_args=server_args, gpu_id=gpu_id)
         self.scheduler = target(server_args=server_args, placement=self._placement, rank=self._rank)
-        self._info = ready_info_of(self.scheduler)
+        ready_info = getattr(self.scheduler, "ready_info", None)
+        self._info = ready_info() if ready_info is not None else {}
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

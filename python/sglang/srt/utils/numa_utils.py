@@ -1,18 +1,23 @@
-"""sglang's NUMA helpers (``configure_subprocess``, ``numa_bind_to_node``, ...), kept by name and meaning, answered by placement.
+"""sglang's NUMA helpers, kept by name and meaning, answered by ``sglang.srt.placement``.
 
 Upstream's callers drive these: the engine and the data-parallel controller
 wrap each scheduler ``proc.start()`` in ``configure_subprocess(server_args,
-gpu_id)``; the scheduler (legacy V1 path) and the diffusion GPU worker call
-``get_numa_node_if_available`` then ``numa_bind_to_node``; bootstrap's CPU
-path calls ``init_threads_binding``. Each answer comes from the one placement
-of that GPU's rank (``sglang.srt.placement``).
+gpu_id)``; the scheduler (legacy V1 path), the Ray scheduler actor and the
+diffusion GPU worker call ``get_numa_node_if_available`` then
+``numa_bind_to_node``; bootstrap's CPU path calls ``init_threads_binding``.
 
-``configure_subprocess`` writes no wrapper script and never swaps the
-process-global spawn executable: a child spawned inside the block starts under
-numactl through the thread-local spawn hook (``scheduler_launch.spawn_hook``).
+``configure_subprocess`` places the GPU id it is given, under the
+``CUDA_VISIBLE_DEVICES`` in force, and starts the child under numactl through a
+thread-local spawn hook: no wrapper script, and the process-global spawn
+executable is never swapped. CPU-device ranks are placed there too, from
+``SGLANG_CPU_OMP_THREADS_BIND`` (upstream leaves them unbound until bootstrap).
 
-This module imports nothing heavy when it loads: placement and the launch
-pieces are imported where they are used.
+The private helpers ``_is_cuda``, ``_is_xpu``, ``_is_numa_available``,
+``_query_numa_node_for_gpu``, ``_can_set_mempolicy``, ``_node_cpus``,
+``_handle_numa_bind_failure`` and ``_log_cpu_only_binding`` keep upstream's
+names and meanings because upstream's own tests (and the diffusion worker's)
+patch them. Loading this module does not initialise a device runtime:
+``_is_cuda`` and ``_is_xpu`` are worked out on first use.
 """
 
 from __future__ import annotations
@@ -20,167 +25,248 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import multiprocessing.spawn
 import os
+import shutil
 from typing import Any, Iterator, Optional
 
 from sglang.srt.placement import settings
-from sglang.srt.placement.engine_args import placement_for_gpu
-from sglang.srt.placement.gpu_node import gpu_numa_node, host_topology, numa_binding_possible
-from sglang.srt.placement.types import PlacementError, ProcessPlacement, Strategy
 
 logger = logging.getLogger(__name__)
 
 
+def __getattr__(name: str) -> Any:
+    # Upstream computes these at import (is_cuda()/is_xpu() import torch and ask the driver);
+    # here they are computed once, when first read, and tests may patch them as before.
+    if name in ("_is_cuda", "_is_xpu"):
+        from sglang.srt.utils.common import is_cuda, is_xpu
+
+        value = bool(is_cuda() if name == "_is_cuda" else is_xpu())
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _platform_flag(name: str) -> bool:
+    value = globals().get(name)
+    return bool(__getattr__(name) if value is None else value)
+
+
 @contextlib.contextmanager
-def configure_subprocess(
-    server_args: Any, gpu_id: int, *, placement: Optional[ProcessPlacement] = None
-) -> Iterator[None]:
-    """Wrap ``Process.start()``: a spawned child started in the block runs under its GPU's placement.
+def configure_subprocess(server_args: Any, gpu_id: int) -> Iterator[None]:
+    """Wrap ``Process.start()``: a child spawned in the block runs under the placement of ``gpu_id``.
 
-    As upstream, nothing happens when ``SGLANG_NUMA_BIND_V2=0`` (the child binds
-    itself), for a device that is not CUDA or XPU, on a host with one NUMA
-    node, without numactl, or when the placement for ``gpu_id`` does not bind.
-    Only the calling thread is affected and everything is restored on exit.
+    The placement and the failure policy are settled at entry, before anything
+    starts: a rank that would be less bound than intended gets a WARNING, or an
+    error under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1. As upstream, nothing is
+    done with SGLANG_NUMA_BIND_V2=0 (the child binds itself), for a device that
+    is not CUDA, XPU or CPU, on a one-node GPU host, or without numactl. Only
+    the calling thread is affected and everything is restored on exit.
     """
-    if not settings.bind_v2():
+    from sglang.srt.scheduler_placement.spawn import placed_spawn
+
+    with placed_spawn(server_args, gpu_id):
         yield
-        return
-    if placement is None:
-        # One read of this host's topology serves the preconditions and the placement.
-        topology = host_topology()
-        if not numa_binding_possible(getattr(server_args, "device", None), what=f"GPU {gpu_id}", topology=topology):
-            yield
-            return
-        placement = placement_for_gpu(server_args, gpu_id, topology=topology)
-    if placement.strategy != Strategy.EXEC:
-        logger.debug(f"GPU {gpu_id}: placement strategy {placement.strategy}, nothing to wrap around the spawn")
-        yield
-        return
-
-    from sglang.srt.placement.numactl import numactl_prefix
-    from sglang.srt.scheduler_launch.spawn_hook import spawn_hook_installed, spawn_with_prefix
-
-    prefix = numactl_prefix(placement)
-    executable_before = os.fsdecode(multiprocessing.spawn.get_executable())
-    logger.debug(f"GPU {gpu_id}: spawning under {' '.join(prefix)} (spawn executable {executable_before})")
-    failed = False
-    with spawn_with_prefix(prefix) as use:
-        try:
-            yield
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            problems = _spawn_state_problems(executable_before=executable_before, hook_installed=spawn_hook_installed())
-            if not problems and use.applied == 0 and not failed:
-                problems.append(
-                    "no process was started with the spawn start method inside the block, so numactl "
-                    f"{' '.join(prefix[1:])} was not applied (use multiprocessing.get_context('spawn'))"
-                )
-            if problems:
-                message = f"configure_subprocess(gpu_id={gpu_id}): " + "; ".join(problems)
-                if settings.bind_failure_is_fatal() and not failed:
-                    raise PlacementError(message)
-                logger.warning(message)
-
-
-def _spawn_state_problems(*, executable_before: str, hook_installed: bool) -> list[str]:
-    problems = []
-    executable_after = os.fsdecode(multiprocessing.spawn.get_executable())
-    if executable_after != executable_before:
-        problems.append(
-            f"the multiprocessing spawn executable changed from {executable_before} to {executable_after} while "
-            "the block ran (another library called multiprocessing.set_executable); children may run another interpreter"
-        )
-    if not hook_installed:
-        problems.append(
-            "multiprocessing.util.spawnv_passfds was replaced by other code while the block ran; "
-            "children started in it may not be under numactl"
-        )
-    return problems
-
-
-def numa_bind_to_node(node: int) -> None:
-    """Bind the calling process to ``node``'s allowed CPUs, preferring its memory where the policy may be set.
-
-    A node this host lacks, or one whose CPUs the current affinity excludes,
-    goes to the failure policy (a warning, or an error under
-    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1); without libnuma this is a warning.
-    """
-    from sglang.srt.placement.apply import bind_legacy_v1
-
-    bind_legacy_v1(node)
 
 
 def get_numa_node_if_available(server_args: Any, gpu_id: int) -> Optional[int]:
-    """The NUMA node of GPU ``gpu_id`` (``--numa-node``, else discovery), or None: see ``placement.gpu_node``."""
-    return gpu_numa_node(server_args, gpu_id)
+    """The NUMA node of GPU ``gpu_id``: ``--numa-node`` first, else the node of the device that
+    ``gpu_id`` names under the ``CUDA_VISIBLE_DEVICES``/``ZE_AFFINITY_MASK`` in force; None when
+    discovery is off, not possible here, or finds nothing."""
+    numa_nodes = getattr(server_args, "numa_node", None)
+    if numa_nodes is not None:
+        if not 0 <= gpu_id < len(numa_nodes):
+            raise ValueError(
+                f"--numa-node has {len(numa_nodes)} entries but GPU {gpu_id} needs entry {gpu_id}: give "
+                f"one NUMA node per GPU id, e.g. --numa-node {' '.join(['0'] * (gpu_id + 1))}"
+            )
+        return numa_nodes[gpu_id]
+    if not settings.auto_numa_bind():
+        return None
+    if not _is_numa_available():
+        return None
+    nodes = _query_numa_node_for_gpu(gpu_id)
+    if not nodes:
+        return None
+    if len(nodes) > 1:
+        # Upstream's wording, which operators search for.
+        logger.warning(f"Multiple NUMA nodes found for GPU {gpu_id}: {nodes}. Using the first one.")
+    return nodes[0]
 
 
 def get_libnuma() -> Optional[ctypes.CDLL]:
-    """The loaded libnuma (a ``ctypes.CDLL``), or None when it is not installed or NUMA is unavailable."""
-    from sglang.srt.placement.libnuma import load_libnuma
-
+    """The loaded libnuma (a ``ctypes.CDLL``), or None when it cannot be loaded."""
     for name in ("libnuma.so", "libnuma.so.1"):
-        loaded = load_libnuma(name=name)
-        if loaded is not None:
-            return loaded.cdll
+        try:
+            return ctypes.CDLL(name)
+        except OSError as exc:
+            logger.debug(f"{exc}")
     return None
 
 
+def numa_bind_to_node(node: int) -> None:
+    """Bind the calling process to ``node``: its CPUs that the current affinity allows, and its memory
+    as the preferred node where the memory policy may be set.
+
+    As upstream, with one deliberate difference: every thread of the process is
+    moved, not only the calling one (a pool started by an import would stay
+    unbound). A missing libnuma, a node this host lacks, or a node whose CPUs the
+    affinity excludes goes to the failure policy: a warning, or an error under
+    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
+    """
+    from sglang.srt.placement.apply import set_all_threads_affinity
+
+    libnuma = get_libnuma()
+    if libnuma is None or libnuma.numa_available() < 0:
+        _handle_numa_bind_failure(node, reason="numa not available on this system, skip bind action")
+        return
+    node_cpus = _node_cpus(node)
+    if node_cpus:
+        allowed = os.sched_getaffinity(0)
+        target = node_cpus & allowed
+        if not target:
+            _handle_numa_bind_failure(node, allowed)
+            return
+        try:
+            set_all_threads_affinity(frozenset(target), setaffinity=os.sched_setaffinity)
+        except OSError as exc:
+            _handle_numa_bind_failure(node, reason=f"cannot bind to the CPUs of NUMA node {node} ({exc}), "
+                                                   "skipping NUMA binding.")
+            return
+    elif _node_exists(node):
+        libnuma.numa_run_on_node(ctypes.c_int(node))
+    else:
+        _handle_numa_bind_failure(node, reason=f"NUMA node {node} does not exist on this host, skipping NUMA binding.")
+        return
+    # CPU affinity alone keeps first-touch allocations local where the memory policy may not be set.
+    if _can_set_mempolicy():
+        libnuma.numa_set_preferred(ctypes.c_int(node))
+    else:
+        _log_cpu_only_binding(node)
+
+
 def init_threads_binding(*, numa_index: int, world_size: int) -> str:
-    """The CPU list of a CPU-device rank's OpenMP threads, from SGLANG_CPU_OMP_THREADS_BIND or its NUMA node.
+    """The CPUs of a CPU-device rank's OpenMP threads, from SGLANG_CPU_OMP_THREADS_BIND.
 
     With ``all`` (the default) rank ``numa_index`` gets one CPU per physical
-    core of the ``numa_index``-th node with CPUs, as upstream: SMT siblings
-    are left out, so OpenMP runs one thread per core.
+    core of the ``numa_index``-th node with CPUs, as upstream, comma-separated;
+    otherwise its ``|`` group as written. The group count bounds the index (a
+    router runs each worker as an engine of one rank whose index counts across
+    the setting). Groups may share CPUs, with a warning; ``plan`` reads the
+    setting the same way.
     """
-    local_omp_cpuid = _rank_cpulist(numa_index=numa_index, world_size=world_size)
+    from sglang.srt.placement.cpu_groups import rank_cpus, shared_cpus
+    from sglang.srt.placement.topology import read_process_affinity, read_topology
+
+    setting = settings.cpu_threads_bind()
+    topology = read_topology(settings.sysfs_root())
+    n_nodes = len(topology.cpu_nodes)
+    cpus = rank_cpus(setting, index=numa_index, topology=topology, affinity=read_process_affinity())
+    if setting == "all":
+        if world_size < n_nodes:
+            logger.warning(
+                f"Detected the current machine has {n_nodes} numa nodes available, but the total number of ranks "
+                f"(dp_size * tp_size * pp_size) is {world_size}, so only {world_size} numa nodes are used."
+            )
+        local_omp_cpuid = ",".join(str(cpu) for cpu in sorted(topology.one_cpu_per_core(cpus)))
+    else:
+        local_omp_cpuid = setting.split("|")[numa_index].strip()
+        if world_size > n_nodes:
+            logger.warning(
+                f"The total number of ranks ({world_size}) is larger than numa node number ({n_nodes}), in this "
+                "case the available memory amount of each rank cannot be determined in prior. Please set proper "
+                "`--max-total-tokens` to avoid the out-of-memory error."
+            )
+        note = shared_cpus(setting, index=numa_index)
+        if note is not None:
+            logger.warning(note)
     logger.info(
         f"init_threads_binding: numa_index={numa_index}, world_size={world_size}, local_omp_cpuid={local_omp_cpuid}"
     )
     return local_omp_cpuid
 
 
-def _rank_cpulist(*, numa_index: int, world_size: int) -> str:
-    """The index-th ``|`` group of SGLANG_CPU_OMP_THREADS_BIND, or with ``all`` the index-th node's physical cores."""
-    from sglang.srt.placement.cpulist import format_cpulist
-    from sglang.srt.placement.resolve import cpu_rank_cpus
-    from sglang.srt.placement.topology import read_process_affinity, read_topology
+# --------------------------------------------------------------------------- upstream's private helpers
 
-    setting = settings.cpu_threads_bind()
-    topology = read_topology(settings.sysfs_root())
-    affinity = read_process_affinity()
-    if setting == "all":
-        n_nodes = len(topology.cpu_nodes)
-        if not 0 <= numa_index < n_nodes:
-            raise PlacementError(
-                f"rank index {numa_index} (of {world_size} ranks) has no NUMA node: this host has {n_nodes} node(s) "
-                "with CPUs; use fewer ranks, or set SGLANG_CPU_OMP_THREADS_BIND to one '|'-separated CPU group per "
-                "rank, e.g. SGLANG_CPU_OMP_THREADS_BIND='0-15|16-31'"
-            )
-        if world_size < n_nodes:
-            logger.warning(
-                f"this host has {n_nodes} NUMA nodes but the engine has {world_size} ranks, so only {world_size} "
-                "nodes are used"
-            )
-        cpus = topology.one_cpu_per_core(
-            cpu_rank_cpus(setting, index=numa_index, world_size=n_nodes, topology=topology, affinity=affinity)
+
+def _log_cpu_only_binding(node: int) -> None:
+    logger.info(
+        f"NUMA memory policy not permitted; binding CPUs only to NUMA node {node}. "
+        "If using docker, --cap-add SYS_NICE also binds host memory."
+    )
+
+
+def _host_topology():
+    from sglang.srt.placement.topology import read_topology
+
+    return read_topology(settings.sysfs_root())
+
+
+def _node_exists(node: int) -> bool:
+    return _host_topology().node(node) is not None
+
+
+def _node_cpus(node: int) -> set:
+    """The online CPUs of ``node`` (empty for a node without CPUs or one this host lacks)."""
+    found = _host_topology().node(node)
+    return set(found.cpus) if found is not None else set()
+
+
+def _handle_numa_bind_failure(
+    node: int,
+    allowed_cpus: Optional[Any] = None,
+    gpu_id: Optional[int] = None,
+    *,
+    reason: Optional[str] = None,
+) -> None:
+    """Upstream's failure policy: warn, or raise (``RuntimeError``) under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
+
+    Without ``reason`` the failure is an empty CPU intersection and the message
+    names ``allowed_cpus``, in upstream's words.
+    """
+    from sglang.srt.placement.apply import handle_bind_failure
+
+    if reason is None:
+        for_gpu = f" for GPU {gpu_id}" if gpu_id is not None else ""
+        reason = (
+            f"NUMA node {node} has no CPU cores allowed by the current affinity {sorted(allowed_cpus or ())}, "
+            f"skipping NUMA binding{for_gpu}."
         )
-    else:
-        # Bounded by the groups, not world_size: a router runs each DP worker as its own engine of one rank
-        # whose numa_index still counts across the whole bind string.
-        groups = setting.split("|")
-        if not 0 <= numa_index < len(groups):
-            raise PlacementError(
-                f"SGLANG_CPU_OMP_THREADS_BIND={setting!r} has {len(groups)} group(s) but rank index {numa_index} "
-                "needs one more: give one '|'-separated CPU group per rank (dp_size x tp_size x pp_size)"
-            )
-        cpus = cpu_rank_cpus(setting, index=numa_index, world_size=len(groups), topology=topology, affinity=affinity)
-    if not cpus:
-        raise PlacementError(
-            f"rank index {numa_index}: none of its CPUs may be used by this process "
-            f"(allowed: {format_cpulist(affinity.cpus)}); adjust SGLANG_CPU_OMP_THREADS_BIND or the cpuset"
+    handle_bind_failure(reason, log=logger)
+
+
+def _can_set_mempolicy() -> bool:
+    """Whether this process may use the memory-policy syscalls (a container without SYS_NICE may not)."""
+    from sglang.srt.placement.apply import can_set_mempolicy
+
+    return can_set_mempolicy()
+
+
+def _is_numa_available() -> bool:
+    """Upstream's preconditions for discovery: a CUDA or XPU platform, a node 1, and numactl for the V2 path.
+
+    A host where only CPU affinity can be set (a container without SYS_NICE) counts.
+    """
+    if not (_platform_flag("_is_cuda") or _platform_flag("_is_xpu")):
+        return False
+    if not os.path.isdir(os.path.join(settings.sysfs_root(), "devices/system/node/node1")):
+        return False
+    if not shutil.which("numactl") and settings.bind_v2():
+        logger.debug(
+            "numactl command not found, skipping NUMA node configuration for GPU. Install numactl "
+            "(e.g., apt-get install numactl) to enable automatic NUMA binding."
         )
-    return format_cpulist(cpus)
+        return False
+    return True
+
+
+def _query_numa_node_for_gpu(device_id: int) -> list[int]:
+    """The NUMA node(s) of logical device ``device_id``: the node of its PCI address, found through the
+    visibility variable in force (``CUDA_VISIBLE_DEVICES``, ``ZE_AFFINITY_MASK``) and NVML when present."""
+    from sglang.srt.placement.plan import device_node
+
+    device = "xpu" if _platform_flag("_is_xpu") and not _platform_flag("_is_cuda") else "cuda"
+    node, why = device_node(device_id, device=device, topology=_host_topology(), env=os.environ)
+    if node is None:
+        logger.warning(f"GPU {device_id}: no NUMA node ({why}), skipping NUMA node configuration for GPU")
+        return []
+    return [node]

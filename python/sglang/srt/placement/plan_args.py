@@ -1,8 +1,9 @@
-"""The engine settings placement reads (a light stand-in for sglang's EngineArgs), with upstream's flag names, for the CLI.
+"""The engine settings placement reads: the CLI's flags (``PlanArgs``, upstream's flag names) and the same
+fields taken from any ``ServerArgs``.
 
 Placement reads these fields by name from whatever it is given, so sglang's own
-``EngineArgs`` works everywhere an ``EngineArgs`` does; the CLI builds this one
-because importing the real one costs seconds and needs a model path.
+``ServerArgs`` works everywhere a ``PlanArgs`` does; the CLI builds this one
+because importing ``ServerArgs`` costs seconds and needs a model path.
 """
 
 from __future__ import annotations
@@ -13,17 +14,16 @@ import types
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from sglang.srt.placement.types import HostTopology, ProcessPlacement, RankIdentity
 
 DEVICE_CHOICES = ("cuda", "xpu", "cpu")
 
 
-class EngineArgsError(ValueError):
-    """An EngineArgs value is invalid; the message names the flag and a value that would work."""
+class PlanArgsError(ValueError):
+    """A PlanArgs value is invalid; the message names the flag and a value that would work."""
 
 
 @dataclass
-class EngineArgs:
+class PlanArgs:
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
@@ -49,42 +49,42 @@ class EngineArgs:
             ("--gpu-id-step", self.gpu_id_step),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise EngineArgsError(f"{flag}={value!r} is not valid: it must be a positive integer, e.g. {flag} 1.")
+                raise PlanArgsError(f"{flag}={value!r} is not valid: it must be a positive integer, e.g. {flag} 1.")
         for flag, value in (("--node-rank", self.node_rank), ("--base-gpu-id", self.base_gpu_id)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise EngineArgsError(f"{flag}={value!r} is not valid: it must be a non-negative integer, e.g. {flag} 0.")
+                raise PlanArgsError(f"{flag}={value!r} is not valid: it must be a non-negative integer, e.g. {flag} 0.")
         if self.node_rank >= self.nnodes:
-            raise EngineArgsError(
+            raise PlanArgsError(
                 f"--node-rank={self.node_rank} is not valid with --nnodes={self.nnodes}: "
                 f"node ranks run from 0 to {self.nnodes - 1}."
             )
         if self.nnodes > 1 and (self.tp_size * self.pp_size) % self.nnodes != 0:
-            raise EngineArgsError(
+            raise PlanArgsError(
                 f"--tp-size={self.tp_size} x --pp-size={self.pp_size} = {self.tp_size * self.pp_size} ranks "
                 f"cannot be split evenly over --nnodes={self.nnodes}: choose sizes whose product is a multiple of the node count."
             )
         if self.device not in DEVICE_CHOICES:
-            raise EngineArgsError(
+            raise PlanArgsError(
                 f"--device={self.device!r} is not supported here: choose one of {', '.join(DEVICE_CHOICES)}."
             )
         if self.numa_node is not None:
             if not isinstance(self.numa_node, (list, tuple)) or not self.numa_node:
-                raise EngineArgsError(
+                raise PlanArgsError(
                     f"--numa-node={self.numa_node!r} is not valid: give one NUMA node id per GPU, e.g. --numa-node 0 0 1 1."
                 )
             for node in self.numa_node:
                 if not isinstance(node, int) or isinstance(node, bool) or node < 0:
-                    raise EngineArgsError(
+                    raise PlanArgsError(
                         f"--numa-node contains {node!r}: NUMA node ids are non-negative integers, e.g. --numa-node 0 0 1 1."
                     )
             self.numa_node = list(self.numa_node)
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 < self.port < 65536:
-            raise EngineArgsError(f"--port={self.port!r} is not valid: it must be between 1 and 65535.")
+            raise PlanArgsError(f"--port={self.port!r} is not valid: it must be between 1 and 65535.")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        defaults = EngineArgs.__new__(EngineArgs)
-        for f in dataclasses.fields(EngineArgs):
+        defaults = PlanArgs.__new__(PlanArgs)
+        for f in dataclasses.fields(PlanArgs):
             setattr(defaults, f.name, f.default)
         group = parser.add_argument_group("parallelism and placement")
         group.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tp_size", type=int, default=defaults.tp_size,
@@ -109,7 +109,7 @@ class EngineArgs:
                            help="host:port of the torch.distributed initialisation address.")
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> "PlanArgs":
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
@@ -137,31 +137,6 @@ def placement_fields(server_args: Any) -> dict[str, Any]:
     return fields
 
 
-def placement_view(server_args: Any, gpu_id: int) -> tuple[Any, RankIdentity]:
-    """The fields placement reads, and the rank of the engine that uses ``gpu_id``.
-
-    A GPU id that no rank of this node uses (a caller that re-indexes devices)
-    is placed as a one-rank engine on that GPU, as upstream places any id.
-    """
-    from sglang.srt.placement.resolve import local_ranks
-
-    fields = placement_fields(server_args)
-    view = types.SimpleNamespace(**fields)
-    for rank in local_ranks(view):
-        if rank.gpu_id == gpu_id:
-            return view, rank
-    alone = types.SimpleNamespace(
-        **{**fields, "tp_size": 1, "pp_size": 1, "dp_size": 1, "nnodes": 1, "node_rank": 0,
-           "base_gpu_id": gpu_id, "gpu_id_step": 1}
-    )
-    return alone, local_ranks(alone)[0]
-
-
-def placement_for_gpu(server_args: Any, gpu_id: int, *, topology: Optional[HostTopology] = None) -> ProcessPlacement:
-    """The placement of the rank that uses ``gpu_id`` (or of a one-rank engine on it), resolved on this host
-    (``topology``: this host's, when the caller has already read it)."""
-    from sglang.srt.placement.resolve import resolve_rank
-
-    view, rank = placement_view(server_args, gpu_id)
-    return resolve_rank(view, dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank,
-                        gpu_id=gpu_id, launcher="mp", topology=topology)
+def placement_view(server_args: Any) -> types.SimpleNamespace:
+    """The placement fields of ``server_args`` as a light value (a Ray task unpickles it without ServerArgs)."""
+    return types.SimpleNamespace(**placement_fields(server_args))

@@ -19,17 +19,19 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 import types
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sglang.srt.placement import settings
-from sglang.srt.placement.engine_args import placement_fields
+from sglang.srt.placement.plan_args import placement_fields
 from sglang.srt.placement.types import RankIdentity
 from sglang.srt.ray.scheduler_actor import SchedulerActor
-from sglang.srt.scheduler_rank.common import DEFAULT_TIMEOUT_S, Deadline
-from sglang.srt.scheduler_rank.ray_plan import ActorStart
+from sglang.srt.scheduler_placement.ray_round import DEFAULT_TIMEOUT_S, Deadline, resolve_on_nodes
+from sglang.srt.scheduler_placement.ray_node import Planner
+from sglang.srt.scheduler_placement.ray_plan import ActorStart, NodePlan, start_decision
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +40,60 @@ _plans: "collections.OrderedDict[str, dict[int, tuple[ActorStart, Optional[str]]
 _plans_lock = threading.Lock()
 
 
+def accelerator_resource(device: str) -> str:
+    """The Ray resource one rank of ``device`` holds: "CPU" for the CPU device, else "GPU" (CUDA and XPU)."""
+    return "CPU" if device == "cpu" else "GPU"
+
+
+def rank_resources(device: str) -> dict[str, float]:
+    """num_cpus/num_gpus of a rank's actor (its bundle holds exactly this)."""
+    if accelerator_resource(device) == "CPU":
+        return {"num_cpus": 1, "num_gpus": 0}
+    return {"num_cpus": 0, "num_gpus": 1}
+
+
+def plan_actor_starts(
+    placement_group: Any,
+    ranks: Sequence[tuple[RankIdentity, int]],
+    server_args: Any,
+    *,
+    deadline: Deadline,
+    force_in_process: bool = False,
+    planner: Optional[Planner] = None,
+    gpus: Optional[Sequence[str]] = None,
+    affinity_mode: Optional[str] = None,
+    timings: Optional[dict[str, float]] = None,
+) -> tuple[list[tuple[int, ActorStart, Optional[str]]], tuple[NodePlan, ...]]:
+    """(bundle index, ActorStart, py_executable) per rank of ``ranks`` ((rank, bundle index) pairs), and the
+    node plans, from one planning round on an existing placement group.
+
+    A bundle may hold several ranks and several accelerators (upstream's one
+    bundle per node): each rank then has every id of its bundle as a candidate.
+    """
+    from sglang.srt.placement.policy import PlacementPolicy
+
+    timings = {} if timings is None else timings
+    resource = accelerator_resource(server_args.device)
+    policy = PlacementPolicy.from_env(server_args, launcher="ray", affinity_mode=affinity_mode,
+                                      exec_supported=not force_in_process)
+    started = time.perf_counter()
+    plans = resolve_on_nodes(ranks, server_args, placement_group=placement_group, resource=resource,
+                             policy=policy, deadline=deadline, gpus=gpus, planner=planner)
+    timings["plan_s"] = time.perf_counter() - started
+    timings["node_resolve_s"] = max(p.resolve_s for p in plans)
+
+    by_rank = {(rp.rank, rp.bundle_index): (plan.node_id, rp) for plan in plans for rp in plan.ranks}
+    out = []
+    for rank, index in ranks:
+        node_id, rank_plan = by_rank[(rank, index)]
+        start, exec_string = start_decision(rank_plan, accelerator_resource=resource, node_id=node_id,
+                                            force_in_process=force_in_process, log=logger.warning)
+        out.append((index, start, exec_string))
+    return out, plans
+
+
 def _plan_group(pg: Any, server_args: Any) -> dict[int, tuple[ActorStart, Optional[str]]]:
     """Each GPU bundle's start (one placement per GPU id it holds) and py_executable, planned on its node."""
-    from sglang.srt.scheduler_launch.ray_launcher import plan_actor_starts
-
     bundles = [index for index, spec in enumerate(pg.bundle_specs) if spec.get("GPU", 0) > 0]
     # One stand-in rank per bundle: every rank started in a bundle may get any of its GPUs.
     ranks = [(RankIdentity(dp_rank=0, pp_rank=0, tp_rank=index, gpu_id=0, global_rank=index), index)

@@ -22,8 +22,9 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 
 from sglang.srt.placement.types import ProcessPlacement, Strategy
-from sglang.srt.scheduler_rank.common import exec_command, read_back
-from sglang.srt.scheduler_rank.ray_plan import BundleSite, Candidate, NodePlan, NodeRequest, RankPlan, ranks_on_sites
+from sglang.srt.scheduler_placement.in_rank import read_back
+from sglang.srt.scheduler_placement.ray_plan import exec_command
+from sglang.srt.scheduler_placement.ray_plan import BundleSite, Candidate, NodePlan, NodeRequest, RankPlan, ranks_on_sites
 
 Planner = Callable[..., Sequence[ProcessPlacement]]
 """``plan_node``'s signature: (server_args, *, ranks_with_ids, policy, gpus) -> one placement per pair."""
@@ -48,7 +49,7 @@ def probe_site(bundle_index: int, resource: str, *after: BundleSite) -> BundleSi
 
 
 def _default_planner(server_args: Any, **kwargs: Any) -> Sequence[ProcessPlacement]:
-    from sglang.srt.placement.resolve import plan_node
+    from sglang.srt.placement.plan import plan_node
 
     return plan_node(server_args, **kwargs)
 

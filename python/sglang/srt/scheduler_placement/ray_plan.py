@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
-from sglang.srt.scheduler_rank.common import ExecCommand, decide_start, demote_to_in_process
+from sglang.srt.placement import settings
+from sglang.srt.placement.types import PlacementError
 
 if TYPE_CHECKING:
-    from sglang.srt.placement.resolve import PlacementPolicy
+    from sglang.srt.placement.policy import PlacementPolicy
 
 _NUMACTL_OPTION = re.compile(r"--[a-z][a-z-]*(=[0-9][0-9,-]*)?")
 _ABSOLUTE_PATH = re.compile(r"/[A-Za-z0-9_.+@/-]*")
@@ -154,6 +155,69 @@ def by_node(ranks_and_bundles: Sequence[tuple[RankIdentity, int]],
     for rank, index in ranks_and_bundles:
         grouped.setdefault(node_of_bundle[index], []).append((rank, index))
     return {node: tuple(members) for node, members in grouped.items()}
+
+
+# --------------------------------------------------------------------------- the exec decision
+
+
+def demote_to_in_process(placement: ProcessPlacement, *, why: str) -> ProcessPlacement:
+    """``placement`` with strategy in-process instead of exec, ``why`` appended to its reasons."""
+    reason = f"{why}: in-process bind with libnuma"
+    return placement.replace(strategy=Strategy.IN_PROCESS, numactl_args=(), reasons=(*placement.reasons, reason))
+
+
+@dataclass(frozen=True)
+class ExecCommand:
+    """The argv that starts a rank under numactl ([numactl, *options, python]), or why it cannot."""
+
+    argv: Optional[tuple[str, ...]]
+    refusal: Optional[str] = None
+    """Why there is no argv: numactl is missing, or numactl's own complaint about the options."""
+    numactl_missing: bool = False
+
+    @property
+    def prefix(self) -> Optional[tuple[str, ...]]:
+        """The argv without the Python interpreter (what goes in front of a spawned child's command)."""
+        return None if self.argv is None else self.argv[:-1]
+
+
+def exec_command(placement: ProcessPlacement, *, python: str) -> ExecCommand:
+    """The numactl argv for an exec ``placement`` on this host, checked by numactl's own dry run (cached)."""
+    from sglang.srt.placement.numactl import exec_refusal, numactl_prefix
+
+    try:
+        prefix = numactl_prefix(placement)
+    except FileNotFoundError as exc:
+        return ExecCommand(argv=None, refusal=f"numactl was not found at launch ({exc})", numactl_missing=True)
+    complaint = exec_refusal(placement)
+    if complaint is not None:
+        return ExecCommand(argv=None, refusal=complaint)
+    return ExecCommand(argv=(*prefix, python))
+
+
+def decide_start(placement: ProcessPlacement, command: Optional[ExecCommand], *,
+                 log: Callable[[str], None]) -> ProcessPlacement:
+    """The placement a rank starts with: exec stays exec when ``command`` has an argv, else it is demoted.
+
+    Under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 a refused exec is an error rather
+    than a demotion, since the rank would not start the way it was planned.
+    """
+    if placement.strategy != Strategy.EXEC or (command is not None and command.argv is not None):
+        return placement
+    why = command.refusal if command is not None else "the launcher was asked to bind in-process"
+    if command is not None and settings.bind_failure_is_fatal():
+        raise PlacementError(f"{placement.label}: {why} (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1)")
+    if command is not None:
+        log(f"{placement.label}: {why}; binding in-process instead")
+    return demote_to_in_process(placement, why=why)
+
+
+def numactl_complaint(prefix: Sequence[str]) -> Optional[str]:
+    """numactl's own complaint for ``prefix``, by running it again in front of ``true``; None if it now works."""
+    from sglang.srt.placement.numactl import run_numactl
+
+    result = run_numactl([*prefix, shutil.which("true") or "/bin/true"])
+    return None if result.ok else result.message
 
 
 # --------------------------------------------------------------------------- the start decision

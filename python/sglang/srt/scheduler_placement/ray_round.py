@@ -11,6 +11,7 @@ cancelled and the error names the ranks concerned.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
@@ -18,11 +19,69 @@ from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from sglang.srt.placement.types import RankIdentity
-from sglang.srt.scheduler_rank.common import Deadline, RankLaunchError, wait_for_all
-from sglang.srt.scheduler_rank.ray_node import Planner, plan_on_node_task, probe_site_task
-from sglang.srt.scheduler_rank.ray_plan import BundleSite, NodePlan, NodeRequest, by_node
+from sglang.srt.scheduler_placement.ray_node import Planner, plan_on_node_task, probe_site_task
+from sglang.srt.scheduler_placement.ray_plan import BundleSite, NodePlan, NodeRequest, by_node
 
 logger = logging.getLogger(__name__)
+
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class RankLaunchError(RuntimeError):
+    """A scheduler rank failed to start or to finish; the message names the rank and carries its traceback."""
+
+    def __init__(self, message: str, *, label: str = "", error: str = "", child_traceback: str = "") -> None:
+        super().__init__(message)
+        self.label = label
+        self.error = error
+        self.child_traceback = child_traceback
+
+
+class Deadline:
+    """One deadline for a whole launch step (None: wait forever)."""
+
+    def __init__(self, timeout_s: Optional[float]) -> None:
+        self.timeout_s = timeout_s
+        self._at = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def remaining(self) -> Optional[float]:
+        return None if self._at is None else max(0.0, self._at - time.monotonic())
+
+    def expired(self) -> bool:
+        return self._at is not None and time.monotonic() >= self._at
+
+    def text(self) -> str:
+        return "ever" if self.timeout_s is None else f"{self.timeout_s:.0f} s"
+
+
+def wait_for_all(
+    items: Sequence[T],
+    *,
+    reached: Callable[[T], bool],
+    wait_some: Callable[[list[T], Optional[float]], None],
+    deadline: Deadline,
+    late: Callable[[list[T]], BaseException],
+    stop_all: Callable[[], None],
+) -> None:
+    """Wait until every item has ``reached`` its goal, all under one ``deadline``: both launchers' one wait loop.
+
+    ``wait_some(pending, timeout)`` blocks until something may have changed for
+    a pending item (or the timeout) and takes the step it can, raising at the
+    first failure. On that failure, or at the deadline (``late(pending)`` is
+    raised), ``stop_all`` stops every rank before the error goes up.
+    """
+    try:
+        while True:
+            pending = [item for item in items if not reached(item)]
+            if not pending:
+                return
+            if deadline.expired():
+                raise late(pending)
+            wait_some(pending, deadline.remaining())
+    except BaseException:
+        stop_all()
+        raise
 
 
 def gather(labels: Mapping[Any, str], *, deadline: Deadline, late: str, failed: str, fix: str = "",

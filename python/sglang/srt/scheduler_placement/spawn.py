@@ -1,0 +1,174 @@
+"""The placement of one scheduler spawn: what ``numa_utils.configure_subprocess(server_args, gpu_id)`` does.
+
+sglang's engine and data-parallel controller spawn every scheduler rank as
+``with configure_subprocess(server_args, gpu_id): proc.start()``. At the
+block's entry the rank of that ``gpu_id`` is placed (``placement.plan``)
+under the ``CUDA_VISIBLE_DEVICES`` in force, and the failure policy acts
+there, before anything is started: a rank that would be less bound than
+intended gets one WARNING naming it and the reason, or, under
+``SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1``, an error and no child. An ``exec``
+placement arms the spawn hook so that the child starts under numactl; the
+block's exit then waits (briefly) until the child has left numactl, and
+reports numactl's reason, tied to the rank, when numactl refused to start it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.spawn
+import os
+import shutil
+import time
+from typing import Any, Iterator, Optional
+
+from sglang.srt.placement import settings
+from sglang.srt.placement.apply import handle_bind_failure
+from sglang.srt.placement.numactl import numactl_prefix, run_numactl
+from sglang.srt.placement.plan import HostFacts, place_gpu_id
+from sglang.srt.placement.plan_args import placement_view
+from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.resolve import describe
+from sglang.srt.placement.types import PlacementError, ProcessPlacement, Strategy
+from sglang.srt.scheduler_placement.spawn_hook import hook_reachable, spawn_with_prefix
+
+logger = logging.getLogger(__name__)
+
+EXEC_WAIT_S = 2.0
+"""How long the block's exit waits for a child to leave numactl (it takes about a millisecond)."""
+
+CRASH_SETTING = "SGLANG_CRASH_ON_NUMA_BIND_FAILURE"
+
+
+def spawn_label(server_args: Any, gpu_id: int) -> str:
+    """How logs name the spawn of ``gpu_id``: the GPU, and the visible devices when sglang narrowed them."""
+    if getattr(server_args, "device", None) == "cpu":
+        return f"CPU rank {gpu_id}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and settings.one_visible_device_per_process():
+        return f"GPU {gpu_id} (CUDA_VISIBLE_DEVICES={visible})"
+    return f"GPU {gpu_id}"
+
+
+def spawn_placement(server_args: Any, gpu_id: int) -> ProcessPlacement:
+    """Where the scheduler spawned for ``gpu_id`` runs, from this host's facts and this process's environment."""
+    view = placement_view(server_args)
+    policy = PlacementPolicy.from_env(view, launcher="mp")
+    return place_gpu_id(view, gpu_id, policy=policy, facts=HostFacts.live(), env=os.environ)
+
+
+def enforce_failure_policy(placement: ProcessPlacement, *, who: str) -> None:
+    """One WARNING for a rank less bound than intended, or an error under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1."""
+    if not placement.warning:
+        return
+    reasons = "; ".join(placement.reasons)
+    if placement.bound:
+        handle_bind_failure(f"{who}: bound less tightly than planned: {reasons}", log=logger)
+    else:
+        handle_bind_failure(f"{who}: {reasons}; skipping NUMA binding for {who}.", log=logger)
+
+
+@contextlib.contextmanager
+def placed_spawn(server_args: Any, gpu_id: int) -> Iterator[None]:
+    """The body of ``configure_subprocess``: children spawned in the block start under ``gpu_id``'s placement."""
+    if not settings.bind_v2():
+        yield  # the legacy V1 path: the child binds itself (configure_scheduler_process)
+        return
+    who = spawn_label(server_args, gpu_id)
+    placement = spawn_placement(server_args, gpu_id)
+    enforce_failure_policy(placement, who=who)
+    if placement.strategy != Strategy.EXEC:
+        logger.debug(f"{who}: nothing to apply around the spawn: {describe(placement)}")
+        yield
+        return
+    prefix = numactl_prefix(placement)
+    executable_before = os.fsdecode(multiprocessing.spawn.get_executable())
+    logger.info(f"{who}: the scheduler starts under {' '.join(prefix)}")
+    failed = False
+    with spawn_with_prefix(prefix) as use:
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            if not failed:
+                for pid in use.pids:
+                    _report_exec_failure(pid, prefix=prefix, who=who)
+                _check_block(use.applied, prefix=prefix, who=who, executable_before=executable_before)
+
+
+def _check_block(applied: int, *, prefix: list[str], who: str, executable_before: str) -> None:
+    problems = []
+    executable_after = os.fsdecode(multiprocessing.spawn.get_executable())
+    if executable_after != executable_before:
+        problems.append(
+            f"the multiprocessing spawn executable changed from {executable_before} to {executable_after} "
+            "while the block ran (another library called multiprocessing.set_executable); children may run "
+            "another interpreter"
+        )
+    if applied == 0:
+        if not hook_reachable():
+            problems.append(
+                "multiprocessing.util.spawnv_passfds was replaced while the block ran, and the replacement "
+                f"does not lead to sglang's spawn hook: the child was not started under {' '.join(prefix)}"
+            )
+        else:
+            problems.append(
+                "no process was started with the spawn start method inside the block, so "
+                f"{' '.join(prefix)} was not applied (use multiprocessing.get_context('spawn'))"
+            )
+    if problems:
+        message = f"{who}: " + "; ".join(problems)
+        if settings.bind_failure_is_fatal():
+            raise PlacementError(f"{message} ({CRASH_SETTING}=1)")
+        logger.warning(message)
+
+
+def _report_exec_failure(pid: int, *, prefix: list[str], who: str) -> None:
+    """Wait until ``pid`` has left numactl; if numactl refused to start it, say why, naming the rank.
+
+    numactl's own complaint went to the child's stderr, mixed with every other
+    process's; asking numactl again, with the same options, ties it to the rank.
+    """
+    status = _wait_past_numactl(pid, numactl=prefix[0])
+    if status is None:
+        return
+    result = run_numactl([*prefix, shutil.which("true") or "/bin/true"]) if os.path.exists(prefix[0]) else None
+    why = result.message if result is not None and not result.ok else "see the numactl message above"
+    message = (
+        f"{who}: numactl refused to start the scheduler process (pid {pid}, exit status {status}) under "
+        f"{' '.join(prefix)}: {why}"
+    )
+    if settings.bind_failure_is_fatal():
+        raise PlacementError(f"{message} ({CRASH_SETTING}=1)")
+    logger.error(message)
+
+
+def _wait_past_numactl(pid: int, *, numactl: str, timeout_s: float = EXEC_WAIT_S) -> Optional[int]:
+    """None once ``pid`` runs another program than numactl (or the wait ran out); its exit status if it died
+    while still numactl. The child is not reaped: multiprocessing waits for it as usual."""
+    target = os.path.realpath(numactl)
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0005
+    while True:
+        try:
+            if os.path.realpath(os.readlink(f"/proc/{pid}/exe")) != target:
+                return None
+        except OSError:
+            return _exit_status(pid)  # a zombie has no exe: it exited before leaving numactl
+        if time.monotonic() >= deadline:
+            logger.debug(f"pid {pid} still runs {numactl} after {timeout_s} s; not waiting longer")
+            return None
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def _exit_status(pid: int) -> Optional[int]:
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None  # already reaped by its owner; multiprocessing reports its exit code
+    if info is None:
+        return None
+    return info.si_status
