@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.spawn
 import os
-import shutil
 import sys
-import threading
+from typing import Iterator
 
 import pytest
 
-from sglang.srt.scheduler_launch.spawn_hook import armed_prefix
-from sglang.srt.environ import envs
+import fakesys
+from spawn_support import args
 from sglang.srt.placement.types import PlacementError
-from sglang.srt.placement.engine_args import EngineArgs, placement_for_gpu
+from sglang.srt.scheduler_placement.spawn_hook import armed_prefix
 from sglang.srt.utils import numa_utils
 from sglang.srt.utils.numa_utils import (
     configure_subprocess,
@@ -24,16 +24,34 @@ from sglang.srt.utils.numa_utils import (
     init_threads_binding,
 )
 
-from mp_launch_targets import affinity_report, exec_placement, unbound_placement
+@contextlib.contextmanager
+def setting(name: str, value) -> Iterator[None]:
+    """``name`` set for the block and restored on any exit (upstream's ``envs.X.override`` is not, on an error)."""
+    saved = os.environ.get(name)
+    os.environ[name] = str(int(value)) if isinstance(value, bool) else str(value)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
 
 ALL_CPUS = sorted(os.sched_getaffinity(0))
-ALL_TEXT = f"{ALL_CPUS[0]}-{ALL_CPUS[-1]}"
+CPU_RANK = args(device="cpu", tp_size=2)
+"""A CPU engine whose rank 1 starts under numactl --physcpubind=<last CPU> on this host."""
 
 
-def _spawn_and_read_cpus(ctx_name: str = "spawn") -> str:
+def report_cpus(writer) -> None:
+    writer.send(sorted(os.sched_getaffinity(0)))
+    writer.close()
+
+
+def spawn_and_read_cpus(ctx_name: str = "spawn") -> list[int]:
     ctx = multiprocessing.get_context(ctx_name)
     reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=affinity_report, args=(writer,))
+    proc = ctx.Process(target=report_cpus, args=(writer,))
     proc.start()
     writer.close()
     try:
@@ -44,7 +62,8 @@ def _spawn_and_read_cpus(ctx_name: str = "spawn") -> str:
 
 
 @pytest.fixture(autouse=True)
-def _nothing_left_armed():
+def _groups_and_nothing_left_armed(monkeypatch):
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", f"{ALL_CPUS[0]}|{ALL_CPUS[-1]}")
     yield
     assert armed_prefix() is None
 
@@ -52,102 +71,83 @@ def _nothing_left_armed():
 # --------------------------------------------------------------------------- configure_subprocess
 
 
-def test_configure_subprocess_starts_the_child_under_numactl():
-    with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
-        assert armed_prefix() == (shutil.which("numactl"), "--physcpubind=1", "--membind=0")
-        inside = _spawn_and_read_cpus()
-    assert inside == "1"
-    assert _spawn_and_read_cpus() == ALL_TEXT
+def test_configure_subprocess_arms_the_spawn_of_its_rank_only():
+    with configure_subprocess(CPU_RANK, 1):
+        assert armed_prefix()[1:] == ("--physcpubind=" + str(ALL_CPUS[-1]), "--membind=0")
+        assert spawn_and_read_cpus() == [ALL_CPUS[-1]]
+    assert spawn_and_read_cpus() == ALL_CPUS
 
 
 def test_configure_subprocess_restores_on_error():
     executable = multiprocessing.spawn.get_executable()
     with pytest.raises(KeyError):
-        with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
+        with configure_subprocess(CPU_RANK, 1):
             raise KeyError("start failed")
     assert multiprocessing.spawn.get_executable() == executable
-    assert _spawn_and_read_cpus() == ALL_TEXT
-
-
-def test_configure_subprocess_in_two_threads_at_once():
-    barrier = threading.Barrier(2)
-    seen: dict[int, list[str]] = {0: [], 1: []}
-    errors: list[BaseException] = []
-
-    def worker(cpu: int) -> None:
-        try:
-            for _ in range(3):
-                barrier.wait(timeout=60)
-                with configure_subprocess(EngineArgs(), cpu, placement=exec_placement(0, cpu)):
-                    seen[cpu].append(_spawn_and_read_cpus())
-        except BaseException as exc:  # noqa: BLE001 - surfaced below
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=worker, args=(cpu,)) for cpu in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    assert seen == {0: ["0"] * 3, 1: ["1"] * 3}
+    assert spawn_and_read_cpus() == ALL_CPUS
 
 
 def test_configure_subprocess_warns_when_nothing_was_spawned(caplog):
-    with caplog.at_level(logging.WARNING, logger=numa_utils.__name__):
-        with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
-            assert _spawn_and_read_cpus("fork") == ALL_TEXT
-    assert "no process was started with the spawn start method" in caplog.text
+    with caplog.at_level(logging.WARNING):
+        with configure_subprocess(CPU_RANK, 1):
+            assert spawn_and_read_cpus("fork") == ALL_CPUS
+    assert "CPU rank 1: no process was started with the spawn start method" in caplog.text
 
 
 def test_configure_subprocess_notices_a_changed_spawn_executable(caplog):
     original = multiprocessing.spawn.get_executable()
     try:
-        with caplog.at_level(logging.WARNING, logger=numa_utils.__name__):
-            with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
-                _spawn_and_read_cpus()
+        with caplog.at_level(logging.WARNING):
+            with configure_subprocess(CPU_RANK, 1):
+                spawn_and_read_cpus()
                 multiprocessing.set_executable(os.path.realpath(sys.executable) + "-other")
         assert "spawn executable changed" in caplog.text
         multiprocessing.set_executable(os.fsdecode(original))
-        with envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.override(True), pytest.raises(PlacementError, match="changed"):
-            with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
-                _spawn_and_read_cpus()
+        with setting("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", True), pytest.raises(PlacementError, match="changed"):
+            with configure_subprocess(CPU_RANK, 1):
+                spawn_and_read_cpus()
                 multiprocessing.set_executable(os.path.realpath(sys.executable) + "-other")
     finally:
         multiprocessing.set_executable(os.fsdecode(original))
 
 
-def test_configure_subprocess_does_nothing_without_an_exec_placement():
-    with configure_subprocess(EngineArgs(), 0, placement=unbound_placement(0)):
+def test_configure_subprocess_does_nothing_where_upstream_does_nothing(monkeypatch):
+    # A GPU on this one-node host, and any rank with SGLANG_NUMA_BIND_V2=0.
+    with configure_subprocess(args(tp_size=2), 0):
         assert armed_prefix() is None
-    with envs.SGLANG_NUMA_BIND_V2.override(False):
-        with configure_subprocess(EngineArgs(), 0, placement=exec_placement(0, 1)):
-            assert armed_prefix() is None
-
-
-def test_configure_subprocess_resolves_this_host():
-    # One NUMA node and no GPU here: the placement core decides there is nothing to bind.
-    with configure_subprocess(EngineArgs(), 0):
+    with setting("SGLANG_NUMA_BIND_V2", False), configure_subprocess(CPU_RANK, 1):
         assert armed_prefix() is None
-        assert _spawn_and_read_cpus() == ALL_TEXT
+    with configure_subprocess(args(device="npu"), 0):
+        assert armed_prefix() is None
 
 
 # --------------------------------------------------------------------------- node, libnuma
 
 
 def test_numa_node_from_the_explicit_list_first():
-    assert get_numa_node_if_available(EngineArgs(numa_node=[1, 0]), 1) == 0
-    with envs.SGLANG_AUTO_NUMA_BIND.override(False):
-        assert get_numa_node_if_available(EngineArgs(numa_node=[1, 0]), 0) == 1
+    assert get_numa_node_if_available(args(numa_node=[1, 0]), 1) == 0
+    with setting("SGLANG_AUTO_NUMA_BIND", False):
+        assert get_numa_node_if_available(args(numa_node=[1, 0]), 0) == 1
     with pytest.raises(ValueError, match="--numa-node has 2 entries but GPU 2"):
-        get_numa_node_if_available(EngineArgs(numa_node=[1, 0]), 2)
+        get_numa_node_if_available(args(numa_node=[1, 0]), 2)
 
 
-def test_numa_node_discovery():
-    with envs.SGLANG_AUTO_NUMA_BIND.override(False):
-        assert get_numa_node_if_available(EngineArgs(), 0) is None
-    # A single-node host has nothing to choose.
-    assert get_numa_node_if_available(EngineArgs(), 0) is None
+def test_numa_node_discovery_on_a_two_socket_host_answers_for_the_gpu_given(tmp_path, monkeypatch):
+    """GPU 2 of a two-socket host is on node 1, whichever rank asks; one GPU identified per call."""
+    root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
+    monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(root))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(numa_utils, "_is_cuda", True)
+    assert [get_numa_node_if_available(args(), gpu) for gpu in range(4)] == [0, 0, 1, 1]
+    # Under a CUDA_VISIBLE_DEVICES that reorders the GPUs, logical GPU 0 is physical GPU 3.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,0")
+    assert [get_numa_node_if_available(args(), gpu) for gpu in (0, 1)] == [1, 0]
+    with setting("SGLANG_AUTO_NUMA_BIND", False):
+        assert get_numa_node_if_available(args(), 0) is None
+
+
+def test_numa_node_discovery_on_this_one_node_host_finds_nothing():
+    assert get_numa_node_if_available(args(), 0) is None
 
 
 def test_get_libnuma_returns_the_loaded_cdll_as_upstream():
@@ -156,14 +156,22 @@ def test_get_libnuma_returns_the_loaded_cdll_as_upstream():
     lib = get_libnuma()
     assert isinstance(lib, ctypes.CDLL)
     assert lib.numa_available() >= 0
-    assert get_libnuma() is lib
+
+
+def test_numa_bind_to_node_without_libnuma_follows_the_failure_policy(monkeypatch, caplog):
+    monkeypatch.setattr(numa_utils, "get_libnuma", lambda: None)
+    with caplog.at_level(logging.WARNING, logger=numa_utils.__name__):
+        numa_utils.numa_bind_to_node(0)
+    assert "numa not available on this system, skip bind action" in caplog.text
+    with setting("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", True), pytest.raises(RuntimeError, match="numa not"):
+        numa_utils.numa_bind_to_node(0)
 
 
 # --------------------------------------------------------------------------- init_threads_binding
 
 
 def test_init_threads_binding_from_groups(caplog):
-    with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0|1"), caplog.at_level(logging.INFO, logger=numa_utils.__name__):
+    with setting("SGLANG_CPU_OMP_THREADS_BIND", "0|1"), caplog.at_level(logging.INFO, logger=numa_utils.__name__):
         assert init_threads_binding(numa_index=1, world_size=2) == "1"
         # A router runs each DP worker as its own one-rank engine: the index still counts across the groups.
         assert init_threads_binding(numa_index=1, world_size=1) == "1"
@@ -172,35 +180,16 @@ def test_init_threads_binding_from_groups(caplog):
 
 
 def test_init_threads_binding_from_nodes():
-    with envs.SGLANG_CPU_OMP_THREADS_BIND.override("all"):
-        assert init_threads_binding(numa_index=0, world_size=1) == ALL_TEXT
-        with pytest.raises(PlacementError, match="rank index 1 .* has no NUMA node"):
+    with setting("SGLANG_CPU_OMP_THREADS_BIND", "all"):
+        assert init_threads_binding(numa_index=0, world_size=1) == ",".join(map(str, ALL_CPUS))
+        with pytest.raises(ValueError, match="rank index 1 has none"):
             init_threads_binding(numa_index=1, world_size=2)
 
 
 def test_init_threads_binding_rejects_bad_groups():
-    with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0|1"):
-        with pytest.raises(PlacementError, match="has 2 group"):
+    with setting("SGLANG_CPU_OMP_THREADS_BIND", "0|1"):
+        with pytest.raises(ValueError, match="has 2 group"):
             init_threads_binding(numa_index=2, world_size=3)
-    with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0|x"):
+    with setting("SGLANG_CPU_OMP_THREADS_BIND", "0|x"):
         with pytest.raises(ValueError, match="not a cpulist"):
             init_threads_binding(numa_index=1, world_size=2)
-
-
-def test_gpu_helpers_answer_for_the_gpu_they_are_given(tmp_path, monkeypatch):
-    """Upstream's helpers take a GPU id: GPU 2 of a two-socket host is on node 1, whichever rank asks."""
-    import fakesys
-
-    root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    server_args = EngineArgs(tp_size=4)
-    with envs.SGLANG_SYSFS_ROOT.override(str(root)):
-        assert [get_numa_node_if_available(server_args, gpu) for gpu in range(4)] == [0, 0, 1, 1]
-        placement = placement_for_gpu(server_args, 2)
-        # This process may only use CPUs of node 0, so the rank stays unbound; its reasons name GPU 2's node.
-        assert (placement.tp_rank, placement.gpu_id, placement.pci) == (2, 2, "0000:38:00.0")
-        assert "node 1 from PCI 0000:38:00.0" in placement.reasons
-        # A GPU id no rank uses is placed as upstream places any id: by that GPU's own node.
-        alone = placement_for_gpu(EngineArgs(tp_size=2), 3)
-        assert (alone.gpu_id, alone.pci) == (3, "0000:48:00.0")
-        assert "node 1 from PCI 0000:48:00.0" in alone.reasons

@@ -28,4 +28,29 @@ def install() -> None:
     sys.modules["sglang"] = package
 
 
+def bare_package(name: str) -> None:
+    """Register sglang package ``name`` on its real directory without running its ``__init__``.
+
+    For scripts inside the emulated VM: ``sglang.srt.utils``'s ``__init__`` imports torch
+    (minutes there), while the modules under it that placement owns import nothing heavy.
+    """
+    if name in sys.modules:
+        return
+    parent, _, child = name.rpartition(".")
+    spec = importlib.util.find_spec(parent)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{parent} is not installed in this interpreter: run scripts/setup.sh first")
+    import os
+
+    for location in spec.submodule_search_locations:
+        directory = os.path.join(location, child)
+        if os.path.isdir(directory):
+            package = types.ModuleType(name)
+            package.__path__ = [directory]
+            package.__file__ = os.path.join(directory, "__init__.py")
+            sys.modules[name] = package
+            return
+    raise ImportError(f"{name} is not a package directory under {parent}")
+
+
 install()

@@ -85,7 +85,8 @@ def placed_spawn(server_args: Any, gpu_id: int) -> Iterator[None]:
     executable_before = os.fsdecode(multiprocessing.spawn.get_executable())
     logger.info(f"{who}: the scheduler starts under {' '.join(prefix)}")
     failed = False
-    with spawn_with_prefix(prefix) as use:
+    numactl = prefix[0]
+    with spawn_with_prefix(prefix, after_spawn=lambda pid: (pid, _wait_past_numactl(pid, numactl=numactl))) as use:
         try:
             yield
         except BaseException:
@@ -93,8 +94,9 @@ def placed_spawn(server_args: Any, gpu_id: int) -> Iterator[None]:
             raise
         finally:
             if not failed:
-                for pid in use.pids:
-                    _report_exec_failure(pid, prefix=prefix, who=who)
+                for pid, status in use.outcomes:
+                    if status is not None:
+                        _report_exec_failure(pid, status, prefix=prefix, who=who)
                 _check_block(use.applied, prefix=prefix, who=who, executable_before=executable_before)
 
 
@@ -125,15 +127,12 @@ def _check_block(applied: int, *, prefix: list[str], who: str, executable_before
         logger.warning(message)
 
 
-def _report_exec_failure(pid: int, *, prefix: list[str], who: str) -> None:
-    """Wait until ``pid`` has left numactl; if numactl refused to start it, say why, naming the rank.
+def _report_exec_failure(pid: int, status: int, *, prefix: list[str], who: str) -> None:
+    """Say why numactl refused to start the child ``pid``, naming the rank.
 
     numactl's own complaint went to the child's stderr, mixed with every other
     process's; asking numactl again, with the same options, ties it to the rank.
     """
-    status = _wait_past_numactl(pid, numactl=prefix[0])
-    if status is None:
-        return
     result = run_numactl([*prefix, shutil.which("true") or "/bin/true"]) if os.path.exists(prefix[0]) else None
     why = result.message if result is not None and not result.ok else "see the numactl message above"
     message = (
@@ -148,15 +147,17 @@ def _report_exec_failure(pid: int, *, prefix: list[str], who: str) -> None:
 def _wait_past_numactl(pid: int, *, numactl: str, timeout_s: float = EXEC_WAIT_S) -> Optional[int]:
     """None once ``pid`` runs another program than numactl (or the wait ran out); its exit status if it died
     while still numactl. The child is not reaped: multiprocessing waits for it as usual."""
-    target = os.path.realpath(numactl)
     deadline = time.monotonic() + timeout_s
     pause = 0.0005
     while True:
-        try:
-            if os.path.realpath(os.readlink(f"/proc/{pid}/exe")) != target:
-                return None
-        except OSError:
-            return _exit_status(pid)  # a zombie has no exe: it exited before leaving numactl
+        argv = _cmdline(pid)
+        if not argv:
+            # An exiting process (or a zombie) has no command line: it ended before leaving numactl.
+            status = _exit_status(pid)
+            if status is not None or time.monotonic() >= deadline:
+                return status
+        elif numactl not in argv[:2]:  # [numactl, ...], or [interpreter, numactl, ...] for a script
+            return None
         if time.monotonic() >= deadline:
             logger.debug(f"pid {pid} still runs {numactl} after {timeout_s} s; not waiting longer")
             return None
@@ -164,11 +165,17 @@ def _wait_past_numactl(pid: int, *, numactl: str, timeout_s: float = EXEC_WAIT_S
         pause = min(pause * 2, 0.05)
 
 
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [os.fsdecode(part) for part in f.read().split(b"\0") if part]
+    except OSError:
+        return []
+
+
 def _exit_status(pid: int) -> Optional[int]:
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
-        return None  # already reaped by its owner; multiprocessing reports its exit code
-    if info is None:
-        return None
-    return info.si_status
+        return None  # not our child, or already reaped: its owner reports its exit code
+    return None if info is None else info.si_status

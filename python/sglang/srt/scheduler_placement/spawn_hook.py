@@ -64,10 +64,13 @@ def is_spawned_child(args: Sequence[Any]) -> bool:
 
 @dataclass
 class SpawnPrefixUse:
-    """One armed prefix and the children it has started so far."""
+    """One armed prefix, the children it has started so far, and what ``after_spawn`` said of each."""
 
     prefix: tuple[str, ...]
+    after_spawn: Optional[Callable[[int], Any]] = None
+    """Called with each child's pid as soon as it is started, before the caller can reap it."""
     pids: list[int] = field(default_factory=list)
+    outcomes: list[Any] = field(default_factory=list)
 
     @property
     def applied(self) -> int:
@@ -97,6 +100,8 @@ def _layer(below: SpawnFunction) -> SpawnFunction:
         finally:
             _state.inside = False
         use.pids.append(pid)
+        if use.after_spawn is not None:
+            use.outcomes.append(use.after_spawn(pid))
         return pid
 
     placed_spawnv_passfds.__wrapped__ = below  # type: ignore[attr-defined]
@@ -138,10 +143,14 @@ def ensure_hook() -> bool:
 
 
 @contextlib.contextmanager
-def spawn_with_prefix(prefix: Sequence[str]) -> Iterator[SpawnPrefixUse]:
+def spawn_with_prefix(
+    prefix: Sequence[str], *, after_spawn: Optional[Callable[[int], Any]] = None
+) -> Iterator[SpawnPrefixUse]:
     """Start every ``spawn`` child this thread creates inside the block as ``prefix + [python, ...]``.
 
     Nests (the inner prefix wins) and restores the previous state on any exit.
+    ``after_spawn(pid)`` runs right after each such child is started; its results
+    are in ``SpawnPrefixUse.outcomes``.
     """
     prefix = tuple(str(part) for part in prefix)
     if not prefix:
@@ -151,7 +160,7 @@ def spawn_with_prefix(prefix: Sequence[str]) -> Iterator[SpawnPrefixUse]:
             "multiprocessing.util.spawnv_passfds no longer led to sglang's spawn hook (another library "
             "replaced it since the last launch); the hook was put in front of it again"
         )
-    use = SpawnPrefixUse(prefix=prefix)
+    use = SpawnPrefixUse(prefix=prefix, after_spawn=after_spawn)
     saved = _state.use
     _state.use = use
     try:
