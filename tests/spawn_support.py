@@ -142,6 +142,9 @@ if mode == "shrinks-after-probe":
         refuse("numactl: sched_setaffinity: Invalid argument")
     if os.path.basename(program[0]) == "true":
         open(marker, "w").close()  # the cpuset shrinks right after the probe passed
+if mode == "hang" and os.path.basename(program[0]) != "true":
+    import time
+    time.sleep(3600)  # a rank that never gets to Python
 # Accepted: run the program without binding anything (this host has no second node to bind to).
 os.execv(program[0], program)
 '''

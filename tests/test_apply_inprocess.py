@@ -24,7 +24,6 @@ from sglang.srt.placement.apply import (
     BindOutcome,
     ThreadAffinityError,
     bind_in_process,
-    bind_legacy_v1,
     set_all_threads_affinity,
 )
 from sglang.srt.placement.types import Cpu, HostTopology, NumaNode, PlacementError, ProcessPlacement
@@ -274,62 +273,6 @@ def test_outcome_is_frozen():
     assert isinstance(outcome, BindOutcome)
     with pytest.raises(AttributeError):
         outcome.threads = 0
-
-
-def host_topology(node_cpus: dict[int, frozenset[int]]) -> HostTopology:
-    """A topology with these nodes (the legacy bind reads only nodes and their CPUs)."""
-    nodes = tuple(NumaNode(node_id=n, cpus=frozenset(c), memory_kb=1 << 20) for n, c in sorted(node_cpus.items()))
-    cpus = tuple(Cpu(cpu_id=c, node_id=n, package_id=n, core_id=c, thread_siblings=frozenset({c}))
-                 for n, cs in sorted(node_cpus.items()) for c in sorted(cs))
-    return HostTopology(root="/fake", nodes=nodes, cpus=cpus, online_cpus=frozenset(c.cpu_id for c in cpus))
-
-
-def test_legacy_v1_binds_the_nodes_allowed_cpus_then_prefers_its_memory():
-    # As sglang 0.5.23: the node's CPUs intersected with the current affinity, preferred memory.
-    fake = two_node_fake()
-    topology = host_topology({0: frozenset({HOST_CPUS[0]}), 1: frozenset(HOST_CPUS) | {4096}})
-    bound = bind_legacy_v1(1, libnuma=fake, topology=topology, mempolicy_allowed=lambda: True)
-    assert bound == frozenset(HOST_CPUS)
-    assert os.sched_getaffinity(0) == set(HOST_CPUS)
-    assert [name for name, _ in fake.calls] == ["set_preferred"]
-    assert fake.policy == "preferred" and fake.policy_nodes == {1}
-
-
-def test_legacy_v1_sets_no_memory_policy_where_it_is_not_permitted(caplog):
-    fake = two_node_fake()
-    topology = host_topology({0: frozenset(HOST_CPUS)})
-    with caplog.at_level(logging.INFO, logger=apply_mod.__name__):
-        bind_legacy_v1(0, libnuma=fake, topology=topology, mempolicy_allowed=lambda: False)
-    assert fake.calls == []
-    assert any("NUMA memory policy not permitted; binding CPUs only to NUMA node 0" in r.getMessage()
-               for r in caplog.records)
-
-
-@pytest.mark.parametrize("node, allowed, needle", [
-    (1, frozenset({HOST_CPUS[0]}), "NUMA node 1 has no CPU cores allowed by the current affinity"),
-    (7, None, "NUMA node 7 does not exist on this host"),
-])
-def test_legacy_v1_failure_warns_or_raises_under_the_crash_setting(node, allowed, needle, caplog):
-    topology = host_topology({0: frozenset({HOST_CPUS[0]}), 1: frozenset({4095})})
-    before = os.sched_getaffinity(0)
-    with caplog.at_level(logging.WARNING, logger=apply_mod.__name__):
-        assert bind_legacy_v1(node, libnuma=two_node_fake(), topology=topology, allowed_cpus=allowed,
-                              mempolicy_allowed=lambda: True) is None
-    assert any(needle in r.getMessage() for r in caplog.records)
-    assert os.sched_getaffinity(0) == before
-    with envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.override(True):
-        with pytest.raises(RuntimeError, match=needle):
-            bind_legacy_v1(node, libnuma=two_node_fake(), topology=topology, allowed_cpus=allowed,
-                           mempolicy_allowed=lambda: True)
-    assert os.sched_getaffinity(0) == before
-
-
-def test_legacy_v1_without_libnuma_warns_and_returns(no_libnuma, caplog):
-    before = os.sched_getaffinity(0)
-    with caplog.at_level(logging.WARNING, logger=apply_mod.__name__):
-        assert bind_legacy_v1(0) is None
-    assert os.sched_getaffinity(0) == before
-    assert any(r.getMessage() == "numa not available on this system, skip bind action" for r in caplog.records)
 
 
 def test_real_libnuma_bind_in_a_child_matches_its_placement():

@@ -189,7 +189,7 @@ def test_sysfs_root_that_is_a_fifo_or_a_device(tmp_path):
 def test_live_sysfs_attributes_are_regular_files_and_still_read():
     done = run_cli("plan", "--device", "cpu", "--allowed-cpus", "0", env={"SGLANG_CPU_OMP_THREADS_BIND": "0"})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("[DP0 PP0 TP0]: node 0 CPUs 0 ")
+    assert done.stdout.startswith("[DP0 PP0 TP0] gpu_id 0: node 0 CPUs 0 ")
     assert run_cli("plan", "--device", "cpu").returncode == 0
 
 
@@ -404,7 +404,7 @@ def test_capture_destination_that_is_not_a_directory(tmp_path, make, problem):
     ValueError("first line\nsecond line"),
 ])
 def test_any_parser_failure_is_one_line_and_exit_2(tree, capsys, monkeypatch, error):
-    def fail(root):
+    def fail(root, **_):
         raise error
 
     monkeypatch.setattr("sglang.srt.placement.topology.read_topology", fail)
@@ -431,6 +431,6 @@ def test_nul_in_a_flag_value_is_named(tmp_path, capsys):
 
 def test_a_very_long_error_line_is_cut(tree):
     done = run_cli("plan", "--device", "cpu", "--sysfs-root", tree,
-                   env={"SGLANG_CPU_OMP_THREADS_BIND": "|".join(["0"] * 50_000)})
+                   env={"SGLANG_CPU_OMP_THREADS_BIND": "0-" * 50_000})
     line = assert_usage_error(done, "SGLANG_CPU_OMP_THREADS_BIND", "characters)")
     assert len(line) < 2200

@@ -1,4 +1,7 @@
-"""Placement and the launch cores import nothing heavy: what runs inside the emulated VM stays quick."""
+"""Placement and sglang's spawn path import nothing heavy: what runs inside the emulated VM stays quick.
+
+``sglang.srt.utils`` itself imports torch in its ``__init__``; numa_utils, below it, does not.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +13,16 @@ HARNESS = Path(__file__).resolve().parent / "harness"
 HEAVY = ("torch", "transformers", "sglang.srt.utils.common", "ray")
 
 
-def test_placement_and_the_mp_launcher_load_without_heavy_modules():
+def test_placement_and_the_spawn_path_load_without_heavy_modules():
     code = (
         "import sys\n"
         f"sys.path.insert(0, {str(HARNESS)!r})\n"
         "import sglang_light\n"
         "import sglang.srt.placement, sglang.srt.placement.resolve, sglang.srt.placement.verify\n"
         "import sglang.srt.placement.apply, sglang.srt.placement.observe, sglang.srt.placement.capture\n"
-        "import sglang.srt.scheduler_launch.mp, sglang.srt.scheduler_rank.common\n"
+        "import sglang.srt.scheduler_placement.spawn, sglang.srt.scheduler_placement.in_rank\n"
+        "sglang_light.bare_package('sglang.srt.utils')\n"
+        "import sglang.srt.utils.numa_utils\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

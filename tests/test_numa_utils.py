@@ -193,3 +193,73 @@ def test_init_threads_binding_rejects_bad_groups():
     with setting("SGLANG_CPU_OMP_THREADS_BIND", "0|x"):
         with pytest.raises(ValueError, match="not a cpulist"):
             init_threads_binding(numa_index=1, world_size=2)
+
+
+# --------------------------------------------------------------------------- numa_bind_to_node (legacy V1)
+
+
+class RecordingLibnuma:
+    """The libnuma calls numa_bind_to_node makes, as a ``ctypes.CDLL`` would take them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def numa_available(self):
+        return 0
+
+    def numa_set_preferred(self, node):
+        self.calls.append(("numa_set_preferred", node.value))
+
+    def numa_run_on_node(self, node):
+        self.calls.append(("numa_run_on_node", node.value))
+        return 0
+
+
+@pytest.fixture
+def legacy_host(tmp_path, monkeypatch):
+    """Node 0 is this host's first CPU, node 1 all of its CPUs plus one only the tree has."""
+    root = fakesys.write_sysfs(tmp_path / "sys", fakesys.Host(nodes={
+        0: fakesys.NodeSpec(cpus=frozenset({ALL_CPUS[0]})), 1: fakesys.NodeSpec(cpus=frozenset(ALL_CPUS) | {64}),
+        2: fakesys.NodeSpec(cpus=frozenset())}))
+    monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(root))
+    lib = RecordingLibnuma()
+    monkeypatch.setattr(numa_utils, "get_libnuma", lambda: lib)
+    return lib
+
+
+def test_legacy_bind_takes_the_nodes_allowed_cpus_for_every_thread_then_prefers_its_memory(legacy_host,
+                                                                                          monkeypatch):
+    # As sglang 0.5.23 (the node's CPUs intersected with the current affinity, then preferred memory), but
+    # every thread of the process is moved, not only the calling one.
+    moved = []
+    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: moved.append((tid, frozenset(cpus))))
+    monkeypatch.setattr(numa_utils, "_can_set_mempolicy", lambda: True)
+    numa_utils.numa_bind_to_node(1)
+    threads = {int(t) for t in os.listdir("/proc/self/task")}
+    assert {tid for tid, _ in moved} >= threads and {cpus for _, cpus in moved} == {frozenset(ALL_CPUS)}
+    assert legacy_host.calls == [("numa_set_preferred", 1)]
+
+
+def test_legacy_bind_of_a_node_without_cpus_runs_on_it(legacy_host, monkeypatch, caplog):
+    monkeypatch.setattr(numa_utils, "_can_set_mempolicy", lambda: False)
+    with caplog.at_level(logging.INFO, logger=numa_utils.__name__):
+        numa_utils.numa_bind_to_node(2)
+    assert legacy_host.calls == [("numa_run_on_node", 2)]
+    assert "NUMA memory policy not permitted; binding CPUs only to NUMA node 2" in caplog.text
+
+
+@pytest.mark.parametrize("node, allowed, needle", [
+    (0, {64}, "NUMA node 0 has no CPU cores allowed by the current affinity [64]"),
+    (7, None, "NUMA node 7 does not exist on this host"),
+])
+def test_legacy_bind_failure_warns_or_raises_under_the_crash_setting(legacy_host, monkeypatch, caplog, node,
+                                                                     allowed, needle):
+    if allowed is not None:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(allowed))
+    before = os.sched_getaffinity(0)
+    with caplog.at_level(logging.WARNING, logger=numa_utils.__name__):
+        numa_utils.numa_bind_to_node(node)
+    assert needle in caplog.text and legacy_host.calls == []
+    with setting("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", "1"), pytest.raises(RuntimeError) as raised:
+        numa_utils.numa_bind_to_node(node)
+    assert needle in str(raised.value) and os.sched_getaffinity(0) == before

@@ -17,7 +17,7 @@ from sglang.srt.placement.topology import SNAPSHOT_MARKER, read_process_affinity
 from sglang.srt.placement.types import Cpu, TopologyError
 
 CAPTURE_FIX = "re-capture it with `python -m sglang.srt.placement capture DIR`"
-TREE_FIX = "pass --sysfs-root pointing at a sysfs tree"
+TREE_FIX = "set SGLANG_SYSFS_ROOT to a sysfs tree"
 
 
 def gpus(topology):
@@ -254,7 +254,11 @@ def broken(tmp_path, edit, *, snapshot=False):
 def test_root_that_does_not_exist(tmp_path):
     with pytest.raises(TopologyError) as err:
         read_topology(tmp_path / "nowhere")
-    assert str(err.value).startswith(f"{tmp_path}/nowhere: does not exist; {TREE_FIX}")
+    assert str(err.value).startswith(f"SGLANG_SYSFS_ROOT={tmp_path}/nowhere: does not exist; {TREE_FIX}")
+    with pytest.raises(TopologyError) as err:
+        read_topology(tmp_path / "nowhere", setting="--sysfs-root")
+    assert str(err.value).startswith(
+        f"--sysfs-root={tmp_path}/nowhere: does not exist; pass --sysfs-root pointing at a sysfs tree")
 
 
 def test_missing_cpu_online_in_a_snapshot(tmp_path):

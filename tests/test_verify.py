@@ -1,102 +1,104 @@
-"""verify: ranks started through the real launchers report their binding from inside."""
+"""verify --launcher mp: probe ranks started as sglang's engine starts schedulers, each reading its binding back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
-from sglang.srt.environ import envs
-from sglang.srt.scheduler_launch.verify_runners import RUNNERS
-from sglang.srt.placement.verify import (
-    format_verify_rows,
-    page_ratio_difference,
-    probe_target,
-    verify_ranks,
-)
-from sglang.srt.placement.engine_args import EngineArgs
+from spawn_support import args, numactl_standin
+from sglang.srt.placement.observe import ObservedBinding
+from sglang.srt.placement.types import ProcessPlacement
+from sglang.srt.placement.verify import VerifyError, differences, format_verify_rows, run_mp_probes, verify_mp
 
-from mp_launch_targets import exec_placement, in_process_placement, unbound_placement
-
-PLAN_FIELDS = ("dp_rank", "pp_rank", "tp_rank", "gpu_id", "pci", "numa_node", "cpus", "mem_policy", "strategy", "reasons")
-OBSERVED_FIELDS = ("launcher", "observed_cpus", "observed_mems", "observed_policy", "local_page_ratio", "ok", "differences")
+CPUS = sorted(os.sched_getaffinity(0))
+PLAN_FIELDS = ("dp_rank", "pp_rank", "tp_rank", "gpu_id", "numa_node", "cpus", "mem_policy", "strategy", "reasons")
+OBSERVED_FIELDS = ("launcher", "observed_cpus", "observed_mems", "observed_policy", "local_page_ratio", "ok",
+                   "differences")
 
 
-def test_mp_ranks_are_where_the_plan_says():
-    placements = [exec_placement(0, 0), in_process_placement(1, 1), unbound_placement(2)]
-    rows = verify_ranks(EngineArgs(tp_size=3), launcher="mp", placements=placements, timeout_s=120,
-                        runners=RUNNERS)
+@pytest.fixture
+def cpu_groups(monkeypatch):
+    if len(CPUS) < 2:
+        pytest.skip("needs two CPUs")
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", f"{CPUS[0]}|{CPUS[1]}")
+
+
+@pytest.mark.parametrize("dp_threads", [False, True])
+def test_ranks_spawned_inside_configure_subprocess_are_where_plan_says(cpu_groups, dp_threads):
+    rows = verify_mp(args(device="cpu", tp_size=1, dp_size=2), timeout_s=120, dp_threads=dp_threads)
     json.dumps({"ranks": rows})
-    assert [set(PLAN_FIELDS + OBSERVED_FIELDS) <= set(row) for row in rows] == [True] * 3
-    assert [row["ok"] for row in rows] == [True] * 3, [row["differences"] for row in rows]
-    assert [row["launcher"] for row in rows] == ["mp"] * 3
-    assert [row["observed_cpus"] for row in rows[:2]] == ["0", "1"]
-    assert [row["observed_policy"] for row in rows] == ["bind:0", "bind:0", "default"]
-    assert rows[0]["local_page_ratio"] >= 0.99 and rows[1]["local_page_ratio"] >= 0.95
-    assert rows[2]["local_page_ratio"] is None
-    lines = format_verify_rows(rows).splitlines()
-    assert len(lines) == 3
-    assert lines[0] == (
-        "[DP0 PP0 TP0] mp GPU 0 node 0 via exec: cpus 0 (plan 0), mems 0, policy bind:0 (plan bind:0), "
-        f"local pages {rows[0]['local_page_ratio']:.1%}: OK"
-    )
-    assert lines[2].startswith("[DP0 PP0 TP2] mp GPU 2 node - via none: cpus ")
+    assert all(set(PLAN_FIELDS + OBSERVED_FIELDS) <= set(row) for row in rows)
+    assert [(row["dp_rank"], row["strategy"], row["observed_cpus"], row["observed_policy"], row["ok"])
+            for row in rows] == [(0, "exec", str(CPUS[0]), "bind:0", True), (1, "exec", str(CPUS[1]), "bind:0", True)]
+    assert len({row["observed_pid"] for row in rows}) == 2
 
 
-def test_a_rank_off_its_plan_is_reported():
-    # The plan says CPU 1 but numactl is told CPU 0: what the rank observes differs from the plan.
-    wrong = exec_placement(0, 0).replace(cpus=frozenset({1}))
-    (row,) = verify_ranks(EngineArgs(), launcher="mp", placements=[wrong], timeout_s=120,
-                            runners=RUNNERS)
-    assert row["ok"] is False
-    assert row["differences"] == ["cpus 0 observed, 1 planned"]
-    assert format_verify_rows([row]).endswith(": MISMATCH: cpus 0 observed, 1 planned")
+def test_a_launch_that_bypasses_configure_subprocess_is_caught(cpu_groups):
+    """verify fails when the ranks are not started through sglang's configure_subprocess."""
+    rows = verify_mp(args(device="cpu", tp_size=2), timeout_s=120, configure=lambda a, g: contextlib.nullcontext())
+    assert [row["ok"] for row in rows] == [False, False]
+    assert all("cpus" in row["differences"][0] and "planned" in row["differences"][0] for row in rows)
+    assert "MISMATCH" in format_verify_rows(rows)
 
 
-def test_mp_plans_this_host_when_no_placements_are_given():
-    with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0|1"):
-        rows = verify_ranks(EngineArgs(device="cpu", tp_size=2), launcher="mp", timeout_s=120, plan_kwargs={},
-                            runners=RUNNERS)
-    assert [(row["strategy"], row["observed_cpus"], row["ok"]) for row in rows] == [("exec", "0", True), ("exec", "1", True)]
+def test_unbound_ranks_must_have_been_left_alone():
+    plan = ProcessPlacement(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=0, pci=None, numa_node=None, cpus=frozenset(),
+                            mem_nodes=frozenset(), mem_policy="none", strategy="none", reasons=("one node",))
+    observed = ObservedBinding(cpus=frozenset({0}), mems=frozenset({0}), policy="bind", policy_nodes=frozenset({0}))
+    assert differences(plan, observed, unbound_cpus=frozenset({0, 1})) == [
+        "cpus 0 observed, the launcher's 0-1 expected for an unbound rank",
+        "memory policy bind observed, default expected for an unbound rank",
+    ]
 
 
 def test_page_ratio_thresholds():
-    exec_rank = exec_placement(0, 0)
-    assert page_ratio_difference(exec_rank, 0.995) is None
-    assert page_ratio_difference(exec_rank, 0.98) == (
-        "98.0% of the rank's resident anonymous memory is on node(s) 0, at least 99% expected for strategy exec"
-    )
-    assert page_ratio_difference(in_process_placement(0, 0), 0.96) is None
-    assert page_ratio_difference(in_process_placement(0, 0), 0.90) is not None
-    assert page_ratio_difference(exec_rank.replace(mem_policy="preferred"), 0.5) is None
-    assert page_ratio_difference(exec_rank, None) is None
+    exec_rank = ProcessPlacement(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=0, pci=None, numa_node=0,
+                                 cpus=frozenset({0}), mem_nodes=frozenset({0}), mem_policy="bind", strategy="exec",
+                                 reasons=())
+
+    def observed(on_node: int, off_node: int) -> ObservedBinding:
+        return ObservedBinding(cpus=frozenset({0}), mems=frozenset({0, 1}), policy="bind",
+                               policy_nodes=frozenset({0}), anon_kb=((0, on_node), (1, off_node)))
+
+    assert differences(exec_rank, observed(995, 5), unbound_cpus=frozenset()) == []
+    assert differences(exec_rank, observed(98, 2), unbound_cpus=frozenset()) == [
+        "98.0% of the rank's resident anonymous memory is on node(s) 0, at least 99% expected for strategy exec"]
+    in_process = exec_rank.replace(strategy="in-process")
+    assert differences(in_process, observed(96, 4), unbound_cpus=frozenset()) == []
 
 
-def test_launcher_choice_is_checked():
-    with pytest.raises(ValueError, match="--launcher='slurm' is not valid"):
-        verify_ranks(EngineArgs(), launcher="slurm", runners=RUNNERS)
+def test_a_probe_that_never_reports_ends_at_the_deadline_and_is_stopped(cpu_groups, monkeypatch, tmp_path):
+    directory, _ = numactl_standin(tmp_path / "numactl", "hang")
+    monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
+    started = time.monotonic()
+    with pytest.raises(VerifyError, match=r"DP0 PP0 TP0.*no report within 3 s"):
+        run_mp_probes(args(device="cpu", tp_size=2), timeout_s=3)
+    assert time.monotonic() - started < 60
+    hanging = subprocess.run(["pgrep", "-f", f"{directory}/numactl"], capture_output=True, text=True)
+    assert hanging.stdout.strip() == "", "verify left a probe rank running"
 
 
-def test_both_runs_each_launcher_with_the_same_probe():
-    calls = []
-
-    def fake_runner(name):
-        def run(server_args, *, placements, timeout_s, plan_kwargs):
-            calls.append((name, placements is None, plan_kwargs))
-            return []
-        return run
-
-    rows = verify_ranks(EngineArgs(), launcher="both", runners={"mp": fake_runner("mp"), "ray": fake_runner("ray")},
-                        plan_kwargs={"gpus": ["0000:81:00.0"]})
-    assert rows == []
-    assert calls == [("mp", True, {"gpus": ["0000:81:00.0"]}), ("ray", True, {"gpus": ["0000:81:00.0"]})]
-    assert probe_target(server_args=None, placement=None, rank=None).ready_info()["differences"] == []
+def test_verify_cli_exits_1_on_a_mismatch_and_0_when_all_agree(cpu_groups, tmp_path):
+    command = [sys.executable, "-m", "sglang.srt.placement", "verify", "--device", "cpu", "--tp-size", "2", "--json"]
+    ok = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert [row["ok"] for row in json.loads(ok.stdout)["ranks"]] == [True, True]
+    # A numactl that accepts every option and binds nothing: the ranks are not where the plan says.
+    directory, _ = numactl_standin(tmp_path / "numactl", "record")
+    env = {**os.environ, "PATH": f"{directory}{os.pathsep}{os.environ['PATH']}"}
+    off = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert off.returncode == 1, off.stderr[-2000:]
+    assert [row["ok"] for row in json.loads(off.stdout)["ranks"]] == [False, False]
 
 
-@pytest.mark.ray
-def test_ray_ranks_report_their_binding(ray_cluster):
-    with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0|1"):
-        rows = verify_ranks(EngineArgs(device="cpu", tp_size=2), launcher="ray", timeout_s=120, runners=RUNNERS)
-    assert [row["launcher"] for row in rows] == ["ray", "ray"]
-    assert [row["observed_cpus"] for row in rows] == ["0", "1"]
-    assert all(row["ok"] for row in rows), [row["differences"] for row in rows]
+@pytest.mark.parametrize("flag", ["--sysfs-root=/sys", "--allowed-cpus=0", "--gpus=0000:17:00.0"])
+def test_verify_refuses_planning_inputs_that_sglang_does_not_take(flag):
+    done = subprocess.run([sys.executable, "-m", "sglang.srt.placement", "verify", flag], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "sglang's launch path does not take" in done.stderr, done.stderr

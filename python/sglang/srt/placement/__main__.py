@@ -208,9 +208,20 @@ def plan_inputs(args: argparse.Namespace) -> dict:
     else:
         affinity = read_process_affinity()
     capabilities = HostCapabilities.snapshot(root) if snapshot else HostCapabilities.live()
+    gpus = _parse_gpus(args.gpus)
+    if gpus is not None:
+        # A typo must be an error here, not a rank that the plan shows unbound.
+        from sglang.srt.placement.devices import parse_gpus_option
+
+        for address in parse_gpus_option(gpus):
+            if topology.pci_device(address) is None:
+                raise UsageError(
+                    f"--gpus: {address} is not among the {len(topology.pci_devices)} PCI devices read from {root}; "
+                    f"check the address with `lspci -D`"
+                )
     return dict(
         facts=HostFacts(topology=topology, affinity=affinity, capabilities=capabilities),
-        gpus=_parse_gpus(args.gpus),
+        gpus=gpus,
         affinity_mode=args.numa_affinity_mode,
     )
 

@@ -47,7 +47,7 @@ def observe_rank() -> dict:
     """What a probe rank reports: its binding as the kernel sees it (CPUs, memory nodes, policy, pages)."""
     from sglang.srt.placement.observe import observe_self
 
-    return {"observed": observe_self().to_dict()}
+    return {"pid": os.getpid(), "observed": observe_self().to_dict()}
 
 
 def probe_main(label: str, writer: Any) -> None:
@@ -116,7 +116,7 @@ def verify_row(placement: ProcessPlacement, report: dict, *, launcher: str,
     row.update(
         {
             "launcher": launcher,
-            "observed_pid": observed.pid,
+            "observed_pid": report.get("pid"),
             "observed_cpus": format_cpulist(observed.cpus),
             "observed_mems": format_cpulist(observed.mems),
             "observed_policy": f"{observed.policy}:{policy_nodes}" if policy_nodes else observed.policy,
