@@ -1,153 +1,92 @@
-"""Wall time to launch N scheduler ranks through the multiprocessing launcher, with placement and without.
+"""Wall time to launch N scheduler ranks through sglang's spawn path, placed and as upstream leaves them.
 
-Both variants use the same launcher (run_ranks_mp) and a trivial target, and
-run interleaved (ABBA order) in one process so drift hits both alike. "placed"
-starts every rank under numactl (exec); "unplaced" gives every rank strategy
-"none". ``--layout node`` (the default, as SGLANG_NUMA_AFFINITY_MODE=node plans
-it) binds each rank to all CPUs and the memory of its node, dealing ranks over
-the nodes round-robin; ``--layout cpu`` pins each rank to a single CPU, which on
-a host with fewer CPUs than ranks also measures the ranks crowding each other.
-Also prints the time plan_engine takes for this host, which an engine pays once.
+Each rank is started as ``Engine._launch_scheduler_processes`` starts one: a
+spawn-context ``Process`` whose ``start()`` runs inside
+``numa_utils.configure_subprocess(server_args, gpu_id)``; a launch ends when
+every rank has reported ready over its pipe. The ranks are CPU-device ranks
+(this host has no GPU): "placed" gives each its own CPU group
+(``SGLANG_CPU_OMP_THREADS_BIND``), so each starts under numactl;
+"upstream" sets ``SGLANG_NUMA_BIND_V2=0``, where ``configure_subprocess`` does
+nothing, as in sglang 0.5.23. The two run interleaved (ABBA) in one process so
+drift hits both alike; the paired ratio is the median of placed/upstream over
+neighbouring launches.
 
-    python benchmarks/launch_overhead.py [--ranks 4] [--reps 10]
+    python benchmarks/launch_overhead.py [--ranks 2] [--reps 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import multiprocessing
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
+import types
 
-from sglang.srt.scheduler_launch.mp import run_ranks_mp
-from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.types import ProcessPlacement
-from sglang.srt.placement.engine_args import EngineArgs
+GOAL = 1.05
 
 
-class _Trivial:
-    def ready_info(self) -> dict:
-        return {"pid": os.getpid()}
+def ready(writer) -> None:
+    writer.send(os.getpid())
+    writer.close()
 
 
-def trivial_target(*, server_args, placement, rank):
-    return _Trivial()
+def launch(server_args, ranks: int) -> float:
+    from sglang.srt.utils import numa_utils
 
-
-def _node_of(cpu: int) -> int:
-    base = Path("/sys/devices/system/cpu") / f"cpu{cpu}"
-    for entry in base.iterdir():
-        if entry.name.startswith("node") and entry.name[4:].isdigit():
-            return int(entry.name[4:])
-    return 0
-
-
-def placements(ranks: int, *, placed: bool, layout: str = "node") -> list[ProcessPlacement]:
-    cpus = sorted(os.sched_getaffinity(0))
-    by_node: dict[int, list[int]] = {}
-    for cpu in cpus:
-        by_node.setdefault(_node_of(cpu), []).append(cpu)
-    nodes = sorted(by_node)
-    out = []
-    for tp in range(ranks):
-        if placed:
-            if layout == "cpu":
-                rank_cpus = [cpus[tp % len(cpus)]]
-                node = _node_of(rank_cpus[0])
-            else:
-                node = nodes[tp % len(nodes)]
-                rank_cpus = by_node[node]
-            out.append(ProcessPlacement(
-                dp_rank=0, pp_rank=0, tp_rank=tp, gpu_id=None, pci=None, numa_node=node, cpus=frozenset(rank_cpus),
-                mem_nodes=frozenset({node}), mem_policy="bind", strategy="exec", reasons=("benchmark",),
-                numactl_args=(f"--physcpubind={format_cpulist(rank_cpus)}", f"--membind={node}"),
-            ))
-        else:
-            out.append(ProcessPlacement(
-                dp_rank=0, pp_rank=0, tp_rank=tp, gpu_id=None, pci=None, numa_node=None, cpus=frozenset(),
-                mem_nodes=frozenset(), mem_policy="none", strategy="none", reasons=("benchmark: unplaced",),
-            ))
-    return out
-
-
-def time_launch(server_args: EngineArgs, plan: list[ProcessPlacement]) -> float:
+    ctx = multiprocessing.get_context("spawn")
     started = time.perf_counter()
-    results = run_ranks_mp(server_args, target=trivial_target, placements=plan, timeout_s=300)
+    procs = []
+    for gpu_id in range(ranks):
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=ready, args=(writer,))
+        with numa_utils.configure_subprocess(server_args, gpu_id):
+            proc.start()
+        writer.close()
+        procs.append((proc, reader))
+    for proc, reader in procs:
+        reader.recv()
     elapsed = time.perf_counter() - started
-    assert len(results) == len(plan)
+    for proc, reader in procs:
+        proc.join()
+        reader.close()
     return elapsed
 
 
-def time_plan() -> tuple[float, str]:
-    from sglang.srt.environ import envs
-    from sglang.srt.placement.resolve import plan_engine
-
-    cpus = sorted(os.sched_getaffinity(0))
-    spec = "|".join(str(c) for c in cpus)
-    with envs.SGLANG_CPU_OMP_THREADS_BIND.override(spec):
-        started = time.perf_counter()
-        plan = plan_engine(EngineArgs(device="cpu", tp_size=len(cpus)), launcher="mp")
-        elapsed = time.perf_counter() - started
-    return elapsed, f"device=cpu tp={len(cpus)} SGLANG_CPU_OMP_THREADS_BIND={spec} -> {[p.strategy for p in plan]}"
-
-
-def time_exec_prefix(prefix: list[str], reps: int = 50) -> float:
-    """Median seconds to start and finish ``prefix + [true]``: the per-rank cost numactl adds to a spawn."""
-    import shutil
-    import subprocess
-
-    argv = [*prefix, shutil.which("true") or "/bin/true"]
-    values = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        subprocess.run(argv, check=True)
-        values.append(time.perf_counter() - started)
-    return statistics.median(values)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--layout", choices=("node", "cpu"), default="node")
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    cpus = sorted(os.sched_getaffinity(0))
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(args.ranks))
+    server_args = types.SimpleNamespace(tp_size=args.ranks, pp_size=1, dp_size=1, nnodes=1, node_rank=0,
+                                        base_gpu_id=0, gpu_id_step=1, numa_node=None, device="cpu")
+    times: dict[str, list[float]] = {"placed": [], "upstream": []}
 
-    server_args = EngineArgs(tp_size=args.ranks)
-    variants = {"placed": placements(args.ranks, placed=True, layout=args.layout), "unplaced": placements(args.ranks, placed=False)}
-    for plan in variants.values():  # warm-up: imports, resource tracker, page cache
-        time_launch(server_args, plan)
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    def run(mode: str) -> None:
+        os.environ["SGLANG_NUMA_BIND_V2"] = "1" if mode == "placed" else "0"
+        times[mode].append(launch(server_args, args.ranks))
+
+    run("placed")
+    run("upstream")  # warm-up: first spawns pay for the page cache
+    times = {"placed": [], "upstream": []}
     for rep in range(args.reps):
-        order = ("placed", "unplaced") if rep % 2 == 0 else ("unplaced", "placed")
-        for name in order:
-            times[name].append(time_launch(server_args, variants[name]))
-
-    print(f"launch of {args.ranks} ranks through run_ranks_mp, {args.reps} interleaved repetitions each, "
-          f"layout {args.layout} (host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
-          f"Python {sys.version.split()[0]})")
-    print(f"  placed ranks: {', '.join(' '.join(p.numactl_args) for p in variants['placed'])}")
-    for name, values in times.items():
-        print(f"  {name:9s} median {statistics.median(values) * 1000:8.1f} ms   mean {statistics.mean(values) * 1000:8.1f} ms"
-              f"   min {min(values) * 1000:8.1f} ms   max {max(values) * 1000:8.1f} ms")
-    med_p, med_u = statistics.median(times["placed"]), statistics.median(times["unplaced"])
-    mean_p, mean_u = statistics.mean(times["placed"]), statistics.mean(times["unplaced"])
-    min_p, min_u = min(times["placed"]), min(times["unplaced"])
-    # Each repetition runs both variants back to back: their ratio cancels load that drifts between repetitions.
-    paired = statistics.median(p / u for p, u in zip(times["placed"], times["unplaced"]))
-    print(f"  overhead  median {100 * (med_p - med_u) / med_u:+.1f}%   mean {100 * (mean_p - mean_u) / mean_u:+.1f}%"
-          f"   best {100 * (min_p - min_u) / min_u:+.1f}%   paired median {100 * (paired - 1):+.1f}%"
-          f"   (target: at most +5%)")
-    from sglang.srt.placement.numactl import numactl_prefix
-
-    bare = time_exec_prefix([])
-    wrapped = time_exec_prefix(numactl_prefix(variants["placed"][0]))
-    print(f"  numactl exec per rank: {(wrapped - bare) * 1000:.2f} ms "
-          f"(median start-to-exit of `true` {bare * 1000:.2f} ms bare, {wrapped * 1000:.2f} ms under numactl)")
-    plan_s, what = time_plan()
-    print(f"  plan_engine once per engine: {plan_s * 1000:.1f} ms ({what})")
+        order = ("placed", "upstream") if rep % 2 == 0 else ("upstream", "placed")
+        for mode in order:
+            run(mode)
+    placed, upstream = statistics.median(times["placed"]), statistics.median(times["upstream"])
+    paired = statistics.median(p / u for p, u in zip(times["placed"], times["upstream"]))
+    print(f"{args.ranks} CPU-device ranks through configure_subprocess, {args.reps} launches each (ABBA), "
+          f"python {sys.version.split()[0]}, {len(cpus)} CPUs")
+    print(f"median launch: placed (exec under numactl) {placed * 1000:.1f} ms, upstream (no binding) "
+          f"{upstream * 1000:.1f} ms")
+    print(f"median ratio {placed / upstream:.3f}, paired median ratio {paired:.3f} (goal <= {GOAL})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,16 +1,19 @@
-"""Where a multiprocessing rank's memory lives on a real two-node kernel: exec (numactl) vs in-process binding.
+"""Where a rank's memory lives on a real two-node kernel when sglang's own spawn path starts it.
 
-Boots a fresh two-node VM (../shared/tools/numa-vm, a PCI device on node 1) per
-measurement, since the page cache and the first pages' node carry over within a
-boot. In each, tests/vm_scripts/mp_page_locality.py plans the device's rank
-(node 1: CPUs 2-3, membind 1), re-executes itself pinned to CPU 0 (node 0), and
-launches the rank through run_ranks_mp with one strategy; the verify probe
-reads /proc/self/numa_maps inside the rank. Prints, per strategy, the share of
-the rank's anonymous resident memory on node 1 (what the rank allocated itself;
-the figure verify checks) and of all its resident memory (file pages included,
-which sit wherever the page cache put them).
+Boots a fresh two-node VM (../shared/tools/numa-vm; node 0 = CPUs 0-1, node 1 =
+CPUs 2-3) per measurement, since the page cache and the first pages' node
+carry over within a boot. In each, tests/vm_scripts/spawn_path.py spawns one
+rank whose placement is on node 1 inside ``configure_subprocess(server_args, gpu_id)``: a GPU rank (GPU 2
+of four in a sysfs tree with two GPUs per node, over the VM's real nodes) and
+a CPU-device rank (rank 1 of ``SGLANG_CPU_OMP_THREADS_BIND=0-1|2-3``). The
+launching process is not pinned: pinning it to node 0 would, rightly, leave a
+node-1 rank unbound (its parent's affinity excludes node 1). The
+rank touches ``--touch-mb`` MiB and reports /proc/self/numa_maps. Prints the
+share of its anonymous resident memory on node 1 (what the rank allocated
+itself) and of all its resident memory (file pages included, which sit
+wherever the page cache put them).
 
-    python benchmarks/vm_page_locality.py [--strategies exec,in-process]
+    python benchmarks/vm_page_locality.py [--devices cuda,cpu] [--touch-mb 64]
 """
 
 from __future__ import annotations
@@ -24,38 +27,45 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NUMA_VM = REPO.parent / "shared" / "tools" / "numa-vm"
-SCRIPT = "tests/vm_scripts/mp_page_locality.py"
-PCI_ON_NODE_1 = "0000:81:00.0"
-MINIMUM = {"exec": 0.99, "in-process": 0.95}
+SCRIPT = "tests/vm_scripts/spawn_path.py"
+MINIMUM = 0.99
 
 
-def measure(strategy: str) -> tuple[dict, float]:
+def measure(device: str, touch_mb: int) -> tuple[dict, float]:
     started = time.perf_counter()
     proc = subprocess.run(
-        [str(NUMA_VM), "--nodes", "2", "--cpus", "4", "--pci-numa", "1:e1000e", "--timeout", "400", "--",
-         sys.executable, SCRIPT, "--gpus", PCI_ON_NODE_1, "--strategies", strategy],
+        [str(NUMA_VM), "--nodes", "2", "--cpus", "4", "--timeout", "600", "--", sys.executable, SCRIPT, "locality",
+         "--device", device, "--touch-mb", str(touch_mb)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )
     elapsed = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"numa-vm exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    (row,) = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
-    return row, elapsed
+    return json.loads(proc.stdout.strip().splitlines()[-1]), elapsed
+
+
+def share(kb_by_node: dict, node: str) -> float:
+    total = sum(kb_by_node.values())
+    return kb_by_node.get(node, 0) / total if total else float("nan")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategies", default="exec,in-process")
+    parser.add_argument("--devices", default="cuda,cpu")
+    parser.add_argument("--touch-mb", type=int, default=64)
     args = parser.parse_args()
-    print("rank DP0 PP0 TP0 of PCI device on node 1, launched by run_ranks_mp from a parent pinned to node 0")
-    for strategy in args.strategies.split(","):
-        row, elapsed = measure(strategy)
-        anon, every = row["local_page_ratio"], row["local_page_ratio_all"]
-        verdict = "meets" if anon is not None and anon >= MINIMUM.get(strategy, 0) else "BELOW"
+    print("one rank on node 1, spawned inside configure_subprocess")
+    for device in args.devices.split(","):
+        out, elapsed = measure(device, args.touch_mb)
+        row = out["row"]
+        plan, observed = row["plan"], row["observed"]
+        anon, every = share(observed["anon_kb"], "1"), share(observed["resident_kb"], "1")
+        verdict = "meets" if anon >= MINIMUM else "BELOW"
         print(
-            f"  {strategy:10s} cpus {row['observed_cpus']} policy {row['observed_policy']}: "
-            f"anonymous pages on node 1 {anon:.2%} ({verdict} {MINIMUM.get(strategy, 0):.0%}), "
-            f"all resident pages {every:.2%}; verify ok={row['ok']} (VM run {elapsed:.0f} s)"
+            f"  {device:4s} rank (gpu_id {row['gpu_id']}): plan {plan['strategy']} cpus {plan['cpus']} "
+            f"{plan['mem_policy']}:{plan['mem_nodes']}; observed cpus {observed['cpus']} policy "
+            f"{observed['policy']}:{observed['policy_nodes']}; anonymous pages on node 1 {anon:.2%} ({verdict} "
+            f"{MINIMUM:.0%}), all resident pages {every:.2%} (parent cpus {out['parent_cpus']}, VM run {elapsed:.0f} s)"
         )
 
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh), then shows and verifies where a small engine's ranks run on this host:
 # a CPU-device engine with two tensor-parallel ranks, each on its own half of this process's CPUs,
-# planned, then launched through the multiprocessing and the Ray launchers and read back from inside.
+# planned, then started through sglang's own launch paths (each spawn inside
+# numa_utils.configure_subprocess, as the engine does; each Ray actor through RayEngine's
+# _create_scheduler_actor) and read back from inside every rank.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -20,5 +22,5 @@ fi
 echo "== plan: SGLANG_CPU_OMP_THREADS_BIND=$SGLANG_CPU_OMP_THREADS_BIND, --device cpu --tp-size 2"
 "$py" -m sglang.srt.placement plan --device cpu --tp-size 2 "$@"
 echo
-echo "== verify through both launchers (each rank reads its binding back)"
+echo "== verify through sglang's launch paths (each rank reads its binding back)"
 "$py" -m sglang.srt.placement verify --device cpu --tp-size 2 --launcher both "$@"
