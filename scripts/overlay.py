@@ -1,11 +1,18 @@
 #!/usr/bin/env python3
-"""Overlay this repository's sglang modules onto an installed sglang package.
+"""Overlay this repository's sglang modules onto an installed sglang package or an sglang checkout.
 
-Copies the project's own modules into SGLANG_PACKAGE_DIR and rewrites a few
-upstream call sites (with libcst, leaving the rest of each file byte-identical)
-so that they delegate into those modules; ``--diff`` prints the change instead.
+Copies the project's own modules into the package and rewrites a few upstream
+call sites (with libcst, leaving the rest of each file byte-identical) so that
+they delegate into those modules; ``--diff`` prints the change instead.
 
-Usage: python scripts/overlay.py SGLANG_PACKAGE_DIR [--diff] [--repo-python DIR]
+Usage: python scripts/overlay.py TARGET [--diff] [--repo-python DIR]
+
+TARGET is an sglang package dir (an installed ``site-packages/sglang``, or a
+checkout's ``python/sglang``), or an sglang checkout (a dir holding
+``python/sglang`` and ``test/``). For a checkout, upstream's own tests as this
+repo ports them (``tests/upstream/``, beside ``--repo-python``) go to the same
+paths under the checkout's ``test/`` as well, and ``--diff`` names every file
+by its path in the checkout.
 
 Exit status: 0 done (or nothing to do), 2 refused (upstream is not the shape
 this script knows, or bad input; nothing is written), 1 I/O error.
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import dataclasses
 import difflib
 import json
 import os
@@ -34,6 +42,8 @@ except ImportError:  # reported by main() as a refusal, with the fix
 #: Upstream modules the project owns whole: the repo's copy replaces them.
 OWNED_WHOLE = ("srt/utils/numa_utils.py", "srt/ray/scheduler_actor.py")
 MANIFEST_NAME = ".placement-overlay.json"
+#: The repo's ports of upstream's own tests, relative to the repo root, in upstream's test/ layout.
+UPSTREAM_TESTS = Path("tests") / "upstream"
 NEW_FILE_MODE = 0o644
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,14 +54,35 @@ class Refusal(Exception):
 
 @dataclass(frozen=True)
 class Manifest:
-    """What earlier runs did to the package: paths relative to the package dir."""
+    """What earlier runs did: package paths relative to the package dir, test paths to the checkout's test/."""
 
     added: FrozenSet[str] = frozenset()
     replaced: FrozenSet[str] = frozenset()
+    tests_added: FrozenSet[str] = frozenset()
 
     def dumps(self) -> bytes:
         body = {"format": 1, "added": sorted(self.added), "replaced": sorted(self.replaced)}
+        if self.tests_added:
+            body["tests_added"] = sorted(self.tests_added)
         return (json.dumps(body, indent=2) + "\n").encode()
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the overlay writes: the package, and for a checkout its test/ dir."""
+
+    pkg: Path
+    tests: Optional[Path] = None
+    """The checkout's test/ dir; None for a package dir."""
+
+    @property
+    def root(self) -> Path:
+        return self.pkg if self.tests is None else self.tests.parent
+
+    @property
+    def pkg_label(self) -> str:
+        """How paths in the package are shown: relative to its parent, or to the checkout."""
+        return "sglang" if self.tests is None else "python/sglang"
 
 
 @dataclass(frozen=True)
@@ -63,10 +94,16 @@ class Change:
     new: Optional[bytes]
     mode: int
     kind: str  # "added", "updated", "replaced", "rewrote" or "deleted"
+    area: str = "sglang"
+    """The dir ``rel`` is under, as shown: "sglang", or in a checkout "python/sglang" or "test"."""
 
     @property
     def upstream(self) -> bool:
         return self.kind in ("replaced", "rewrote")
+
+    @property
+    def shown(self) -> str:
+        return f"{self.area}/{self.rel}"
 
 
 # --------------------------------------------------------------------------
@@ -333,14 +370,31 @@ def _load_manifest(pkg: Path) -> Optional[Manifest]:
         return None
     try:
         data = json.loads(path.read_text())
-        added, replaced = data["added"], data["replaced"]
-        if not all(isinstance(p, str) for p in [*added, *replaced]):
+        added, replaced, tests_added = data["added"], data["replaced"], data.get("tests_added", [])
+        if not isinstance(tests_added, list) or not all(isinstance(p, str) for p in [*added, *replaced, *tests_added]):
             raise TypeError("paths must be strings")
     except (ValueError, KeyError, TypeError) as e:
         raise Refusal(
             f"{path}: unreadable overlay manifest ({e}); restore it or start from a pristine package"
         ) from None
-    return Manifest(frozenset(added), frozenset(replaced))
+    return Manifest(frozenset(added), frozenset(replaced), frozenset(tests_added))
+
+
+def find_target(path: Path) -> Target:
+    """The package dir itself, or a checkout: a dir holding python/sglang (a package dir) and test/."""
+    try:
+        _check_package(path)
+        return Target(pkg=path)
+    except Refusal:
+        pass
+    pkg = path / "python" / "sglang"
+    if (path / "test").is_dir() and pkg.is_dir():
+        _check_package(pkg)
+        return Target(pkg=pkg, tests=path / "test")
+    raise Refusal(
+        f"{path} is not an sglang package dir (it needs srt/, __init__.py and version.py) nor an sglang "
+        "checkout (it needs python/sglang and test/)"
+    )
 
 
 def _repo_files(repo_sglang: Path) -> Dict[str, Path]:
@@ -355,11 +409,11 @@ def _repo_files(repo_sglang: Path) -> Dict[str, Path]:
     return dict(sorted(found.items()))
 
 
-def _check_target(pkg: Path, rel: str) -> None:
+def _check_target(pkg: Path, rel: str, *, shown: str = "", owner: str = "the package") -> None:
     target = pkg / rel
     blockers = [p for p in target.parents if p != pkg and pkg in p.parents and p.exists() and not p.is_dir()]
     if blockers or (target.exists() and not target.is_file()):
-        raise Refusal(f"sglang/{rel}: the package has a non-file or a file-as-directory in the way")
+        raise Refusal(f"{shown or f'sglang/{rel}'}: {owner} has a non-file or a file-as-directory in the way")
 
 
 def _mode(path: Path) -> int:
@@ -425,8 +479,38 @@ def plan(pkg: Path, repo_sglang: Path, manifest: Optional[Manifest]) -> Tuple[Li
     after = Manifest(
         added=frozenset(rel for rel in repo if not upstream(rel)),
         replaced=prior.replaced | {rel for rel in repo if upstream(rel)} | frozenset(REWRITES),
+        tests_added=prior.tests_added,
     )
     return changes, after
+
+
+def plan_tests(tests: Path, repo_tests: Path, manifest: Manifest) -> Tuple[List[Change], Manifest]:
+    """The changes that bring a checkout's ``test/`` dir up to date with the repo's ``tests/upstream/``.
+
+    A ported test replaces upstream's file of the same path. The repo's package
+    markers (``__init__.py``, which let pytest tell these files from ``tests/``
+    files of the same name) stay behind: upstream's test dirs are not packages.
+    """
+    repo = {
+        rel: path
+        for rel, path in (_repo_files(repo_tests) if repo_tests.is_dir() else {}).items()
+        if rel.rsplit("/", 1)[-1] != "__init__.py"
+    }
+    changes: List[Change] = []
+    for rel, src in repo.items():
+        _check_target(tests, rel, shown=f"test/{rel}", owner="the checkout")
+        target, new = tests / rel, src.read_bytes()
+        old = target.read_bytes() if target.exists() else None
+        if old != new:
+            if old is None:
+                kind = "added"
+            else:
+                kind = "updated" if rel in manifest.tests_added else "replaced"
+            changes.append(Change(rel, old, new, _mode(target), kind, area="test"))
+    gone = sorted(rel for rel in manifest.tests_added - repo.keys() if (tests / rel).is_file())
+    changes += [Change(rel, (tests / rel).read_bytes(), None, 0, "deleted", area="test") for rel in gone]
+    added = {rel for rel in repo if rel in manifest.tests_added or not (tests / rel).exists()}
+    return changes, dataclasses.replace(manifest, tests_added=frozenset(added))
 
 
 # --------------------------------------------------------------------------
@@ -461,21 +545,23 @@ def _delete(pkg: Path, rel: str) -> None:
             d.rmdir()
 
 
-def apply(pkg: Path, changes: Sequence[Change], manifest: Manifest) -> None:
+def apply(target: Target, changes: Sequence[Change], manifest: Manifest) -> None:
     for c in changes:
+        base = target.tests if c.area == "test" else target.pkg
         if c.new is None:
-            _delete(pkg, c.rel)
+            _delete(base, c.rel)
         else:
-            _write_atomic(pkg / c.rel, c.new, c.mode)
-        note = {"replaced": " (owned whole)", "deleted": " (no longer in the repo)"}.get(c.kind, "")
-        print(f"{c.kind} sglang/{c.rel}{note}")
-    manifest_path = pkg / MANIFEST_NAME
+            _write_atomic(base / c.rel, c.new, c.mode)
+        replaced = " (upstream's test, ported)" if c.area == "test" else " (owned whole)"
+        note = {"replaced": replaced, "deleted": " (no longer in the repo)"}.get(c.kind, "")
+        print(f"{c.kind} {c.shown}{note}")
+    manifest_path = target.pkg / MANIFEST_NAME
     if not manifest_path.exists() or manifest_path.read_bytes() != manifest.dumps():
         _write_atomic(manifest_path, manifest.dumps(), NEW_FILE_MODE)
     if changes:
-        print(f"overlay: {len(changes)} file(s) changed in {pkg}")
+        print(f"overlay: {len(changes)} file(s) changed in {target.root}")
     else:
-        print(f"overlay: nothing changed; {pkg} is up to date")
+        print(f"overlay: nothing changed; {target.root} is up to date")
 
 
 # --------------------------------------------------------------------------
@@ -492,8 +578,8 @@ def _lines(data: Optional[bytes]) -> List[str]:
 
 def unified_diff(change: Change) -> Tuple[List[str], int, int]:
     """``diff -u`` text for one change, and its counts of added and removed lines."""
-    a = f"a/sglang/{change.rel}" if change.old is not None else "/dev/null"
-    b = f"b/sglang/{change.rel}" if change.new is not None else "/dev/null"
+    a = f"a/{change.shown}" if change.old is not None else "/dev/null"
+    b = f"b/{change.shown}" if change.new is not None else "/dev/null"
     try:
         old, new = _lines(change.old), _lines(change.new)
     except UnicodeDecodeError:
@@ -509,7 +595,7 @@ def unified_diff(change: Change) -> Tuple[List[str], int, int]:
 def print_diff(changes: Sequence[Change]) -> str:
     """Print the diff of ``changes`` to stdout; return the one-line summary."""
     counts = {k: [0, 0, 0] for k in ("upstream", "added", "updated", "deleted")}  # files, +, -
-    for c in sorted(changes, key=lambda c: (not c.upstream, c.rel)):
+    for c in sorted(changes, key=lambda c: (not c.upstream, c.shown)):
         text, plus, minus = unified_diff(c)
         sys.stdout.write("".join(text))
         bucket = counts["upstream" if c.upstream else c.kind]
@@ -529,27 +615,40 @@ def print_diff(changes: Sequence[Change]) -> str:
 
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("package_dir", type=Path, metavar="SGLANG_PACKAGE_DIR")
+    parser.add_argument(
+        "target", type=Path, metavar="TARGET",
+        help="an sglang package dir, or an sglang checkout (python/sglang and test/): then the ported "
+        "upstream tests go to its test/ too",
+    )
     parser.add_argument("--diff", action="store_true", help="print the unified diff; write nothing")
-    parser.add_argument("--repo-python", type=Path, default=REPO_ROOT / "python", metavar="DIR")
+    parser.add_argument(
+        "--repo-python", type=Path, default=REPO_ROOT / "python", metavar="DIR",
+        help="the repo's python/ dir (holding sglang/); the ported upstream tests are in its sibling "
+        "tests/upstream/",
+    )
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:
     if cst is None:
         raise Refusal(f"libcst is not installed; install it with `{sys.executable} -m pip install libcst`")
-    pkg = args.package_dir.resolve()
+    target = find_target(args.target.resolve())
+    pkg = target.pkg
     repo_sglang = (args.repo_python / "sglang").resolve()
-    _check_package(pkg)
     if not repo_sglang.is_dir():
         raise Refusal(f"{repo_sglang} is not a directory (--repo-python must contain sglang/)")
     if repo_sglang == pkg:
         raise Refusal(f"{pkg} is the repo's own sglang dir, not an installed package")
     changes, manifest = plan(pkg, repo_sglang, _load_manifest(pkg))
+    if target.tests is not None:
+        changes = [dataclasses.replace(c, area=target.pkg_label) for c in changes]
+        test_changes, manifest = plan_tests(target.tests, args.repo_python.resolve().parent / UPSTREAM_TESTS,
+                                            manifest)
+        changes += test_changes
     if args.diff:
         print(print_diff(changes), file=sys.stderr)
     else:
-        apply(pkg, changes, manifest)
+        apply(target, changes, manifest)
     return 0
 
 

@@ -14,6 +14,8 @@ from sglang.srt.placement.devices import (
     canonical_pci_address,
     default_runtime,
     identify_accelerators,
+    is_integrated_intel_gpu,
+    level_zero_order,
     parse_cuda_visible_devices,
     parse_gpus_option,
 )
@@ -420,31 +422,73 @@ def xpu(gpu_ids, env, **kw):
     return identify_accelerators(device="xpu", topology=XPU_TOPO, gpu_ids=gpu_ids, env=env, **kw)
 
 
-def test_xpu_sysfs_order():
+def test_xpu_level_zero_order_puts_the_integrated_gpu_last():
+    # sysfs lists every Intel GPU in PCI bus order, the integrated one (domain 0000, bus 00) first ...
     order = [d.address for d in accelerator_pci_devices(XPU_TOPO, device="xpu")]
     assert order == ["0000:00:02.0", "0000:29:00.0", "0000:4d:00.0", "0000:9a:00.0"]
-    accs = xpu([1, 3], {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1"})
-    assert [a.pci for a in accs] == ["0000:29:00.0", "0000:9a:00.0"]
-    assert accs[0].source == "sysfs: Intel GPU 1 in PCI bus order (no ZE_AFFINITY_MASK)"
-    (acc,) = xpu([1], {})
-    assert "ZE_ENABLE_PCI_ID_DEVICE_ORDER=1" in acc.source
+    # ... and Level Zero numbers it last unless ZE_ENABLE_PCI_ID_DEVICE_ORDER asks for plain PCI order.
+    for env in ({}, {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "0"}, {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": " "}):
+        accs = xpu([0, 1, 2, 3], env)
+        assert [a.pci for a in accs] == ["0000:29:00.0", "0000:4d:00.0", "0000:9a:00.0", "0000:00:02.0"]
+        assert accs[0].source == (
+            "sysfs: Intel GPU 0 in Level Zero order (PCI bus order, integrated GPUs last) (no ZE_AFFINITY_MASK)"
+        )
+    for value in ("1", "true"):
+        accs = xpu([0, 1, 3], {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": value})
+        assert [a.pci for a in accs] == ["0000:00:02.0", "0000:29:00.0", "0000:9a:00.0"]
+        assert accs[1].source == (
+            f"sysfs: Intel GPU 1 in Level Zero order (PCI bus order, ZE_ENABLE_PCI_ID_DEVICE_ORDER={value}) "
+            "(no ZE_AFFINITY_MASK)"
+        )
 
 
-def test_ze_affinity_mask_devices_and_subdevices():
+def test_level_zero_order_of_discrete_gpus_only_is_pci_order():
+    devices = tuple(d for d in XPU_TOPO.pci_devices if d.address != "0000:00:02.0")
+    ordered = [d.address for d in level_zero_order(accelerator_pci_devices(make_topology(devices), device="xpu"),
+                                                   env={})]  # fmt: skip
+    assert ordered == ["0000:29:00.0", "0000:4d:00.0", "0000:9a:00.0"]
+    assert [is_integrated_intel_gpu(a) for a in ("0000:00:02.0", "0000:00:1f.0", "0001:00:02.0", "0000:01:00.0")] \
+        == [True, True, False, False]  # fmt: skip
+
+
+def test_ze_affinity_mask_filters_and_does_not_permute():
+    # Unlike CUDA_VISIBLE_DEVICES, the mask only chooses devices; they keep Level Zero's order.
+    accs = xpu([0, 1], {"ZE_AFFINITY_MASK": "2,0"})
+    assert [(a.physical_id, a.pci) for a in accs] == [("0", "0000:29:00.0"), ("2", "0000:9a:00.0")]
+    assert accs[0].source.endswith("(ZE_AFFINITY_MASK='2,0' shows devices 0,2 in index order, device 0 is 0)")
+    # The integrated GPU is device 3 here, so masking it in makes it the last visible device.
+    accs = xpu([0, 1], {"ZE_AFFINITY_MASK": "3,1"})
+    assert [a.pci for a in accs] == ["0000:4d:00.0", "0000:00:02.0"]
+
+
+def test_ze_affinity_mask_subdevices_name_their_card():
     env = {"ZE_AFFINITY_MASK": "3,1.1,1.0", "ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1"}
-    accs = xpu([0, 1, 2], env)
-    assert [(a.physical_id, a.pci) for a in accs] == [
-        ("3", "0000:9a:00.0"),
-        ("1.1", "0000:29:00.0"),
-        ("1.0", "0000:29:00.0"),
-    ]
+    accs = xpu([0, 1], env)
+    # Both tiles of card 1 make card 1 visible once; card 3 follows it.
+    assert [(a.physical_id, a.pci) for a in accs] == [("1", "0000:29:00.0"), ("3", "0000:9a:00.0")]
+    with pytest.raises(ValueError, match=r"ZE_AFFINITY_MASK='3,1.1,1.0' makes 2 device\(s\) visible, but a rank"):
+        xpu([2], env)
 
 
-def test_ze_affinity_mask_errors():
+def test_ze_affinity_mask_skips_entries_it_cannot_use():
+    # As Level Zero does: an entry that is no index, or names a device beyond the four here, is skipped.
+    (acc,) = xpu([1], {"ZE_AFFINITY_MASK": "gpu1, 2 ,7,,1.x,0"})
+    assert acc.pci == "0000:9a:00.0"
+    assert "shows devices 0,2 in index order, device 1 is 2; entries 'gpu1', '7', '', '1.x' skipped" in acc.source
     with pytest.raises(ValueError, match=r"ZE_AFFINITY_MASK='0,1' makes 2 device\(s\) visible, but a rank uses GPU id 2"):
         xpu([2], {"ZE_AFFINITY_MASK": "0,1"})
-    with pytest.raises(ValueError, match=r"ZE_AFFINITY_MASK='0,gpu1': 'gpu1' is not a device"):
-        xpu([0], {"ZE_AFFINITY_MASK": "0,gpu1"})
+    with pytest.raises(ValueError, match=r"ZE_AFFINITY_MASK='gpu1' makes 0 device\(s\) visible; entries 'gpu1' "
+                                         r"skipped, but a rank uses GPU id 0"):  # fmt: skip
+        xpu([0], {"ZE_AFFINITY_MASK": "gpu1"})
+    (acc,) = xpu([1], {"ZE_AFFINITY_MASK": "default"})
+    assert acc.pci == "0000:4d:00.0" and "no ZE_AFFINITY_MASK" in acc.source
+
+
+def test_ray_xpu_ids_still_name_cards():
+    (acc,) = xpu([0], {"ZE_AFFINITY_MASK": "0"}, ray_accelerator_ids=["2"])
+    assert acc.pci == "0000:9a:00.0"
+    with pytest.raises(ValueError, match=r"Ray GPU id 'gpu1': 'gpu1' is not a device"):
+        xpu([0], {}, ray_accelerator_ids=["gpu1"])
 
 
 def test_xpu_index_beyond_cards_mentions_flat_hierarchy():

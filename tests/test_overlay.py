@@ -19,6 +19,8 @@ from typing import Dict, List, Tuple
 import libcst  # noqa: F401  (the overlay needs it: a missing libcst must fail here, not skip)
 import pytest
 
+from conftest import full_import_env
+
 OVERLAY = Path(__file__).resolve().parent.parent / "scripts" / "overlay.py"
 BOOTSTRAP, ENGINE, ENVIRON = "srt/distributed/bootstrap.py", "srt/ray/engine.py", "srt/environ.py"
 NUMA = "srt/utils/numa_utils.py"
@@ -310,3 +312,162 @@ def test_libcst_missing_is_a_one_line_refusal(repo: Path, tmp_path: Path) -> Non
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "pip install libcst" in r.stderr
+
+
+# --------------------------------------------------------------------------- a checkout: python/sglang and test/
+
+PORTED = "registered/utils/test_numa_utils.py"
+PORTED_NEW = "registered/utils/test_numa_utils_xpu.py"
+UPSTREAM_TEST = "from sglang.srt.utils.numa_utils import _probe_numactl_args  # upstream's, 0.5.23\n"
+REPO_TESTS = {  # the repo's tests/upstream/
+    "__init__.py": '"""Package markers let pytest tell these from tests/ files of the same name."""\n',
+    "registered/__init__.py": "",
+    "registered/utils/__init__.py": "",
+    PORTED: "import unittest\n\nclass TestPorted(unittest.TestCase):\n    pass\n",
+    PORTED_NEW: "import unittest\n\nclass TestXpu(unittest.TestCase):\n    pass\n",
+}
+REAL_REPO = OVERLAY.parent.parent
+
+
+@pytest.fixture
+def checkout(link_source: Path, tmp_path: Path) -> Path:
+    """An sglang checkout: python/sglang (a hard-link copy of the pristine package) and upstream's test/."""
+    root = tmp_path / "checkout"
+    shutil.copytree(link_source, root / "python" / "sglang", copy_function=os.link,
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    for rel, text in {PORTED: UPSTREAM_TEST, "registered/utils/test_other.py": "# upstream's\n",
+                      "run_suite.py": "# upstream's runner\n"}.items():  # fmt: skip
+        (root / "test" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / "test" / rel).write_text(text)
+    return root
+
+
+@pytest.fixture
+def repo_tests(repo: Path) -> Path:
+    """The fake repo with ported upstream tests beside its python/ dir."""
+    for rel, text in REPO_TESTS.items():
+        (repo.parent / "tests" / "upstream" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo.parent / "tests" / "upstream" / rel).write_text(text)
+    return repo
+
+
+def test_checkout_gets_the_package_and_the_ported_tests(checkout: Path, repo_tests: Path, pristine: Path) -> None:
+    other = (checkout / "test/registered/utils/test_other.py").stat()
+    r = overlay(checkout, repo_tests)
+    assert r.returncode == 0, r.stderr
+    pkg = checkout / "python" / "sglang"
+    for rel, text in REPO_FILES.items():
+        assert (pkg / rel).read_text() == text
+    assert SHM_IMPORT in (pkg / BOOTSTRAP).read_text().splitlines()
+    # Upstream's test of the same path is replaced by the port; a new port is added; nothing else changes.
+    assert (checkout / "test" / PORTED).read_text() == REPO_TESTS[PORTED]
+    assert (checkout / "test" / PORTED_NEW).read_text() == REPO_TESTS[PORTED_NEW]
+    assert not list((checkout / "test").rglob("__init__.py"))
+    assert (checkout / "test/registered/utils/test_other.py").stat() == other
+    assert (checkout / "test/run_suite.py").read_text() == "# upstream's runner\n"
+    lines = r.stdout.splitlines()
+    assert f"replaced test/{PORTED} (upstream's test, ported)" in lines
+    assert f"added test/{PORTED_NEW}" in lines
+    assert f"rewrote python/sglang/{BOOTSTRAP}" in lines and f"added python/sglang/{'srt/placement/plan.py'}" in lines
+    assert lines[-1] == f"overlay: {len(REPO_FILES) + 3 + 2} file(s) changed in {checkout}"
+    manifest = json.loads((pkg / ".placement-overlay.json").read_text())
+    assert manifest["tests_added"] == [PORTED_NEW]
+    assert set(manifest["added"]) == set(REPO_FILES) - {NUMA}
+
+
+def test_checkout_second_run_changes_nothing(checkout: Path, repo_tests: Path) -> None:
+    assert overlay(checkout, repo_tests).returncode == 0
+    before = snapshot(checkout)
+    r = overlay(checkout, repo_tests)
+    assert (r.returncode, r.stderr) == (0, "") and r.stdout == f"overlay: nothing changed; {checkout} is up to date\n"
+    d = overlay(checkout, repo_tests, "--diff")
+    assert (d.returncode, d.stdout) == (0, "") and "0 upstream files changed" in d.stderr
+    # The package dir on its own is up to date too, and keeps the checkout's record of its tests.
+    p = overlay(checkout / "python" / "sglang", repo_tests)
+    assert p.returncode == 0 and "nothing changed" in p.stdout
+    assert snapshot(checkout) == before
+
+
+def test_checkout_diff_names_checkout_paths_and_writes_nothing(checkout: Path, repo_tests: Path) -> None:
+    before = snapshot(checkout)
+    r = overlay(checkout, repo_tests, "--diff")
+    assert r.returncode == 0, r.stderr
+    assert snapshot(checkout) == before
+    for rel in (BOOTSTRAP, ENGINE, ENVIRON, NUMA):
+        assert f"--- a/python/sglang/{rel}\n+++ b/python/sglang/{rel}\n@@ " in r.stdout
+    assert f"--- a/test/{PORTED}\n+++ b/test/{PORTED}\n@@ -1 +1,4 @@\n-{UPSTREAM_TEST}+import unittest\n" in r.stdout
+    assert f"--- /dev/null\n+++ b/test/{PORTED_NEW}\n@@ -0,0 +1,4 @@\n" in r.stdout
+    assert not re.search(r"^\+\+\+ b/test/.*__init__\.py$", r.stdout, re.M)
+    assert "a/sglang/" not in r.stdout and "b/sglang/" not in r.stdout
+    n = sum(t.count("\n") for rel, t in REPO_FILES.items() if rel != NUMA) + REPO_TESTS[PORTED_NEW].count("\n")
+    summary = rf"overlay --diff: 5 upstream files changed \(\+\d+ -\d+ lines\), 4 new files \({n} lines\)\n"
+    assert re.fullmatch(summary, r.stderr), r.stderr
+    # The diff is the pull request against the checkout: it applies at its root as it is.
+    check = subprocess.run(["git", "apply", "--check", "-"], input=r.stdout, cwd=checkout, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert check.returncode == 0, check.stderr
+
+
+def test_checkout_port_removed_from_the_repo_is_deleted(checkout: Path, repo_tests: Path) -> None:
+    assert overlay(checkout, repo_tests).returncode == 0
+    (repo_tests.parent / "tests" / "upstream" / PORTED_NEW).unlink()
+    (repo_tests.parent / "tests" / "upstream" / PORTED).write_text("# ported again\n")
+    r = overlay(checkout, repo_tests)
+    assert r.returncode == 0, r.stderr
+    assert f"deleted test/{PORTED_NEW} (no longer in the repo)" in r.stdout.splitlines()
+    assert f"replaced test/{PORTED} (upstream's test, ported)" in r.stdout.splitlines()
+    assert not (checkout / "test" / PORTED_NEW).exists()
+    assert (checkout / "test" / PORTED).read_text() == "# ported again\n"  # upstream's path is kept
+    assert (checkout / "test/registered/utils/test_other.py").exists()
+    assert "tests_added" not in json.loads((checkout / "python/sglang/.placement-overlay.json").read_text())
+
+
+@pytest.mark.parametrize("problem", ["no test dir", "unknown upstream shape", "dir in the way"])
+def test_checkout_refusals_write_nothing(checkout: Path, repo_tests: Path, problem: str) -> None:
+    if problem == "no test dir":
+        shutil.rmtree(checkout / "test")
+        want = f"{checkout} is not an sglang package dir"
+    elif problem == "unknown upstream shape":
+        rel, old, new, name = UNKNOWN_SHAPES["renamed actor factory"]
+        edit(checkout / "python" / "sglang" / rel, old, new)
+        want = name
+    else:
+        (checkout / "test" / PORTED_NEW).mkdir()
+        want = f"test/{PORTED_NEW}: the checkout has a non-file or a file-as-directory in the way"
+    before = snapshot(checkout)
+    for args in ((), ("--diff",)):
+        r = overlay(checkout, repo_tests, *args)
+        assert (r.returncode, r.stdout) == (2, "") and len(r.stderr.splitlines()) == 1, r.stderr
+        assert want in r.stderr, r.stderr
+    assert snapshot(checkout) == before
+
+
+def test_package_dir_leaves_the_ported_tests_alone(pkg: Path, repo_tests: Path) -> None:
+    r = overlay(pkg, repo_tests)
+    assert r.returncode == 0, r.stderr
+    assert "test/" not in r.stdout and not (pkg.parent / "test").exists()
+    assert "tests_added" not in json.loads((pkg / ".placement-overlay.json").read_text())
+
+
+def test_real_ported_tests_run_in_an_overlaid_checkout(checkout: Path) -> None:
+    """The repo's own ports, copied by the overlay, pass from the checkout with nothing of tests/ on the path,
+    and sglang's CI collector sees them registered for the CPU suite."""
+    from sglang.test.ci.ci_register import HWBackend, ut_parse_one_file
+
+    r = overlay(checkout, REAL_REPO / "python")
+    assert r.returncode == 0, r.stderr
+    ported = sorted((REAL_REPO / "tests" / "upstream").rglob("test_*.py"))
+    copied = [checkout / "test" / p.relative_to(REAL_REPO / "tests" / "upstream") for p in ported]
+    assert [c.read_bytes() for c in copied] == [p.read_bytes() for p in ported] and len(copied) == 2
+    for path in copied:
+        registry, _ = ut_parse_one_file(str(path))
+        assert [(e.backend, e.suite) for e in registry] == [(HWBackend.CPU, "base-a-test-cpu")]
+    env = full_import_env()
+    env["PYTHONPATH"] = str(checkout / "python")
+    where = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('sglang').origin)"],
+                           capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert where.stdout.strip() == str(checkout / "python" / "sglang" / "__init__.py"), where
+    cmd = [sys.executable, "-m", "pytest", *map(str, copied), "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=checkout / "test", env=env)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert re.search(r"\d+ passed, 2 skipped", out.stdout.splitlines()[-1]), out.stdout[-2000:]

@@ -273,6 +273,36 @@ def accelerator_pci_devices(topology: HostTopology, *, device: str) -> tuple[Pci
     return tuple(sorted(found, key=_pci_sort_key))
 
 
+PCI_ID_ORDER_VAR = "ZE_ENABLE_PCI_ID_DEVICE_ORDER"
+
+
+def pci_id_order(env: Mapping[str, str]) -> bool:
+    """Whether ``ZE_ENABLE_PCI_ID_DEVICE_ORDER`` asks Level Zero for plain PCI order (set, and not "0")."""
+    return env.get(PCI_ID_ORDER_VAR, "").strip() not in ("", "0")
+
+
+def is_integrated_intel_gpu(address: str) -> bool:
+    """An Intel integrated GPU sits on the root bus: PCI domain 0000, bus 00."""
+    domain, _, rest = address.partition(":")
+    try:
+        return int(domain, 16) == 0 and int(rest.partition(":")[0], 16) == 0
+    except ValueError:
+        return False
+
+
+def level_zero_order(devices: Sequence[PciDevice], *, env: Mapping[str, str]) -> tuple[PciDevice, ...]:
+    """Intel GPUs in the order Level Zero numbers them: PCI bus order, integrated GPUs last unless
+    ``ZE_ENABLE_PCI_ID_DEVICE_ORDER`` is set (intel/compute-runtime sorts by PCI id that way).
+
+    With the integrated GPU last, a runtime that leaves it out of its device list
+    numbers the discrete GPUs the same way.
+    """
+    ordered = sorted(devices, key=_pci_sort_key)
+    if pci_id_order(env):
+        return tuple(ordered)
+    return tuple(sorted(ordered, key=lambda dev: is_integrated_intel_gpu(dev.address)))
+
+
 def identify_accelerators(
     *,
     device: str,
@@ -288,7 +318,8 @@ def identify_accelerators(
     Precedence: ``gpus`` (the ``--gpus`` option) names PCI addresses directly; otherwise
     the physical device is Ray's assigned id, else the device's visibility variable
     (``CUDA_VISIBLE_DEVICES`` / ``ZE_AFFINITY_MASK``) entry, else the index itself; its
-    PCI address comes from ``runtime`` when given, else from sysfs PCI bus order.
+    PCI address comes from ``runtime`` when given, else from sysfs PCI bus order (for
+    Intel GPUs, Level Zero's order: see ``level_zero_order``).
     ``env`` must be the environment the rank's process runs with.
     """
     if device == "cpu":
@@ -303,12 +334,14 @@ def identify_accelerators(
     if gpus is not None:
         return _from_gpus_option(topology=topology, gpu_ids=gpu_ids, gpus=parse_gpus_option(gpus))
     listed = accelerator_pci_devices(topology, device=device)
+    if device == "xpu":
+        listed = level_zero_order(listed, env=env)
     result = []
     for gpu_id in gpu_ids:
         if device == "cuda":
             physical = _cuda_physical(gpu_id=gpu_id, env=env, ray_ids=ray_accelerator_ids)
         else:
-            physical = _xpu_physical(gpu_id=gpu_id, env=env, ray_ids=ray_accelerator_ids)
+            physical = _xpu_physical(gpu_id=gpu_id, env=env, ray_ids=ray_accelerator_ids, cards=len(listed))
         result.append(
             _locate(gpu_id=gpu_id, physical=physical, device=device, env=env, listed=listed,
                     topology=topology, runtime=runtime)
@@ -414,26 +447,49 @@ def _physical_entry(entry: str, *, origin: str) -> _Physical:
     raise DeviceIdentityError(f"{origin}: {entry!r} is neither a device index nor a GPU-/MIG- UUID.")
 
 
-def _xpu_physical(*, gpu_id: int, env: Mapping[str, str], ray_ids: Optional[Sequence[str]]) -> _Physical:
+def _xpu_physical(
+    *, gpu_id: int, env: Mapping[str, str], ray_ids: Optional[Sequence[str]], cards: int
+) -> _Physical:
     if ray_ids:
         entry = _ray_entry(ray_ids, gpu_id)
         card = _ze_card(entry, what=f"Ray GPU id {entry!r}")
         return _Physical(text=entry, index=card, origin=f"Ray GPU id {entry!r} (index {gpu_id} of {list(ray_ids)})")
     mask = env.get("ZE_AFFINITY_MASK", "").strip()
-    if not mask:
+    if not mask or mask == "default":
         return _Physical(text=str(gpu_id), index=gpu_id, origin="no ZE_AFFINITY_MASK")
-    entries = [part.strip() for part in mask.split(",")]
-    for entry in entries:
-        _ze_card(entry, what=f"ZE_AFFINITY_MASK={mask!r}")
-    if gpu_id >= len(entries):
+    visible, skipped = ze_affinity_cards(mask, cards=cards)
+    note = f"; entries {', '.join(repr(e) for e in skipped)} skipped" if skipped else ""
+    if gpu_id >= len(visible):
         raise DeviceIdentityError(
-            f"ZE_AFFINITY_MASK={mask!r} makes {len(entries)} device(s) visible, but a rank uses GPU id "
+            f"ZE_AFFINITY_MASK={mask!r} makes {len(visible)} device(s) visible{note}, but a rank uses GPU id "
             f"{gpu_id}; list more devices or lower --base-gpu-id / --tp-size."
         )
-    entry = entries[gpu_id]
-    # A sub-device (tile) "card.tile" sits on its card's PCI function.
-    card = _ze_card(entry, what=f"ZE_AFFINITY_MASK={mask!r}")
-    return _Physical(text=entry, index=card, origin=f"ZE_AFFINITY_MASK={mask!r} entry {gpu_id}")
+    card = visible[gpu_id]
+    listing = ",".join(str(c) for c in visible)
+    return _Physical(
+        text=str(card), index=card,
+        origin=f"ZE_AFFINITY_MASK={mask!r} shows devices {listing} in index order, device {gpu_id} is {card}{note}",
+    )
+
+
+def ze_affinity_cards(mask: str, *, cards: int) -> tuple[list[int], list[str]]:
+    """The devices ``ZE_AFFINITY_MASK`` leaves visible, in logical index order, and the entries it skips.
+
+    As Level Zero reads it: the mask filters, it does not permute like
+    ``CUDA_VISIBLE_DEVICES`` (``"3,1"`` shows devices 1 and 3, as 0 and 1); a
+    sub-device entry ``card.tile`` shows its card; an entry that is not an index,
+    or names a device beyond the ``cards`` there are, is skipped.
+    """
+    found: set[int] = set()
+    skipped: list[str] = []
+    for part in mask.split(","):
+        entry = part.strip()
+        match = _ZE_ENTRY_RE.match(entry)
+        if match is None or int(match["card"]) >= cards:
+            skipped.append(entry)
+            continue
+        found.add(int(match["card"]))
+    return sorted(found), skipped
 
 
 def _ze_card(entry: str, *, what: str) -> int:
@@ -501,8 +557,14 @@ def _locate(
         )
     pci = listed[index].address
     note = _order_note(device=device, env=env, listed=listed)
+    order = "PCI bus order"
+    if device == "xpu":
+        order = (
+            f"Level Zero order (PCI bus order, {PCI_ID_ORDER_VAR}={env.get(PCI_ID_ORDER_VAR, '').strip()})"
+            if pci_id_order(env) else "Level Zero order (PCI bus order, integrated GPUs last)"
+        )
     return made(
-        pci, f"sysfs: {missed}{vendor} GPU {index} in PCI bus order ({physical.origin}){note}"
+        pci, f"sysfs: {missed}{vendor} GPU {index} in {order} ({physical.origin}){note}"
     )
 
 
@@ -514,10 +576,6 @@ def _order_note(*, device: str, env: Mapping[str, str], listed: tuple[PciDevice,
         return (
             "; NVML and sysfs count GPUs in PCI bus order but CUDA_DEVICE_ORDER is not PCI_BUS_ID, "
             "so CUDA's fastest-first order may differ (set CUDA_DEVICE_ORDER=PCI_BUS_ID)"
-        )
-    if device == "xpu" and env.get("ZE_ENABLE_PCI_ID_DEVICE_ORDER", "").strip() != "1":
-        return (
-            "; assumes Level Zero counts GPUs in PCI bus order (set ZE_ENABLE_PCI_ID_DEVICE_ORDER=1 to make sure)"
         )
     return ""
 
