@@ -397,19 +397,27 @@ def test_cpu_threads_bind_outside_allowed_cpus(two_sockets):
 # --- rank layout, policy and input validation --------------------------------------------------
 
 
-def test_local_ranks_follow_upstream_gpu_ids():
-    # The engine's formula: base + (pp % pp_per_node) * tp_per_node + (tp % tp_per_node) * step; the step
-    # applies to the TP offset only, so with pp > 1 and step > 1 upstream gives two ranks GPU 3.
+def test_engine_formula_gives_upstreams_gpu_ids():
+    """entrypoints/engine.py: base + (pp % pp_per_node) * tp_per_node + (tp % tp_per_node) * step. The step
+    applies to the TP offset only, so with pp > 1 and step > 1 upstream gives two ranks GPU 3."""
     ranks = local_ranks(EngineArgs(tp_size=2, pp_size=2, base_gpu_id=1, gpu_id_step=2))
     assert [(r.pp_rank, r.tp_rank, r.gpu_id) for r in ranks] == [(0, 0, 1), (0, 1, 3), (1, 0, 3), (1, 1, 5)]
     node1 = local_ranks(EngineArgs(tp_size=4, nnodes=2, node_rank=1))
     assert [(r.tp_rank, r.gpu_id, r.global_rank) for r in node1] == [(2, 0, 2), (3, 1, 3)]
-    # The data-parallel controller's: each dp rank starts tp_size * pp_size * step ids after the previous.
+    stages = local_ranks(EngineArgs(tp_size=2, pp_size=2, nnodes=2, node_rank=1))
+    assert [(r.pp_rank, r.tp_rank, r.gpu_id) for r in stages] == [(1, 0, 0), (1, 1, 1)]
+
+
+def test_data_parallel_controller_formula_gives_upstreams_gpu_ids():
+    """managers/data_parallel_controller.py: each dp rank's group starts tp_size * pp_size * step ids after
+    the previous one's, on top of --base-gpu-id."""
     dp = local_ranks(EngineArgs(tp_size=2, dp_size=2))
     assert [(r.dp_rank, r.tp_rank, r.gpu_id, r.global_rank) for r in dp] == [
         (0, 0, 0, 0), (0, 1, 1, 1), (1, 0, 2, 2), (1, 1, 3, 3)]
     stepped = local_ranks(EngineArgs(tp_size=2, dp_size=2, gpu_id_step=2, base_gpu_id=1))
     assert [r.gpu_id for r in stepped] == [1, 3, 5, 7]
+    staged = local_ranks(EngineArgs(tp_size=2, pp_size=2, dp_size=2, gpu_id_step=2))
+    assert [r.gpu_id for r in staged] == [0, 2, 2, 4, 8, 10, 10, 12]
 
 
 @pytest.mark.parametrize("kwargs, message", [
