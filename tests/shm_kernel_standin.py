@@ -57,7 +57,12 @@ FAIL_NEXT: list[BaseException] = []
 """Put an exception here to make the next ``initialize`` raise it (after reading its inputs)."""
 
 _state: dict = {
-    "lib": None, "schema": None, "prefix": None, "rank": None, "maps": {}, "sequence": 0,
+    "lib": None,
+    "schema": None,
+    "prefix": None,
+    "rank": None,
+    "maps": {},
+    "sequence": 0,
 }
 _libc = ctypes.CDLL(None)
 _libc.getenv.restype = ctypes.c_char_p
@@ -150,10 +155,14 @@ def _init_cpu_threads_env(cpu_ids: str) -> str:
     return f"stand-in bound {len(cpus)} threads to {cpu_ids}"
 
 
-def _wait_for_sequence(m: mmap.mmap, offset: int, sequence: int, deadline: float) -> None:
+def _wait_for_sequence(
+    m: mmap.mmap, offset: int, sequence: int, deadline: float
+) -> None:
     while _SEQUENCE.unpack_from(m, offset)[0] != sequence:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"stand-in kernel: a peer never wrote all-reduce {sequence}")
+            raise RuntimeError(
+                f"stand-in kernel: a peer never wrote all-reduce {sequence}"
+            )
         time.sleep(0.0005)
 
 
@@ -165,10 +174,14 @@ def _shm_allreduce(data, reduce_op: int) -> None:
         raise RuntimeError(f"stand-in kernel: reduce_op {reduce_op} is not SUM")
     maps = _state["maps"]
     if not maps:
-        raise RuntimeError("stand-in kernel: shm_allreduce before initialize set up shared memory")
+        raise RuntimeError(
+            "stand-in kernel: shm_allreduce before initialize set up shared memory"
+        )
     values = data.reshape(-1).to(torch.float64).tolist()
     if len(values) > _SLOT_VALUES:
-        raise RuntimeError(f"stand-in kernel: at most {_SLOT_VALUES} values per all-reduce")
+        raise RuntimeError(
+            f"stand-in kernel: at most {_SLOT_VALUES} values per all-reduce"
+        )
     _state["sequence"] += 1
     sequence = _state["sequence"]
     offset = _SLOT_OFFSET + (sequence % 2) * _SLOT_BYTES
@@ -181,10 +194,14 @@ def _shm_allreduce(data, reduce_op: int) -> None:
         _wait_for_sequence(m, offset, sequence, deadline)
         peer = struct.unpack_from(f"<{len(values)}d", m, offset + 8)
         total = [a + b for a, b in zip(total, peer)]
-    data.copy_(torch.tensor(total, dtype=torch.float64).reshape(data.shape).to(data.dtype))
+    data.copy_(
+        torch.tensor(total, dtype=torch.float64).reshape(data.shape).to(data.dtype)
+    )
 
 
-def register(schema: str, *, threads_env: bool = False, all_reduce: bool = False) -> None:
+def register(
+    schema: str, *, threads_env: bool = False, all_reduce: bool = False
+) -> None:
     """Define ``sgl_kernel::initialize`` with ``schema`` ("released" or "namespaced") in
     this process, ``init_cpu_threads_env`` too if ``threads_env``, and
     ``shm_allreduce`` if ``all_reduce``."""

@@ -232,6 +232,29 @@ def test_dead_record_beside_a_live_owner_never_removes_its_segment(shm_dir):
     assert os.listdir(shm_dir) == []
 
 
+def test_a_dead_engines_helper_that_kept_the_lock_is_named_with_its_command(shm_dir):
+    engine = _Child(None, None, "claim_with_helper", shm_dir, 41006, 0)
+    info = engine.claimed()
+    helper = info["helper"]
+    try:
+        engine.kill()  # SIGKILL: the forked helper lives on, holding the record's lock
+        outcome = _run(None, None, "claim", shm_dir, 41006, 0, False)
+        assert outcome[:2] == ("error", "ShmCollectiveError"), outcome
+        message = outcome[2].splitlines()[0]
+        assert f"was made by pid {info['pid']}, which no longer holds it" in message
+        assert f"locked by pid {helper}: {shm_children.HELPER_TITLE!r}" in message
+        assert f"kill {helper}" in message and "--dist-init-addr" in message
+        assert "live process" not in message
+    finally:
+        os.kill(helper, signal.SIGKILL)
+    # Once the helper is gone its lock goes with it: the next claim takes over.
+    outcome = _run(None, None, "claim", shm_dir, 41006, 0, False, 30.0)
+    assert outcome[0] == "ok", outcome
+    assert outcome[1]["pid"] != info["pid"]
+    # It removed the dead engine's segment and record; its own went when it exited.
+    assert os.listdir(shm_dir) == []
+
+
 # ----------------------------------------------------------- dead owners of other namespaces
 
 

@@ -39,7 +39,6 @@ from sglang.srt.distributed.shm_segments import (
     StaleSweep,
     claim_segment,
     ensure_segment_space,
-    explained_shm_errors,
     release_shm_collective,
     remove_stale_segments,
 )
@@ -124,18 +123,17 @@ def init_shm_collective(
             shm_dir=shm_dir,
             segment_bytes=KERNEL_SEGMENT_BYTES,
         )
-        with explained_shm_errors(rank=tp_rank, shm_dir=shm_dir):
-            if kind == "namespaced":
-                op(tp_size, tp_rank, namespace.prefix)
-            else:
-                with scoped_environ(
-                    {
-                        "MASTER_ADDR": namespace.kernel_addr,
-                        "MASTER_PORT": namespace.kernel_port,
-                        "LOCAL_SIZE": str(tp_size),
-                    }
-                ):
-                    op(tp_size, tp_rank)
+        if kind == "namespaced":
+            op(tp_size, tp_rank, namespace.prefix)
+        else:
+            with scoped_environ(
+                {
+                    "MASTER_ADDR": namespace.kernel_addr,
+                    "MASTER_PORT": namespace.kernel_port,
+                    "LOCAL_SIZE": str(tp_size),
+                }
+            ):
+                op(tp_size, tp_rank)
     except BaseException:
         release_shm_collective(namespace, rank=tp_rank)
         raise

@@ -699,18 +699,30 @@ def _suggested_mib(*, total: int, free: int, needed: int) -> int:
 
 
 def describe_full_shm(
-    *, rank: int, shm_dir: str, path: str, free: int, total: int, needed: int
+    *,
+    rank: int,
+    shm_dir: str,
+    free: int,
+    total: int,
+    needed: int,
+    segment: str,
+    failed: Optional[str] = None,
 ) -> str:
-    """The message for a ``shm_dir`` without room for ``needed`` more bytes (pure)."""
+    """The message for a ``shm_dir`` without room for ``needed`` more bytes (pure).
+
+    ``segment`` is the rank's segment path; ``failed`` the file whose write failed,
+    when one did.
+    """
     size = _suggested_mib(total=total, free=free, needed=needed)
+    what = f"writing {failed!r} failed: " if failed else ""
     return (
-        f"rank {rank}: {shm_dir!r} has {free} of {total} bytes free, but the CPU "
-        f"shared-memory all-reduce needs {needed} bytes more there (each rank's "
-        f"segment, such as {path!r}, takes {KERNEL_SEGMENT_BYTES} bytes, about "
-        f"{KERNEL_SEGMENT_BYTES // _MIB} MiB). Grow it to at least {size} MiB: as "
-        f"root, `mount -o remount,size={size}M {shm_dir}`; in a container, start it "
-        f"with `--shm-size={size}m` (docker) or a larger memory-backed volume at "
-        f"{shm_dir}; or stop what else fills it"
+        f"rank {rank}: {what}{shm_dir!r} has {free} of {total} bytes free, but the "
+        f"CPU shared-memory all-reduce needs {needed} bytes more there: each rank's "
+        f"segment (this rank's is {segment!r}) takes {KERNEL_SEGMENT_BYTES} bytes, "
+        f"about {KERNEL_SEGMENT_BYTES // _MIB} MiB. Grow it to at least {size} MiB: "
+        f"as root, `mount -o remount,size={size}M {shm_dir}`; in a container, start "
+        f"it with `--shm-size={size}m` (docker) or a larger memory-backed volume at "
+        f"{shm_dir}; or remove what else fills it"
     )
 
 
@@ -730,39 +742,46 @@ def _usage(shm_dir: str) -> tuple[int, int]:
     return info.f_bavail * info.f_frsize, info.f_blocks * info.f_frsize
 
 
-def shm_filesystem_error(
-    exc: OSError, *, rank: int, shm_dir: str, needed: int = KERNEL_SEGMENT_BYTES
+def _shm_filesystem_error(
+    exc: OSError, *, namespace: ShmNamespace, rank: int, shm_dir: str
 ) -> Optional[ShmCollectiveError]:
     """The error that names the file and the fix for a full or read-only ``shm_dir``,
     or None when ``exc`` is some other failure."""
-    path = exc.filename if isinstance(exc.filename, str) else shm_dir
+    segment = os.path.join(shm_dir, namespace.segment_name(rank))
+    path = exc.filename if isinstance(exc.filename, str) else segment
     if exc.errno == errno.EROFS:
         return ShmCollectiveError(
             describe_read_only_shm(rank=rank, shm_dir=shm_dir, path=path)
         )
     if exc.errno in _FULL:
         free, total = _usage(shm_dir)
+        # At least this rank's segment; its peers' are counted before the kernel runs.
         return ShmCollectiveError(
             describe_full_shm(
                 rank=rank,
                 shm_dir=shm_dir,
-                path=path,
                 free=free,
                 total=total,
-                needed=max(needed, 1),
+                needed=KERNEL_SEGMENT_BYTES,
+                segment=segment,
+                failed=path,
             )
         )
     return None
 
 
 @contextlib.contextmanager
-def explained_shm_errors(*, rank: int, shm_dir: str) -> Iterator[None]:
+def _explained_shm_errors(
+    *, namespace: ShmNamespace, rank: int, shm_dir: str
+) -> Iterator[None]:
     """Turn ENOSPC, EDQUOT and EROFS raised in the block into errors that name the
     file and the fix; other errors pass unchanged."""
     try:
         yield
     except OSError as exc:
-        explained = shm_filesystem_error(exc, rank=rank, shm_dir=shm_dir)
+        explained = _shm_filesystem_error(
+            exc, namespace=namespace, rank=rank, shm_dir=shm_dir
+        )
         if explained is None:
             raise
         raise explained from exc
@@ -802,15 +821,14 @@ def ensure_segment_space(
     needed = segment_bytes_missing(sizes, segment_bytes=segment_bytes)
     free, total = _usage(shm_dir)
     if free < needed:
-        path = os.path.join(shm_dir, namespace.segment_name(rank))
         raise ShmCollectiveError(
             describe_full_shm(
                 rank=rank,
                 shm_dir=shm_dir,
-                path=path,
                 free=free,
                 total=total,
                 needed=needed,
+                segment=os.path.join(shm_dir, namespace.segment_name(rank)),
             )
         )
 
@@ -836,7 +854,7 @@ def claim_segment(
         record = _OWNED.get(key)
     if record is not None:
         return
-    with explained_shm_errors(rank=rank, shm_dir=shm_dir):
+    with _explained_shm_errors(namespace=namespace, rank=rank, shm_dir=shm_dir):
         record, dead = _claim_owner(namespace, rank, shm_dir=shm_dir, wait_s=wait_s)
     segment = namespace.segment_name(rank)
     path = os.path.join(shm_dir, segment)
@@ -879,10 +897,8 @@ __all__ = [
     "describe_full_shm",
     "describe_read_only_shm",
     "ensure_segment_space",
-    "explained_shm_errors",
     "find_lock_holders",
     "release_shm_collective",
     "remove_stale_segments",
     "segment_bytes_missing",
-    "shm_filesystem_error",
 ]
