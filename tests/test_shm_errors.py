@@ -20,6 +20,7 @@ import pytest
 from sglang.srt.distributed.shm_namespace import ShmNamespace
 from sglang.srt.distributed.shm_segments import (
     KERNEL_SEGMENT_BYTES,
+    BusyRecord,
     LockHolder,
     describe_busy_owner,
     segment_bytes_missing,
@@ -125,30 +126,31 @@ def test_bytes_still_to_write_count_absent_and_short_segments():
     assert segment_bytes_missing([], segment_bytes=10) == 0
 
 
-class _Busy:
-    def __init__(self, recorded_pid: str) -> None:
-        self.path, self.dev, self.ino, self.recorded_pid = (
-            "/r.owner",
-            1,
-            2,
-            recorded_pid,
-        )
+def _busy(pid: str) -> BusyRecord:
+    return BusyRecord(path="/dev/shm/o/s_3.owner", dev=1, ino=2, recorded_pid=pid)
 
 
 @pytest.mark.parametrize(
-    "busy, holders, expected",
+    "busy, holders, alive, expected",
     [
-        (_Busy("7"), [LockHolder(7, "python -m sglang")], "belongs to a live process (pid 7: 'python -m sglang')"),
-        (_Busy("7"), [], "belongs to a live process (pid 7)"),
-        (_Busy("?"), [LockHolder(9, "x")], "belongs to a live process (pid 9: 'x')"),
-        (_Busy("?"), [], "by a process that this user cannot see"),
-        (_Busy("7"), [LockHolder(9, "helper")], "made by pid 7, which no longer holds it, and is locked by pid 9: 'helper'"),
-        (None, [], "kept changing hands"),
+        (_busy("7"), [LockHolder(7, "python -m sglang")], True, "belongs to a live process (pid 7: 'python -m sglang')"),
+        (_busy("?"), [LockHolder(9, "x")], True, "belongs to a live process (pid 9: 'x')"),
+        (_busy("7"), [LockHolder(9, "helper")], False, "made by pid 7, which no longer holds it, and is locked by pid 9: 'helper'"),
+        (_busy("7"), [], True, "belongs to a live process (pid 7, as its owner record '/dev/shm/o/s_3.owner' says)"),
+        (_busy("7"), [], False, "made by pid 7, which is gone, and its lock is held by a process this user cannot inspect"),
+        (None, [], False, "kept changing hands"),
     ],
 )  # fmt: skip
-def test_a_busy_owner_is_described_by_who_really_holds_it(busy, holders, expected):
+def test_a_busy_owner_is_described_by_who_really_holds_it(
+    busy, holders, alive, expected
+):
     message = describe_busy_owner(
-        rank=3, segment="seg_3", address="'127.0.0.1:1'", busy=busy, holders=holders
+        rank=3,
+        segment="s_3",
+        address="'127.0.0.1:1'",
+        busy=busy,
+        holders=holders,
+        recorded_alive=alive,
     )
     assert message.startswith("rank 3: ") and expected in message
     assert "--dist-init-addr" in message

@@ -270,7 +270,7 @@ def _close_all(held: list[_Held], *, unlink: bool) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Busy:
+class BusyRecord:
     """An owner record that another open file holds locked: the record's path and
     identity, and the pid written in it (the process that claimed it)."""
 
@@ -282,7 +282,7 @@ class _Busy:
 
 def _lock_at(
     directory: _Dir, name: str, *, create: bool
-) -> tuple[Optional[_Held], Optional[_Busy]]:
+) -> tuple[Optional[_Held], Optional[BusyRecord]]:
     """Open and lock the record ``name`` in ``directory``.
 
     ``(record, None)`` once locked; ``(None, busy)`` when someone else holds it;
@@ -301,7 +301,7 @@ def _lock_at(
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         info = os.fstat(fd)
-        busy = _Busy(path, info.st_dev, info.st_ino, _read_pid(fd))
+        busy = BusyRecord(path, info.st_dev, info.st_ino, _read_pid(fd))
         os.close(fd)
         return None, busy
     record = _Held(path, fd)
@@ -313,7 +313,7 @@ def _lock_at(
 
 def _lock_records(
     segment: str, shm_dir: str, uid: int, *, own: Optional[int] = None
-) -> tuple[Optional[list[_Held]], Optional[_Busy]]:
+) -> tuple[Optional[list[_Held]], Optional[BusyRecord]]:
     """Lock the record of ``segment`` in every trusted directory (all but ``own``'s file).
 
     Returns ``(records, None)``, every one dead and now held here, or
@@ -443,46 +443,69 @@ def describe_busy_owner(
     rank: int,
     segment: str,
     address: str,
-    busy: Optional[_Busy],
+    busy: Optional[BusyRecord],
     holders: Sequence[LockHolder],
+    recorded_alive: bool,
 ) -> str:
-    """The message for a segment whose owner record someone else holds (pure)."""
+    """The message for a segment whose owner record someone else holds (pure).
+
+    ``holders`` are the processes seen holding the record's lock;
+    ``recorded_alive`` says whether the pid written in the record still runs.
+    """
     fix = "Give each engine its own --dist-init-addr or port"
     if busy is None:
         return (
             f"rank {rank}: the owner records of segment {segment} kept changing "
             f"hands; another engine is starting on the same address {address}. {fix}"
         )
-    shown = ", ".join(f"pid {h.pid}: {quoted(h.command)}" for h in holders)
     recorded = busy.recorded_pid
-    # "?": the holder has not written its pid yet, so it is a claimant mid-claim.
-    if recorded == "?" and holders or any(str(h.pid) == recorded for h in holders):
-        live = True
-    else:
-        live = not holders and recorded != "?"
-    if live:
-        who = shown or f"pid {recorded}"
+    shown = ", ".join(f"pid {h.pid}: {quoted(h.command)}" for h in holders)
+    # No pid written yet ("?"): the holder is a claimant in the middle of its claim.
+    if any(str(h.pid) == recorded for h in holders) or (holders and recorded == "?"):
         return (
-            f"rank {rank}: segment {segment} belongs to a live process ({who}); "
+            f"rank {rank}: segment {segment} belongs to a live process ({shown}); "
             f"another engine uses the same address {address}. {fix}"
         )
-    if not holders:
+    if holders:
+        pids = " ".join(str(h.pid) for h in holders)
         return (
-            f"rank {rank}: segment {segment} is held through its owner record "
-            f"{busy.path!r} by a process that this user cannot see. {fix}"
+            f"rank {rank}: segment {segment} is still held: its owner record "
+            f"{busy.path!r} was made by pid {recorded}, which no longer holds it, and "
+            f"is locked by {shown}, a process that inherited the lock (one the engine "
+            f"started before it died, for example). Stop that process (kill {pids}) "
+            f"and start this engine again, or give it its own --dist-init-addr or port"
+        )
+    # Nobody seen: the holder runs as another user or in another pid namespace.
+    if recorded_alive:
+        return (
+            f"rank {rank}: segment {segment} belongs to a live process (pid "
+            f"{recorded}, as its owner record {busy.path!r} says); another engine "
+            f"uses the same address {address}. {fix}"
         )
     return (
         f"rank {rank}: segment {segment} is still held: its owner record "
-        f"{busy.path!r} was made by pid {recorded}, which no longer holds it, and is "
-        f"locked by {shown}, a process that inherited the lock (one the engine "
-        f"started before it died, for example). Stop that process (kill "
-        f"{' '.join(str(h.pid) for h in holders)}) and start this engine again, or "
-        f"give it its own --dist-init-addr or port"
+        f"{busy.path!r} was made by pid {recorded}, which is gone, and its lock is "
+        f"held by a process this user cannot inspect (another user's, or one in "
+        f"another pid namespace). Stop it and start this engine again. {fix}"
     )
 
 
+def _pid_alive(pid: str) -> bool:
+    """Whether ``pid`` (text from a record) names a running process; an unreadable
+    pid counts as running, since nothing says it has gone."""
+    if not pid.isascii() or not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
 def _live_owner_error(
-    namespace: ShmNamespace, rank: int, busy: Optional[_Busy]
+    namespace: ShmNamespace, rank: int, busy: Optional[BusyRecord]
 ) -> ShmCollectiveError:
     holders = [] if busy is None else find_lock_holders(dev=busy.dev, ino=busy.ino)
     return ShmCollectiveError(
@@ -492,6 +515,7 @@ def _live_owner_error(
             address=namespace.describe(),
             busy=busy,
             holders=holders,
+            recorded_alive=busy is not None and _pid_alive(busy.recorded_pid),
         )
     )
 
@@ -887,6 +911,7 @@ def claim_segment(
 
 
 __all__ = [
+    "BusyRecord",
     "KERNEL_SEGMENT_BYTES",
     "LockHolder",
     "SHM_DIR",
