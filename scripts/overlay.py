@@ -122,15 +122,39 @@ def _is_docstring(stmt: "cst.BaseStatement") -> bool:
     )
 
 
-def _add_import_after_imports(module: "cst.Module", line: str, where: str) -> "cst.Module":
-    """Add ``line`` after the module's last top-level import unless it is there already."""
+def _from_module(module: "cst.Module", stmt: "cst.BaseStatement") -> Optional[str]:
+    """The module of a top-level ``from X import ...`` statement, else None."""
+    if not _is_import(stmt):
+        return None
+    node = ast.parse(module.code_for_node(stmt).strip()).body[0]
+    return node.module if isinstance(node, ast.ImportFrom) and not node.level else None
+
+
+def _add_import_sorted(module: "cst.Module", line: str, where: str) -> "cst.Module":
+    """Add the ``from X import ...`` statement ``line`` unless it is there already:
+    before the first top-level ``from`` import of the same top package whose module
+    sorts after X (where isort's black profile puts it), else after the last import."""
     body = list(module.body)
-    if any(isinstance(s, cst.SimpleStatementLine) and _same(module, s, line) for s in body):
+    if any(
+        isinstance(s, cst.SimpleStatementLine) and _same(module, s, line) for s in body
+    ):
         return module
-    last = max((i for i, s in enumerate(body) if _is_import(s)), default=None)
-    if last is None:
+    imports = [i for i, s in enumerate(body) if _is_import(s)]
+    if not imports:
         raise Refusal(f"{where}: expected top-level import statements, found none")
-    body.insert(last + 1, _statement(line + "\n"))
+    ours = ast.parse(line).body[0].module
+    package = ours.split(".")[0]
+    at = next(
+        (
+            i
+            for i in imports
+            if (name := _from_module(module, body[i])) is not None
+            and name.split(".")[0] == package
+            and name.lower() > ours.lower()
+        ),
+        imports[-1] + 1,
+    )
+    body.insert(at, _statement(line + "\n"))
     return module.with_changes(body=body)
 
 
@@ -186,7 +210,7 @@ def rewrite_bootstrap(module: "cst.Module", rel: str) -> "cst.Module":
     ``_set_shm_master_env`` and ``sgl_kernel.initialize`` calls after it become one
     ``start_shm_collective(...)`` call.
     """
-    module = _add_import_after_imports(module, SHM_IMPORT, f"sglang/{rel}")
+    module = _add_import_sorted(module, SHM_IMPORT, f"sglang/{rel}")
     where = f"sglang/{rel}: _init_cpu_threads_env()"
     func = _top_level(module, cst.FunctionDef, "_init_cpu_threads_env", where)
     branch = next(

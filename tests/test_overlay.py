@@ -150,11 +150,13 @@ def _unparsed(code: str) -> str:
 
 def bootstrap_spans(text: str) -> List[Tuple[int, int]]:
     tree = ast.parse(text)
-    last_import = max(n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)))
+    # The import goes where isort puts it: right before `from sglang.srt.environ import envs`
+    # (difflib may align its closing parenthesis with the one of the import above).
+    environ = next(n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "sglang.srt.environ")
     branch = next(n for n in _top(tree, "_init_cpu_threads_env").body if isinstance(n, ast.If))
     stmts = [s for s in branch.body if ast.unparse(s) in {_unparsed(c) for c in SHM_OLD}]
     # The comment block right above the first statement (4 lines) is replaced too.
-    return [(last_import, last_import), (stmts[0].lineno - 5, stmts[-1].end_lineno)]
+    return [(environ.lineno - 2, environ.lineno - 1), (stmts[0].lineno - 5, stmts[-1].end_lineno)]
 
 
 def _imports(text: str) -> List[str]:

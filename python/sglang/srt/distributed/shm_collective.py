@@ -33,7 +33,6 @@ from sglang.srt.distributed.shm_namespace import (
     quoted,
 )
 from sglang.srt.distributed.shm_segments import (
-    KERNEL_SEGMENT_BYTES,
     SHM_DIR,
     ShmCollectiveError,
     StaleSweep,
@@ -116,13 +115,7 @@ def init_shm_collective(
 
     claim_segment(namespace, rank=tp_rank, shm_dir=shm_dir, wait_s=owner_wait_s)
     try:
-        ensure_segment_space(
-            namespace,
-            rank=tp_rank,
-            tp_size=tp_size,
-            shm_dir=shm_dir,
-            segment_bytes=KERNEL_SEGMENT_BYTES,
-        )
+        ensure_segment_space(namespace, rank=tp_rank, tp_size=tp_size, shm_dir=shm_dir)
         if kind == "namespaced":
             op(tp_size, tp_rank, namespace.prefix)
         else:
@@ -167,7 +160,6 @@ def start_shm_collective(
 
 
 __all__ = [
-    "KERNEL_SEGMENT_BYTES",
     "NAME_MAX",
     "SHM_DIR",
     "SHM_SEGMENT_PREFIX",

@@ -825,14 +825,14 @@ def ensure_segment_space(
     rank: int,
     tp_size: int,
     shm_dir: str = SHM_DIR,
-    segment_bytes: int = KERNEL_SEGMENT_BYTES,
 ) -> None:
     """Raise :class:`ShmCollectiveError` unless ``shm_dir`` has room for the segments
     that the ``tp_size`` ranks of ``namespace`` have still to write.
 
     The CPU kernel write()s its segment without checking for a short write, and
-    its peers then map the full size: on a /dev/shm too small (docker's default is
-    64 MiB) the engine would crash with SIGBUS, so this is checked first.
+    its ranks then map the full size: past the end of a short file, the first
+    touch is a SIGBUS. A /dev/shm too small for that (docker's default is 64 MiB)
+    is therefore refused here, before the kernel runs.
     """
     sizes = []
     for peer in range(tp_size):
@@ -842,7 +842,7 @@ def ensure_segment_space(
             )
         except FileNotFoundError:
             sizes.append(None)
-    needed = segment_bytes_missing(sizes, segment_bytes=segment_bytes)
+    needed = segment_bytes_missing(sizes)
     free, total = _usage(shm_dir)
     if free < needed:
         raise ShmCollectiveError(
