@@ -27,7 +27,7 @@ from typing import Optional
 
 from sglang.srt.distributed.shm_namespace import ShmNamespace
 from sglang.srt.distributed.shm_segments import (
-    ShmOwnerError,
+    ShmCollectiveError,
     claim_segment,
     release_shm_collective,
     remove_stale_segments,
@@ -89,7 +89,7 @@ def _worker(slot: int, counters, shm_dir: str, namespaces: int, ranks: int,
                 continue
             try:
                 claim_segment(spaces[key[0]], rank=key[1], shm_dir=shm_dir, wait_s=0)
-            except ShmOwnerError:
+            except ShmCollectiveError:
                 counters[base + _CONFLICTS] += 1
                 continue
             content = f"pid {os.getpid()} step {steps}\n".encode()
@@ -136,7 +136,9 @@ def run(
     # Workers fork from a server that imported the shm modules once: a restarted owner is back at
     # once, instead of paying sglang.srt.distributed's imports (seconds) inside the measured window.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__ if __name__ != "__main__" else "sglang.srt.distributed.shm_segments"])
+    # By package name: the fork server does not get this process's sys.path, so a
+    # module found through it (this one, when imported by a test) would not preload.
+    context.set_forkserver_preload(["sglang.srt.distributed.shm_segments"])
     warm_up = context.Process(target=_noop)
     warm_up.start()
     warm_up.join()

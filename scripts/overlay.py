@@ -159,15 +159,39 @@ def _is_docstring(stmt: "cst.BaseStatement") -> bool:
     )
 
 
-def _add_import_after_imports(module: "cst.Module", line: str, where: str) -> "cst.Module":
-    """Add ``line`` after the module's last top-level import unless it is there already."""
+def _from_module(module: "cst.Module", stmt: "cst.BaseStatement") -> Optional[str]:
+    """The module of a top-level ``from X import ...`` statement, else None."""
+    if not _is_import(stmt):
+        return None
+    node = ast.parse(module.code_for_node(stmt).strip()).body[0]
+    return node.module if isinstance(node, ast.ImportFrom) and not node.level else None
+
+
+def _add_import_sorted(module: "cst.Module", line: str, where: str) -> "cst.Module":
+    """Add the ``from X import ...`` statement ``line`` unless it is there already:
+    before the first top-level ``from`` import of the same top package whose module
+    sorts after X (where isort's black profile puts it), else after the last import."""
     body = list(module.body)
-    if any(isinstance(s, cst.SimpleStatementLine) and _same(module, s, line) for s in body):
+    if any(
+        isinstance(s, cst.SimpleStatementLine) and _same(module, s, line) for s in body
+    ):
         return module
-    last = max((i for i, s in enumerate(body) if _is_import(s)), default=None)
-    if last is None:
+    imports = [i for i, s in enumerate(body) if _is_import(s)]
+    if not imports:
         raise Refusal(f"{where}: expected top-level import statements, found none")
-    body.insert(last + 1, _statement(line + "\n"))
+    ours = ast.parse(line).body[0].module
+    package = ours.split(".")[0]
+    at = next(
+        (
+            i
+            for i in imports
+            if (name := _from_module(module, body[i])) is not None
+            and name.split(".")[0] == package
+            and name.lower() > ours.lower()
+        ),
+        imports[-1] + 1,
+    )
+    body.insert(at, _statement(line + "\n"))
     return module.with_changes(body=body)
 
 
@@ -176,23 +200,32 @@ def _add_import_after_imports(module: "cst.Module", line: str, where: str) -> "c
 # it is already applied, and raises Refusal when upstream is not the known shape.
 
 SHM_IMPORT = (
-    "from sglang.srt.distributed.shm_collective import ShmNamespace, "
-    "init_shm_collective, start_shm_collective  # noqa: F401"
+    "from sglang.srt.distributed.shm_collective import (  # noqa: F401\n"
+    "    ShmNamespace,\n"
+    "    init_shm_collective,\n"
+    "    start_shm_collective,\n"
+    ")"
 )
 CPU_BRANCH = "_is_cpu_amx_available or _is_cpu_arm64"
-SHM_COMMENT = (
-    "# The shared-memory all-reduce, its /dev/shm segments named by this engine's own init address (no env vars)"
-)
+#: Kept as upstream has it: parallel_state's GroupCoordinator reads LOCAL_SIZE and
+#: uses the shared-memory all-reduce only when it equals the group's size.
+SHM_KEEP = 'os.environ["LOCAL_SIZE"] = str(parallel.tp_size)'
+#: Replaced: the segment names come from an explicit ShmNamespace instead.
 SHM_OLD = (
-    'os.environ["LOCAL_SIZE"] = str(parallel.tp_size)',
     "_set_shm_master_env(dist_init_method)",
     "torch.ops.sgl_kernel.initialize(parallel.tp_size, parallel.tp_rank)",
+)
+SHM_COMMENT = (
+    "# The /dev/shm segments are named by this engine's own init address and",
+    "# pipeline stage (ShmNamespace), never by MASTER_ADDR/MASTER_PORT in the",
+    "# environment, so co-located engines and stages never share them.",
 )
 SHM_NEW = (
     "start_shm_collective(\n"
     "    dist_init_method=dist_init_method,\n"
     "    tp_size=parallel.tp_size,\n"
     "    tp_rank=parallel.tp_rank,\n"
+    "    pp_rank=parallel.pp_rank,\n"
     ")\n"
 )
 
@@ -208,31 +241,50 @@ def _find_run(
 
 
 def rewrite_bootstrap(module: "cst.Module", rel: str) -> "cst.Module":
-    """Import the shm collective API and delegate the CPU shm all-reduce setup to it."""
-    module = _add_import_after_imports(module, SHM_IMPORT, f"sglang/{rel}")
+    """Import the shm collective API and delegate the CPU shm all-reduce setup to it.
+
+    Upstream's ``LOCAL_SIZE`` statement and its comment stay; the
+    ``_set_shm_master_env`` and ``sgl_kernel.initialize`` calls after it become one
+    ``start_shm_collective(...)`` call.
+    """
+    module = _add_import_sorted(module, SHM_IMPORT, f"sglang/{rel}")
     where = f"sglang/{rel}: _init_cpu_threads_env()"
     func = _top_level(module, cst.FunctionDef, "_init_cpu_threads_env", where)
     branch = next(
-        (s for s in func.body.body if isinstance(s, cst.If) and _same(module, s.test, CPU_BRANCH)),
+        (
+            s
+            for s in func.body.body
+            if isinstance(s, cst.If) and _same(module, s.test, CPU_BRANCH)
+        ),
         None,
     )
-    expected = f"the statements `{'`, `'.join(SHM_OLD)}` in a row inside `if {CPU_BRANCH}:`"
+    known = (SHM_KEEP, *SHM_OLD)
+    expected = (
+        f"the statements `{'`, `'.join(known)}` in a row inside `if {CPU_BRANCH}:`"
+    )
     if branch is None or not isinstance(branch.body, cst.IndentedBlock):
         raise Refusal(f"{where}: expected {expected}; found no such `if` branch")
     stmts = list(branch.body.body)
-    old_at = _find_run(module, stmts, SHM_OLD)
-    new_at = [i for i, s in enumerate(stmts) if _same(module, s, SHM_NEW)]
-    if old_at is None and len(new_at) == 1:
+    old_at = _find_run(module, stmts, known)
+    new_at = _find_run(module, stmts, (SHM_KEEP, SHM_NEW))
+    calls = [i for i, s in enumerate(stmts) if _same(module, s, SHM_NEW)]
+    if old_at is None and new_at is not None and len(calls) == 1:
         return module
-    if old_at is None or new_at:
-        raise Refusal(f"{where}: expected {expected}, or one start_shm_collective(...) call instead of them")
-    # The comments above the old statements explain LOCAL_SIZE and MASTER_ADDR/PORT: say what replaces them.
-    blank = [line for line in stmts[old_at].leading_lines if line.comment is None][:1]
+    if old_at is None or calls:
+        raise Refusal(
+            f"{where}: expected {expected}, or `{SHM_KEEP}` followed by one "
+            "start_shm_collective(...) call instead of the last two"
+        )
+    # The comment above _set_shm_master_env says MASTER_ADDR/PORT name the segments:
+    # say what names them now.
+    replaced = stmts[old_at + 1]
+    blank = [line for line in replaced.leading_lines if line.comment is None][:1]
     blank = [cst.EmptyLine(indent=False)] if blank else []
-    stmts[old_at : old_at + len(SHM_OLD)] = [
-        _statement(SHM_NEW).with_changes(leading_lines=[*blank, cst.EmptyLine(comment=cst.Comment(SHM_COMMENT))])
-    ]
-    return module.deep_replace(branch, branch.with_changes(body=branch.body.with_changes(body=stmts)))
+    comment = [cst.EmptyLine(comment=cst.Comment(line)) for line in SHM_COMMENT]
+    call = _statement(SHM_NEW).with_changes(leading_lines=[*blank, *comment])
+    stmts[old_at + 1 : old_at + len(known)] = [call]
+    body = branch.body.with_changes(body=stmts)
+    return module.deep_replace(branch, branch.with_changes(body=body))
 
 
 ACTOR_PARAMS = (

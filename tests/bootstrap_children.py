@@ -1,17 +1,46 @@
-"""Process bodies for the bootstrap tests: engine ranks (multiprocessing spawn targets)
-and a segment holder run as a script (``python bootstrap_children.py hold ...``)."""
+"""Scheduler ranks that run bootstrap's real CPU path, and a segment holder.
+
+``python bootstrap_children.py ranks`` reads a JSON list of rank specs on stdin,
+starts one process per rank and prints one JSON line: each rank's report. A rank
+publishes a real ``ServerArgs`` (``device="cpu"``, a tiny local model config) as
+``run_scheduler_process`` does, then calls bootstrap's ``init_parallel_runtime``,
+the whole of upstream's path: thread binding, ``_init_cpu_threads_env``, gloo
+``torch.distributed`` and sglang's own ``GroupCoordinator`` groups. Stood in,
+because this host cannot have them: the CPU kernel's ops (``shm_kernel_standin``),
+the AMX flag, and NCCL's absence (this torch is a CUDA build; a CPU build has no
+NCCL, so ``SGLANG_NCCL_SO_PATH`` points nowhere). Whichever sglang package is first
+on the path runs, so the same driver serves the pristine and the overlaid one.
+
+``python bootstrap_children.py hold SCHEMA ADDR PORT TP_SIZE TP_RANK`` initialises one
+rank with ``init_shm_collective`` and holds its segment until stdin closes.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import multiprocessing
 import os
+import stat
 import sys
 import threading
 import traceback
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
 import shm_kernel_standin as kernel  # noqa: E402
+
+TINY_MODEL = os.path.join(HERE, "data", "tiny_llama")
+WATCHED = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")
+# Imported once by the fork server, so that each rank starts in moments.
+_PRELOAD = [
+    "bootstrap_children",
+    "sglang.srt.server_args",
+    "sglang.srt.distributed.bootstrap",
+    "sglang.srt.distributed.parallel_state",
+]
 
 
 class _ListHandler(logging.Handler):
@@ -31,108 +60,153 @@ def _capture_logs() -> _ListHandler:
     return handler
 
 
-def _thread_affinities() -> dict[int, list[int]]:
-    result = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            result[int(tid)] = sorted(os.sched_getaffinity(int(tid)))
-        except ProcessLookupError:
-            continue
-    return result
+def _c_environ() -> dict[str, Any]:
+    return {name: kernel.c_getenv(name) for name in WATCHED}
 
 
-def engine_rank(
-    engine: int, rank: int, port: int, schema: str, cpu: int, queue, tp_size: int = 2,
-    world_size: int = 2,
-) -> None:
-    """One rank of one engine: bootstrap, a gloo allreduce, a shared-memory sum."""
+def _py_environ() -> dict[str, Any]:
+    return {name: os.environ.get(name) for name in WATCHED}
+
+
+def _owner_record(segment: Any) -> Any:
+    """The pid written in ``segment``'s owner record, or None (no record)."""
+    if not segment:
+        return None
+    path = os.path.join(
+        kernel.SHM_DIR, f"sglang_shm_owners_{os.getuid()}", segment + ".owner"
+    )
     try:
-        env_before = dict(os.environ)
-        c_env_before = {n: kernel.c_getenv(n) for n in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def rank_main(spec: dict, queue) -> None:
+    """One scheduler rank: bootstrap's real path, then a TP and a WORLD all-reduce."""
+    key = {k: spec[k] for k in ("engine", "pp_rank", "tp_rank")}
+    try:
+        environ_before = dict(os.environ)
         logs = _capture_logs()
-        kernel.register(schema)
+        kernel.register(spec["schema"], threads_env=True, all_reduce=True)
+
         import torch
         import torch.distributed as dist
 
-        from sglang.srt.distributed.shm_collective import init_torch_distributed, release_shm_collective
+        import sglang.srt.utils.common as common
+        from sglang.srt.distributed import bootstrap
+        from sglang.srt.distributed.parallel_state import get_tp_group
+        from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
+        from sglang.srt.server_args import ServerArgs
 
-        boot = init_torch_distributed(
-            tp_size=tp_size,
-            tp_rank=rank % tp_size,
-            world_size=world_size,
-            rank=rank,
+        # This host has no AMX: bootstrap's flag and the one is_shm_available reads.
+        bootstrap._is_cpu_amx_available = True
+        common.cpu_has_amx_support = lambda: True
+
+        tp_size, pp_size = spec["tp_size"], spec["pp_size"]
+        tp_rank, pp_rank = spec["tp_rank"], spec["pp_rank"]
+        server_args = ServerArgs(
+            model_path=TINY_MODEL,
             device="cpu",
-            dist_init_addr=f"127.0.0.1:{port}",
-            cpu_ids=str(cpu),
-            numa_index=0,
-            timeout=60,
+            tp_size=tp_size,
+            pp_size=pp_size,
+            dist_init_addr=f"127.0.0.1:{spec['port']}",
+            disable_custom_all_reduce=True,
         )
-        value = float(rank + 1 + 10 * engine)
-        tensor = torch.tensor([value])
-        dist.all_reduce(tensor)
-        shm_total = kernel.shm_sum(value, sequence=1, barrier=dist.barrier)
-        segment = boot.namespace.segment_name(rank % tp_size)
-        result = {
-            "engine": engine,
-            "rank": rank,
+        # As run_scheduler_process does; the gpu_id is the engine's, with base 0, step 1.
+        world_rank = spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank)
+        publish(
+            server_args,
+            role="scheduler",
+            ranks=SpawnRanks(world_rank=world_rank, gpu_id=pp_rank * tp_size + tp_rank),
+        )
+        bootstrap.init_parallel_runtime(
+            server_args=server_args, device="cpu", dist_port=spec["port"] + 1
+        )
+        after = {"py": _py_environ(), "c": _c_environ()}
+
+        group = get_tp_group()
+        shm_available = common.is_shm_available(
+            torch.bfloat16, group.world_size, group.local_size
+        )
+        value = float(spec["value"])
+        tp_tensor = torch.tensor([value, 2 * value], dtype=torch.bfloat16)
+        group.all_reduce(tp_tensor)
+        world_tensor = torch.tensor([value])
+        dist.all_reduce(world_tensor)  # WORLD, over gloo
+
+        calls = [dict(c) for c in kernel.CALLS]
+        initialize = [c for c in calls if c["op"] == "initialize"]
+        segment = initialize[0]["segment"] if initialize else None
+        path = os.path.join(kernel.SHM_DIR, segment) if segment else None
+        report = {
+            **key,
             "pid": os.getpid(),
-            "calls": list(kernel.CALLS),
+            "package": os.path.dirname(os.path.dirname(bootstrap.__file__)),
+            "calls": calls,
             "segment": segment,
-            "segment_mode": os.stat(f"/dev/shm/{segment}").st_mode & 0o777,
-            "peer_prefixes": kernel.peer_prefixes(),
-            "prefix": boot.namespace.prefix,
-            "shm_collective": boot.shm_collective,
-            "bound_cpus": boot.bound_cpus,
-            "affinities": _thread_affinities(),
+            "segment_mode": (
+                stat.S_IMODE(os.stat(path).st_mode)
+                if path and os.path.exists(path)
+                else None
+            ),
+            "owner_record": _owner_record(segment),
+            "peer_prefixes": {str(r): p for r, p in kernel.peer_prefixes().items()},
+            "environ_before": {n: environ_before.get(n) for n in WATCHED},
+            "environ_after": after,
+            # Names, besides WATCHED, that the rank's start-up set or changed.
+            "environ_changed": sorted(
+                k
+                for k in set(os.environ) | set(environ_before)
+                if k not in WATCHED and os.environ.get(k) != environ_before.get(k)
+            ),
+            "group": {
+                "world_size": group.world_size,
+                "local_size": group.local_size,
+                "ranks": list(group.ranks),
+            },
+            "shm_available": shm_available,
+            "tp_sum": tp_tensor.tolist(),
+            "world_sum": world_tensor.item(),
+            "affinity": sorted(os.sched_getaffinity(0)),
             "num_threads": torch.get_num_threads(),
-            "allreduce": tensor.item(),
-            "shm_sum": shm_total,
-            "env_same": dict(os.environ) == env_before,
-            "c_env_same": c_env_before
-            == {n: kernel.c_getenv(n) for n in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")},
-            "c_master_port": kernel.c_getenv("MASTER_PORT"),
         }
         dist.barrier()
-        result["released"] = release_shm_collective()
-        result["segment_after_release"] = os.path.exists(f"/dev/shm/{segment}")
-        dist.destroy_process_group()
-        result["logs"] = logs.lines
-        queue.put(result)
+        try:
+            from sglang.srt.distributed.shm_collective import release_shm_collective
+        except ImportError:  # the pristine package keeps its segments
+            report["released"] = None
+        else:
+            report["released"] = release_shm_collective()
+        report["segment_after_release"] = bool(path and os.path.exists(path))
+        dist.barrier()
+        report["logs"] = logs.lines
+        queue.put(report)
     except BaseException:
-        queue.put({"engine": engine, "rank": rank, "error": traceback.format_exc()})
+        queue.put({**key, "error": traceback.format_exc()})
 
 
-def bind_threads(cpu_ids: str, with_op: bool, queue) -> None:
-    """Start extra threads, bind, and report every thread's affinity."""
+def run_ranks(specs: list[dict], *, timeout_s: float = 300.0) -> list[dict]:
+    """Start one process per spec, return their reports; every process is reaped."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    queue = context.Queue()
+    processes = [context.Process(target=rank_main, args=(s, queue)) for s in specs]
+    for process in processes:
+        process.start()
+    reports: list[dict] = []
     try:
-        logs = _capture_logs()
-        if with_op:
-            kernel.register("released", threads_env=True)
-        import torch
-
-        from sglang.srt.distributed.shm_collective import bind_rank_threads
-
-        stop = threading.Event()
-        workers = [threading.Thread(target=stop.wait) for _ in range(3)]
-        for worker in workers:
-            worker.start()
-        applied = bind_rank_threads(cpu_ids, tp_rank=1, numa_index=0, world_size=2)
-        late = threading.Thread(target=stop.wait)
-        late.start()
-        result = {
-            "applied": applied,
-            "affinities": _thread_affinities(),
-            "late": sorted(os.sched_getaffinity(late.native_id)),
-            "num_threads": torch.get_num_threads(),
-            "calls": list(kernel.CALLS),
-            "logs": logs.lines,
-        }
-        stop.set()
-        for worker in [*workers, late]:
-            worker.join()
-        queue.put(result)
-    except BaseException:
-        queue.put({"error": traceback.format_exc()})
+        for _ in processes:
+            reports.append(queue.get(timeout=timeout_s))
+            if "error" in reports[-1]:
+                break
+    finally:
+        for process in processes:
+            process.join(timeout=30 if len(reports) == len(processes) else 1)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return reports
 
 
 def _hold(schema: str, addr: str, port: int, tp_size: int, tp_rank: int) -> None:
@@ -159,6 +233,18 @@ def _hold(schema: str, addr: str, port: int, tp_size: int, tp_rank: int) -> None
     sys.stdin.read()
 
 
+def _main(argv: list[str]) -> None:
+    if argv[1] == "hold":
+        _hold(argv[2], argv[3], int(argv[4]), int(argv[5]), int(argv[6]))
+    elif argv[1] == "ranks":
+        # By name, not as __main__, so that the fork server's children find it.
+        import bootstrap_children
+
+        reports = bootstrap_children.run_ranks(json.load(sys.stdin))
+        print(json.dumps(reports))
+    else:
+        raise SystemExit(f"usage: {argv[0]} ranks < SPECS.json | hold ...")
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "hold":
-        _hold(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+    _main(sys.argv)

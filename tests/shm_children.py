@@ -6,6 +6,7 @@ Kept apart from the test module so a child imports only this and the package, no
 from __future__ import annotations
 
 import os
+import time
 import traceback
 from typing import Optional
 
@@ -35,14 +36,19 @@ def segment_content(rank: int) -> bytes:
     return f"pid {os.getpid()} rank {rank}\n".encode()
 
 
-def claim(conn, shm_dir: str, port: int, rank: int, hold: bool) -> dict:
+HELPER_TITLE = "sglang-test-helper"
+
+
+def claim(
+    conn, shm_dir: str, port: int, rank: int, hold: bool, wait_s: float = 0.0
+) -> dict:
     """Claim ``rank`` of ``127.0.0.1:port``, then write the segment as the kernel would.
 
     With ``hold``, report ``("claimed", ...)`` and wait for the parent to say
     ``release`` (or to SIGKILL this process).
     """
     namespace = ShmNamespace(addr="127.0.0.1", port=port)
-    claim_segment(namespace, rank=rank, shm_dir=shm_dir, wait_s=0)
+    claim_segment(namespace, rank=rank, shm_dir=shm_dir, wait_s=wait_s)
     segment = os.path.join(shm_dir, namespace.segment_name(rank))
     fd = os.open(segment, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
@@ -55,6 +61,28 @@ def claim(conn, shm_dir: str, port: int, rank: int, hold: bool) -> dict:
         conn.recv()
         release_shm_collective(namespace, rank=rank)
     return info
+
+
+def claim_with_helper(conn, shm_dir: str, port: int, rank: int) -> None:
+    """Claim, then fork a helper that inherits the owner record's open file, and with
+    it the lock, as any process the engine forks without exec does; report
+    ``("claimed", {..., "helper": pid})`` and wait to be SIGKILLed.
+
+    The helper renames itself (so a message can be checked for its command line)
+    and exits by itself after five minutes, should nobody kill it.
+    """
+    info = claim(conn, shm_dir, port, rank, False)
+    helper = os.fork()
+    if helper == 0:
+        try:
+            import setproctitle
+
+            setproctitle.setproctitle(HELPER_TITLE)
+            time.sleep(300)
+        finally:
+            os._exit(0)
+    conn.send(("claimed", {**info, "helper": helper}))
+    conn.recv()
 
 
 def plant(conn, path: str, kind: str) -> str:

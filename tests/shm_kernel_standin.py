@@ -9,7 +9,11 @@ names and schemas with ``torch.library`` and makes the same ``/dev/shm`` traffic
   ``LOCAL_SIZE == size``;
 * ``initialize(int size, int rank, str namespace) -> ()`` takes the segment prefix;
 * ``init_cpu_threads_env(str cpu_ids) -> str`` pins the process and sets the
-  thread count.
+  thread count;
+* ``shm_allreduce(Tensor(a!) data, int reduce_op) -> ()`` sums ``data`` over the
+  ranks through the mapped segments (registered with ``all_reduce=True``), which is
+  what ``parallel_state``'s ``GroupCoordinator.all_reduce`` calls when
+  ``is_shm_available`` says yes.
 
 Set-up is the CPU build's: ``shm_open(name, O_CREAT | O_RDWR, 0600)`` without
 ``O_EXCL``, write a fresh workspace, then open every peer's segment, retrying while
@@ -32,10 +36,14 @@ from typing import Callable, Iterator, Optional
 SHM_DIR = "/dev/shm"
 WORKSPACE_BYTES = 4096
 _MAGIC = b"SGLSTAND"
-# magic, pid, rank, size, 200-byte prefix; a float64 slot and a sequence number follow.
+# magic, pid, rank, size, 200-byte prefix.
 _HEADER = struct.Struct("<8sqii200s")
-_VALUE = struct.Struct("<dq")
-_VALUE_OFFSET = 512
+# Two all-reduce slots (a sequence number, then up to 127 float64 values): a rank
+# writes call n into slot n % 2, so it never overwrites a slot a peer still reads.
+_SLOT_OFFSET = 1024
+_SLOT_BYTES = 1536
+_SLOT_VALUES = _SLOT_BYTES // 8 - 1
+_SEQUENCE = struct.Struct("<q")
 
 SCHEMAS = {
     "released": "initialize(int size, int rank) -> ()",
@@ -48,7 +56,14 @@ CALLS: list[dict] = []
 FAIL_NEXT: list[BaseException] = []
 """Put an exception here to make the next ``initialize`` raise it (after reading its inputs)."""
 
-_state: dict = {"lib": None, "schema": None, "prefix": None, "rank": None, "maps": {}}
+_state: dict = {
+    "lib": None,
+    "schema": None,
+    "prefix": None,
+    "rank": None,
+    "maps": {},
+    "sequence": 0,
+}
 _libc = ctypes.CDLL(None)
 _libc.getenv.restype = ctypes.c_char_p
 _libc.getenv.argtypes = [ctypes.c_char_p]
@@ -120,21 +135,76 @@ def _initialize_namespaced(size: int, rank: int, namespace: str) -> None:
         _shm_initialize(size, rank, namespace)
 
 
+def _parse_cpulist(text: str) -> set[int]:
+    """``"0-3,8"`` as a set; here, not from the package, so that the stand-in also
+    serves the pristine sglang (which has no cpulist parser of its own)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
 def _init_cpu_threads_env(cpu_ids: str) -> str:
     import torch
 
-    from sglang.srt.placement.cpulist import parse_cpulist
-
-    cpus = parse_cpulist(cpu_ids)
+    cpus = _parse_cpulist(cpu_ids)
     _record({"op": "init_cpu_threads_env", "cpu_ids": cpu_ids})
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
     return f"stand-in bound {len(cpus)} threads to {cpu_ids}"
 
 
-def register(schema: str, *, threads_env: bool = False) -> None:
+def _wait_for_sequence(
+    m: mmap.mmap, offset: int, sequence: int, deadline: float
+) -> None:
+    while _SEQUENCE.unpack_from(m, offset)[0] != sequence:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"stand-in kernel: a peer never wrote all-reduce {sequence}"
+            )
+        time.sleep(0.0005)
+
+
+def _shm_allreduce(data, reduce_op: int) -> None:
+    import torch
+
+    _record({"op": "shm_allreduce", "numel": data.numel(), "dtype": str(data.dtype)})
+    if reduce_op != int(torch.distributed.ReduceOp.SUM):
+        raise RuntimeError(f"stand-in kernel: reduce_op {reduce_op} is not SUM")
+    maps = _state["maps"]
+    if not maps:
+        raise RuntimeError(
+            "stand-in kernel: shm_allreduce before initialize set up shared memory"
+        )
+    values = data.reshape(-1).to(torch.float64).tolist()
+    if len(values) > _SLOT_VALUES:
+        raise RuntimeError(
+            f"stand-in kernel: at most {_SLOT_VALUES} values per all-reduce"
+        )
+    _state["sequence"] += 1
+    sequence = _state["sequence"]
+    offset = _SLOT_OFFSET + (sequence % 2) * _SLOT_BYTES
+    own = maps[_state["rank"]]
+    struct.pack_into(f"<{len(values)}d", own, offset + 8, *values)
+    _SEQUENCE.pack_into(own, offset, sequence)  # after the values: peers read them next
+    deadline = time.monotonic() + 60
+    total = [0.0] * len(values)
+    for rank, m in sorted(maps.items()):
+        _wait_for_sequence(m, offset, sequence, deadline)
+        peer = struct.unpack_from(f"<{len(values)}d", m, offset + 8)
+        total = [a + b for a, b in zip(total, peer)]
+    data.copy_(
+        torch.tensor(total, dtype=torch.float64).reshape(data.shape).to(data.dtype)
+    )
+
+
+def register(
+    schema: str, *, threads_env: bool = False, all_reduce: bool = False
+) -> None:
     """Define ``sgl_kernel::initialize`` with ``schema`` ("released" or "namespaced") in
-    this process, and ``init_cpu_threads_env`` too if ``threads_env``."""
+    this process, ``init_cpu_threads_env`` too if ``threads_env``, and
+    ``shm_allreduce`` if ``all_reduce``."""
     import torch
 
     if _state["lib"] is not None:
@@ -146,6 +216,9 @@ def register(schema: str, *, threads_env: bool = False) -> None:
     if threads_env:
         lib.define("init_cpu_threads_env(str cpu_ids) -> str")
         lib.impl("init_cpu_threads_env", _init_cpu_threads_env, "CompositeExplicitAutograd")
+    if all_reduce:
+        lib.define("shm_allreduce(Tensor(a!) data, int reduce_op) -> ()")
+        lib.impl("shm_allreduce", _shm_allreduce, "CompositeExplicitAutograd")
     _state.update(lib=lib, schema=schema)
 
 
@@ -156,14 +229,16 @@ def unregister() -> None:
         lib._destroy()
     for m in _state["maps"].values():
         m.close()
-    _state.update(lib=None, schema=None, prefix=None, rank=None, maps={})
+    _state.update(lib=None, schema=None, prefix=None, rank=None, maps={}, sequence=0)
     CALLS.clear()
     FAIL_NEXT.clear()
 
 
 @contextlib.contextmanager
-def registered(schema: str, *, threads_env: bool = False) -> Iterator[list[dict]]:
-    register(schema, threads_env=threads_env)
+def registered(
+    schema: str, *, threads_env: bool = False, all_reduce: bool = False
+) -> Iterator[list[dict]]:
+    register(schema, threads_env=threads_env, all_reduce=all_reduce)
     try:
         yield CALLS
     finally:
@@ -178,20 +253,3 @@ def peer_prefixes() -> dict[int, str]:
         assert magic == _MAGIC
         result[rank] = prefix.rstrip(b"\0").decode()
     return result
-
-
-def shm_sum(value: float, *, sequence: int, barrier: Callable[[], None]) -> float:
-    """A sum over the ranks through the shared segments: write, barrier, read all, barrier."""
-    maps = _state["maps"]
-    _VALUE.pack_into(maps[_state["rank"]], _VALUE_OFFSET, value, sequence)
-    barrier()
-    total = 0.0
-    for rank, m in sorted(maps.items()):
-        peer_value, peer_sequence = _VALUE.unpack_from(m, _VALUE_OFFSET)
-        if peer_sequence != sequence:
-            raise RuntimeError(
-                f"rank {rank} segment holds sequence {peer_sequence}, not {sequence}"
-            )
-        total += peer_value
-    barrier()
-    return total

@@ -1,13 +1,13 @@
-"""ShmNamespace, init_shm_collective, stale segments, thread binding and init_torch_distributed.
+"""ShmNamespace, init_shm_collective and stale segments.
 
 The kernel is the torch.library stand-in of ``shm_kernel_standin`` (real /dev/shm
-segments); other engines are real processes, killed for real.
+segments); other engines are real processes, killed for real. Bootstrap's whole
+CPU path, in real ranks, is in test_bootstrap_engines.py.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import socket
@@ -18,26 +18,18 @@ import sys
 import pytest
 import torch
 
-import bootstrap_children
 import shm_kernel_standin as kernel
 from sglang.srt.distributed.shm_collective import (
     NAME_MAX,
-    DistributedInitError,
     ShmCollectiveError,
     ShmNamespace,
     ShmNamespaceError,
-    ShmOwnerError,
-    ThreadBindingError,
-    bind_rank_threads,
     init_shm_collective,
-    init_torch_distributed,
     release_shm_collective,
     remove_stale_segments,
-    resolve_dist_init_method,
-    tp_groups_are_node_local,
 )
-from sglang.srt.environ import envs
-from sglang.srt.placement.cpulist import CpuListError
+from sglang.srt.distributed.shm_namespace import format_host_port
+from sglang.srt.utils.network import NetworkAddress
 
 SHM = "/dev/shm"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -118,18 +110,22 @@ def test_ipv6_and_stages():
 @pytest.mark.parametrize(
     "method, needle",
     [
-        ("tcp://127.0.0.1", "no port"),
-        ("tcp://127.0.0.1:", "not a number"),
-        ("tcp://127.0.0.1:port", "not a number"),
-        ("tcp://127.0.0.1:0", "out of range"),
-        ("tcp://127.0.0.1:65536", "out of range"),
-        ("tcp://[::1]", "no port"),
-        ("tcp://[::1:29500", "without ']'"),
-        ("tcp://::1:29500", "without brackets"),
-        ("tcp://[example.com]:29500", "not an IPv6 address"),
-        ("tcp://:29500", "no host"),
+        # Upstream's NetworkAddress splits host:port; its messages, then ours.
+        ("tcp://127.0.0.1", "Missing port"),
+        ("tcp://127.0.0.1:", "Invalid port number: ''"),
+        ("tcp://127.0.0.1:port", "Invalid port number: 'port'"),
+        ("tcp://127.0.0.1:0", "out of range; expected 1 to 65535"),
+        ("tcp://127.0.0.1:65536", "Port out of range"),
+        ("tcp://[::1]", "Expected ':port' after closing bracket"),
+        ("tcp://[::1:29500", "Missing closing bracket"),
+        ("tcp://::1:29500", "Bare IPv6 address without brackets"),
+        ("tcp://h:1:29500", "has ':' but no brackets"),
+        ("tcp://[example.com]:29500", "Invalid IPv6 address inside brackets"),
+        ("tcp://:29500", "Empty host"),
+        ("tcp://127.0.0.1:+80", "in ASCII digits"),
         ("tcp://a/b:29500", "contains '/'"),
         ("tcp://" + "h" * 220 + ":29500", "too long"),
+        ("tcp://" + "h" * 300 + ":29500", "too long"),
         ("tcp://bad$host:29500", "'$'"),
         ("tcp://host@x:29500", "'@'"),
         ("http://host:29500", "unsupported scheme"),
@@ -204,32 +200,29 @@ def test_namespace_is_frozen():
         ns.port = 2
 
 
-# ------------------------------------------------------------------ init method resolution
+# ------------------------------------------- init methods as upstream's bootstrap makes them
 
 
-def test_resolve_dist_init_method_order():
-    full = dict(dist_init_method="tcp://m:1", dist_init_addr="a:2", host="h", dist_port=3)
-    assert resolve_dist_init_method(override="env://", **full) == "env://"
-    assert resolve_dist_init_method(**full) == "tcp://m:1"
-    assert resolve_dist_init_method(dist_init_addr="a:2", host="h", dist_port=3) == "tcp://a:2"
-    assert resolve_dist_init_method(dist_init_addr="[::1]:2") == "tcp://[::1]:2"
-    assert resolve_dist_init_method(host="h", dist_port=3) == "tcp://h:3"
-    assert resolve_dist_init_method(host="::1", dist_port=3) == "tcp://[::1]:3"
-    assert resolve_dist_init_method(host="[::1]", dist_port=3) == "tcp://[::1]:3"
-    assert resolve_dist_init_method(dist_port=3) == "tcp://127.0.0.1:3"
-    with pytest.raises(DistributedInitError, match="--dist-init-addr"):
-        resolve_dist_init_method(dist_init_addr="nohost")
-    with pytest.raises(DistributedInitError, match="no distributed init address"):
-        resolve_dist_init_method(host="h")
-    with pytest.raises(DistributedInitError, match="out of range"):
-        resolve_dist_init_method(dist_port=0)
-
-
-def test_tp_groups_are_node_local():
-    assert tp_groups_are_node_local(world_size=4, tp_size=4, nnodes=1)
-    assert tp_groups_are_node_local(world_size=8, tp_size=4, nnodes=2)
-    assert not tp_groups_are_node_local(world_size=8, tp_size=8, nnodes=2)
-    assert not tp_groups_are_node_local(world_size=6, tp_size=2, nnodes=4)
+@pytest.mark.parametrize(
+    "dist_init_addr, expected",
+    [
+        ("127.0.0.1:29500", ("127.0.0.1", 29500)),
+        ("node-1.example:5", ("node-1.example", 5)),
+        ("[::1]:29500", ("::1", 29500)),
+        ("[fe80::1%eth0]:7", ("fe80::1%eth0", 7)),
+    ],
+)
+def test_upstreams_init_methods_name_the_same_address(dist_init_addr, expected):
+    # bootstrap._resolve_dist_init_method: NetworkAddress.parse(addr).to_tcp(), or
+    # NetworkAddress(host, dist_port).to_tcp() without --dist-init-addr.
+    for method in (
+        NetworkAddress.parse(dist_init_addr).to_tcp(),
+        NetworkAddress(*expected).to_tcp(),
+        NetworkAddress(*expected).to_tcp() + "/?world_size=2",
+    ):
+        ns = ShmNamespace.from_init_method(method)
+        assert (ns.addr, ns.port) == expected
+        assert format_host_port(ns.addr, ns.port) == dist_init_addr
 
 
 # -------------------------------------------------------------------- init_shm_collective
@@ -320,7 +313,7 @@ def test_unknown_kernel_schema_is_refused(namespace):
 
 @pytest.mark.parametrize("tp_size, tp_rank", [(0, 0), (2, 2), (2, -1), (True, 0)])
 def test_bad_ranks_are_refused(namespace, tp_size, tp_rank):
-    with pytest.raises(DistributedInitError):
+    with pytest.raises(ShmNamespaceError, match="tp_rank|tp_size"):
         init_shm_collective(namespace, tp_size=tp_size, tp_rank=tp_rank)
 
 
@@ -408,7 +401,7 @@ def test_same_namespace_with_a_live_owner_is_refused(live_engine):
     live_ns, live = live_engine
     segment = os.path.join(SHM, live_ns.segment_name(0))
     with kernel.registered("released") as calls:
-        with pytest.raises(ShmOwnerError, match=f"pid {live.proc.pid}.*same address"):
+        with pytest.raises(ShmCollectiveError, match=f"pid {live.proc.pid}.*same address"):
             init_shm_collective(live_ns, tp_size=1, tp_rank=0, owner_wait_s=0.2)
         assert calls == []
     assert os.path.exists(segment)
@@ -442,103 +435,3 @@ def test_owner_directory_that_is_not_private_is_passed_over(tmp_path, namespace,
     )
     release_shm_collective(namespace)
     assert not private.exists()
-
-
-# ------------------------------------------------------------------------ thread binding
-
-
-def _run_bind(cpu_ids: str, with_op: bool) -> dict:
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(
-        target=bootstrap_children.bind_threads, args=(cpu_ids, with_op, queue)
-    )
-    process.start()
-    result = queue.get(timeout=60)
-    process.join(timeout=30)
-    assert "error" not in result, result.get("error")
-    return result
-
-
-def test_bind_rank_threads_pins_every_thread():
-    cpu = max(os.sched_getaffinity(0))
-    result = _run_bind(str(cpu), with_op=False)
-    assert result["applied"] == str(cpu)
-    assert len(result["affinities"]) >= 4
-    assert set(map(tuple, result["affinities"].values())) == {(cpu,)}
-    assert result["late"] == [cpu]
-    assert result["num_threads"] == 1
-    info = [line for line in result["logs"] if line.startswith("INFO")]
-    assert len(info) == 1
-    assert f"rank 1: bound OMP/ATen threads to CPUs {cpu} " in info[0]
-    assert "numa_index=0" in info[0] and "world_size=2" in info[0]
-
-
-def test_bind_rank_threads_uses_the_kernel_op_when_registered():
-    cpus = sorted(os.sched_getaffinity(0))
-    cpu_ids = ",".join(map(str, cpus))
-    result = _run_bind(cpu_ids, with_op=True)
-    expected = f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])
-    assert result["calls"] == [{"op": "init_cpu_threads_env", "cpu_ids": expected}]
-    assert result["num_threads"] == len(cpus)
-    assert any("via sgl_kernel.init_cpu_threads_env" in line for line in result["logs"])
-
-
-@pytest.mark.parametrize(
-    "cpu_ids, error, needle",
-    [
-        ("", ThreadBindingError, "names no CPU"),
-        ("8191", ThreadBindingError, "not available to this process"),
-        ("0-a", CpuListError, "rank 3 cpu_ids"),
-    ],
-)
-def test_bind_rank_threads_rejects_bad_lists(cpu_ids, error, needle):
-    before = os.sched_getaffinity(0)
-    with pytest.raises(error, match=needle):
-        bind_rank_threads(cpu_ids, tp_rank=3, numa_index=0, world_size=4)
-    assert os.sched_getaffinity(0) == before
-
-
-# ------------------------------------------------------------------ init_torch_distributed
-
-
-@pytest.mark.parametrize(
-    "kwargs, needle",
-    [
-        ({"tp_size": 2, "tp_rank": 0, "world_size": 3}, "not a multiple"),
-        ({"tp_size": 2, "tp_rank": 1, "world_size": 4, "rank": 2}, "rank % tp_size"),
-        ({"tp_size": 2, "tp_rank": 0, "world_size": 4, "rank": 4}, "0 <= rank"),
-        ({"tp_size": 1, "tp_rank": 0, "device": "tpu", "dist_port": 5}, "backend="),
-        ({"tp_size": 1, "tp_rank": 0}, "no distributed init address"),
-    ],
-)
-def test_init_torch_distributed_checks_settings_before_any_rendezvous(kwargs, needle):
-    with pytest.raises(DistributedInitError, match=needle):
-        init_torch_distributed(**kwargs)
-    assert not torch.distributed.is_initialized()
-
-
-def test_init_torch_distributed_single_rank_uses_override_and_keeps_environment(master_env):
-    port = _unused_port()
-    before = dict(os.environ)
-    override = f"tcp://127.0.0.1:{port}"
-    try:
-        with kernel.registered("released") as calls:
-            with envs.SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE.override(override):
-                before = dict(os.environ)
-                boot = init_torch_distributed(
-                    tp_size=1, tp_rank=0, device="cpu", dist_init_addr="10.1.1.1:1", timeout=30
-                )
-                assert dict(os.environ) == before
-            assert boot.init_method == override and boot.backend == "gloo"
-            assert boot.namespace == ShmNamespace(addr="127.0.0.1", port=port)
-            assert boot.shm_collective is True and boot.bound_cpus is None
-            assert calls[0]["segment"] == boot.namespace.segment_name(0)
-            assert torch.distributed.get_world_size() == 1
-    finally:
-        release_shm_collective()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-# -------------------------------------------------------------------------- deprecated shims

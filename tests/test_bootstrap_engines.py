@@ -1,15 +1,36 @@
-"""Two engines x TP 2 on one host: real spawned processes, real gloo groups, real /dev/shm."""
+"""Bootstrap's real CPU path in real scheduler ranks: real spawned processes, real gloo
+groups built by sglang's own ``GroupCoordinator``, real /dev/shm.
+
+Each rank runs upstream's ``init_parallel_runtime`` (see ``bootstrap_children``);
+only the CPU kernel's ops, the AMX flag and NCCL's absence are stood in. The TP
+all-reduce is ``GroupCoordinator.all_reduce``: it goes through the (stand-in)
+shared-memory kernel only when ``is_shm_available(dtype, world_size, local_size)``
+says yes, so its sum and the kernel's call log show which path every rank took.
+"""
 
 from __future__ import annotations
 
-import multiprocessing
+import importlib.util
+import json
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-import bootstrap_children
-from sglang.srt.distributed.shm_collective import ShmNamespace
+from conftest import HARNESS
+from sglang.srt.distributed.shm_namespace import ShmNamespace
+
+HERE = Path(__file__).resolve().parent
+DRIVER = HERE / "bootstrap_children.py"
+PRISTINE_ROOT = Path(
+    os.environ.get("SGLANG_PRISTINE_DIR") or HERE.parent / ".venv" / "pristine"
+)
+OVERLAID = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+SHM = Path("/dev/shm")
+CPUS = sorted(os.sched_getaffinity(0))
 
 
 def _free_ports(count: int) -> list[int]:
@@ -18,116 +39,256 @@ def _free_ports(count: int) -> list[int]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        if port not in ports:
+        # The engine also uses port + 1 (bootstrap's dist_port).
+        if not {port, port + 1} & {p + d for p in ports for d in (0, 1)}:
             ports.append(port)
     return ports
 
 
-def collect_results(processes, queue) -> list[dict]:
-    """One report per started child; every child joined (or killed); no child may report an error."""
-    try:
-        results = [queue.get(timeout=120) for _ in processes]
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-    errors = [r["error"] for r in results if "error" in r]
+@pytest.fixture
+def namespaces():
+    """Namespaces a test's engines use; their segments and owner records are removed
+    afterwards (the pristine package never unlinks its segments)."""
+    used: list[ShmNamespace] = []
+    yield used
+    owners = SHM / f"sglang_shm_owners_{os.getuid()}"
+    for ns in used:
+        for directory in (SHM, owners):
+            for path in directory.glob(f"{ns.prefix}_*") if directory.is_dir() else ():
+                path.unlink(missing_ok=True)
+
+
+def _specs(*, engine: int, port: int, tp_size: int, pp_size: int, schema: str):
+    return [
+        {
+            "engine": engine,
+            "tp_size": tp_size,
+            "pp_size": pp_size,
+            "tp_rank": tp_rank,
+            "pp_rank": pp_rank,
+            "port": port,
+            "schema": schema,
+            "value": 1 + pp_rank * tp_size + tp_rank + 10 * engine,
+        }
+        for pp_rank in range(pp_size)
+        for tp_rank in range(tp_size)
+    ]
+
+
+def run_ranks(specs, *, pristine: bool = False, environ=None) -> list[dict]:
+    """Every rank's report, sorted by (engine, pp_rank, tp_rank); any rank's error fails."""
+    ranks_per_engine = max(s["tp_size"] * s["pp_size"] for s in specs)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_SIZE",)}
+    env.update(environ or {})
+    env.update(
+        # One CPU group per gpu_id (bootstrap's numa_index), as an operator sets it.
+        SGLANG_CPU_OMP_THREADS_BIND="|".join(
+            str(CPUS[i % len(CPUS)]) for i in range(ranks_per_engine)
+        ),
+        # A CPU build of torch has no NCCL; this CUDA build brings one along.
+        SGLANG_NCCL_SO_PATH="/nonexistent/libnccl.so.2",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(
+            [HARNESS, *([str(PRISTINE_ROOT)] if pristine else [])]
+        ),
+    )
+    out = subprocess.run(
+        [sys.executable, str(DRIVER), "ranks"],
+        input=json.dumps(specs),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    reports = json.loads(out.stdout.strip().splitlines()[-1])
+    errors = [r["error"] for r in reports if "error" in r]
     assert not errors, "\n".join(errors)
-    return results
+    assert len(reports) == len(specs)
+    package = (PRISTINE_ROOT / "sglang" if pristine else OVERLAID).resolve()
+    assert all(Path(r["package"]).resolve().is_relative_to(package) for r in reports)
+    return sorted(reports, key=lambda r: (r["engine"], r["pp_rank"], r["tp_rank"]))
+
+
+def _ops(report: dict) -> list[str]:
+    return [c["op"] for c in report["calls"]]
+
+
+def _environ(report: dict, when: str, layer: str = "py") -> dict:
+    if when == "before":
+        return report["environ_before"]
+    return report["environ_after"][layer]
+
+
+# ------------------------------------------------------- LOCAL_SIZE and the shm all-reduce
+
+
+@pytest.fixture(scope="module")
+def tp2_overlaid():
+    [port] = _free_ports(1)
+    ns = ShmNamespace(addr="127.0.0.1", port=port)
+    try:
+        yield port, run_ranks(
+            _specs(engine=0, port=port, tp_size=2, pp_size=1, schema="released")
+        )
+    finally:
+        for path in SHM.glob(f"{ns.prefix}_*"):
+            path.unlink(missing_ok=True)
+
+
+def test_cpu_tp_group_uses_the_shared_memory_all_reduce(tp2_overlaid):
+    port, reports = tp2_overlaid
+    for report in reports:
+        # parallel_state's GroupCoordinator read LOCAL_SIZE: every rank is local.
+        assert report["group"] == {"world_size": 2, "local_size": 2, "ranks": [0, 1]}
+        assert report["shm_available"] is True
+        assert _environ(report, "after")["LOCAL_SIZE"] == "2"
+        assert _environ(report, "after", "c")["LOCAL_SIZE"] == "2"
+        # So GroupCoordinator.all_reduce went through the kernel, and summed right.
+        assert _ops(report) == ["init_cpu_threads_env", "initialize", "shm_allreduce"]
+        assert report["tp_sum"] == [3.0, 6.0]
+        assert report["world_sum"] == 3.0  # WORLD, over gloo
+        # The kernel saw the engine's own address; the process environment did not.
+        [initialize] = [c for c in report["calls"] if c["op"] == "initialize"]
+        assert initialize["env"] == {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "LOCAL_SIZE": "2",
+        }
+        for layer in ("py", "c"):
+            after = _environ(report, "after", layer)
+            assert (after["MASTER_ADDR"], after["MASTER_PORT"]) == (None, None)
+        segment = ShmNamespace(addr="127.0.0.1", port=port).segment_name(
+            report["tp_rank"]
+        )
+        assert report["segment"] == segment and report["segment_mode"] == 0o600
+        assert report["released"] == [segment] and not report["segment_after_release"]
+        # The rank's threads run on its SGLANG_CPU_OMP_THREADS_BIND group.
+        cpu = CPUS[report["tp_rank"] % len(CPUS)]
+        assert report["calls"][0] == {"op": "init_cpu_threads_env", "cpu_ids": str(cpu)}
+        assert report["affinity"] == [cpu]
+
+
+def test_what_parallel_state_reads_is_what_pristine_sglang_gives_it(
+    tp2_overlaid, namespaces
+):
+    overlaid_port, overlaid = tp2_overlaid
+    [port] = _free_ports(1)
+    namespaces.append(ShmNamespace(addr="127.0.0.1", port=port))
+    pristine = run_ranks(
+        _specs(engine=0, port=port, tp_size=2, pp_size=1, schema="released"),
+        pristine=True,
+    )
+
+    def read_by_sglang(report: dict) -> dict:
+        return {
+            "LOCAL_SIZE": (
+                _environ(report, "after")["LOCAL_SIZE"],
+                _environ(report, "after", "c")["LOCAL_SIZE"],
+            ),
+            "group": report["group"],
+            "shm_available": report["shm_available"],
+            "ops": _ops(report),
+            "tp_sum": report["tp_sum"],
+            "world_sum": report["world_sum"],
+            "environ_changed": report["environ_changed"],
+            "kernel_local_size": report["calls"][1]["env"]["LOCAL_SIZE"],
+        }
+
+    assert [read_by_sglang(r) for r in overlaid] == [
+        read_by_sglang(r) for r in pristine
+    ]
+    for theirs, ours in zip(pristine, overlaid):
+        rank = theirs["tp_rank"]
+        # The kernel names the segments alike: engine address, port, rank.
+        assert theirs["segment"] == namespaces[0].segment_name(rank)
+        assert ours["segment"] == ShmNamespace(
+            addr="127.0.0.1", port=overlaid_port
+        ).segment_name(rank)
+        # The one difference: upstream leaves MASTER_ADDR/MASTER_PORT set (setdefault).
+        assert _environ(theirs, "after")["MASTER_PORT"] == str(port)
+        assert _environ(ours, "after")["MASTER_PORT"] is None
+
+
+# ------------------------------------------------------------- co-located engines, stages
 
 
 @pytest.mark.parametrize("schema", ["released", "namespaced"])
-def test_two_engines_tp2_never_share_segments(monkeypatch, schema):
+def test_two_engines_tp2_never_share_segments(schema, namespaces):
     engine_ports = _free_ports(3)
     inherited_port = engine_ports.pop()
+    namespaces.extend(ShmNamespace(addr="127.0.0.1", port=p) for p in engine_ports)
     # What a launcher (or a user's shell) leaves behind: every rank inherits it.
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(inherited_port))
-    monkeypatch.delenv("LOCAL_SIZE", raising=False)
-    cpus = sorted(os.sched_getaffinity(0))
-
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    processes = []
-    for engine in (0, 1):
-        for rank in (0, 1):
-            cpu = cpus[(2 * engine + rank) % len(cpus)]
-            process = context.Process(
-                target=bootstrap_children.engine_rank,
-                args=(engine, rank, engine_ports[engine], schema, cpu, queue),
-            )
-            process.start()
-            processes.append(process)
-    results = collect_results(processes, queue)
-    assert all(process.exitcode == 0 for process in processes)
-
-    by_key = {(r["engine"], r["rank"]): r for r in results}
-    segments = {key: r["segment"] for key, r in by_key.items()}
-    assert len(set(segments.values())) == 4
-    for (engine, rank), result in by_key.items():
-        expected = ShmNamespace(addr="127.0.0.1", port=engine_ports[engine]).segment_name(rank)
-        assert result["segment"] == expected
-        # The kernel used exactly this name, and its peers are its own engine's.
-        [call] = [c for c in result["calls"] if c["op"] == "initialize"]
-        assert call["segment"] == expected
-        assert call["schema"] == schema
-        assert set(result["peer_prefixes"].values()) == {result["prefix"]}
-        assert result["segment_mode"] == 0o600
-        assert result["shm_collective"] is True
-        # One gloo allreduce and one shared-memory sum per engine.
-        expected_sum = (1 + 10 * engine) + (2 + 10 * engine)
-        assert result["allreduce"] == expected_sum
-        assert result["shm_sum"] == expected_sum
-        # The environment each process started with is what it ends with.
-        assert result["env_same"] and result["c_env_same"]
-        assert result["c_master_port"] == str(inherited_port)
-        # Every thread runs on the rank's CPU.
-        cpu = cpus[(2 * engine + rank) % len(cpus)]
-        assert result["bound_cpus"] == str(cpu)
-        assert set(map(tuple, result["affinities"].values())) == {(cpu,)}
-        assert result["num_threads"] == 1
-        assert any(
-            line.startswith("INFO rank ") and f"CPUs {cpu} " in line and "numa_index=0" in line
-            and "world_size=2" in line
-            for line in result["logs"]
+    inherited = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(inherited_port)}
+    specs = [
+        spec
+        for engine, port in enumerate(engine_ports)
+        for spec in _specs(
+            engine=engine, port=port, tp_size=2, pp_size=1, schema=schema
         )
-        assert result["released"] == [expected]
-        assert result["segment_after_release"] is False
-    if schema == "released":
-        for result in by_key.values():
-            [call] = [c for c in result["calls"] if c["op"] == "initialize"]
-            assert call["env"] == {
+    ]
+    reports = run_ranks(specs, environ=inherited)
+
+    assert len({r["segment"] for r in reports}) == 4
+    for report in reports:
+        engine, rank = report["engine"], report["tp_rank"]
+        namespace = namespaces[engine]
+        assert report["segment"] == namespace.segment_name(rank)
+        [initialize] = [c for c in report["calls"] if c["op"] == "initialize"]
+        assert initialize["segment"] == namespace.segment_name(rank)
+        assert initialize["schema"] == schema
+        # Its peers are its own engine's ranks, and nobody else's.
+        assert report["peer_prefixes"] == {"0": namespace.prefix, "1": namespace.prefix}
+        assert report["segment_mode"] == 0o600
+        assert report["owner_record"] == report["pid"]
+        expected = (1 + 10 * engine) + (2 + 10 * engine)
+        assert report["tp_sum"] == [expected, 2 * expected]  # through shared memory
+        assert report["world_sum"] == expected  # over gloo
+        assert "shm_allreduce" in _ops(report)
+        # The environment each rank started with is what it ends with, LOCAL_SIZE aside.
+        for layer in ("py", "c"):
+            after = _environ(report, "after", layer)
+            assert {k: after[k] for k in inherited} == inherited
+            assert after["LOCAL_SIZE"] == "2"
+        assert report["released"] == [namespace.segment_name(rank)]
+        assert report["segment_after_release"] is False
+        if schema == "released":
+            assert initialize["env"] == {
                 "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(engine_ports[result["engine"]]),
+                "MASTER_PORT": str(engine_ports[engine]),
                 "LOCAL_SIZE": "2",
             }
+        else:
+            assert initialize["env"] == {**inherited, "LOCAL_SIZE": "2"}
 
 
-def test_pipeline_stages_of_one_engine_get_their_own_segments(monkeypatch):
-    """TP 1 x PP 2: both stages are TP rank 0 of the same address, yet share nothing."""
+def test_every_pipeline_stage_of_a_cpu_engine_gets_its_own_segments(namespaces):
+    """PP 2 x TP 2: the stages' TP ranks share an address, yet no segment or record."""
     [port] = _free_ports(1)
-    monkeypatch.delenv("LOCAL_SIZE", raising=False)
-    cpus = sorted(os.sched_getaffinity(0))
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    processes = [
-        context.Process(
-            target=bootstrap_children.engine_rank,
-            args=(0, rank, port, "released", cpus[rank % len(cpus)], queue),
-            kwargs={"tp_size": 1, "world_size": 2},
-        )
-        for rank in (0, 1)
-    ]
-    for process in processes:
-        process.start()
-    results = collect_results(processes, queue)
-    by_rank = {r["rank"]: r for r in results}
     base = ShmNamespace(addr="127.0.0.1", port=port)
-    assert by_rank[0]["segment"] == base.segment_name(0)
-    assert by_rank[1]["segment"] == base.for_stage(1).segment_name(0)
-    for rank, result in by_rank.items():
-        assert result["allreduce"] == 3.0
-        assert result["shm_sum"] == rank + 1
-        assert result["peer_prefixes"] == {0: result["prefix"]}
-        assert result["env_same"] and result["c_env_same"]
+    namespaces.extend([base, base.for_stage(1)])
+    reports = run_ranks(
+        _specs(engine=0, port=port, tp_size=2, pp_size=2, schema="released")
+    )
+
+    assert len({r["segment"] for r in reports}) == 4
+    assert len({r["pid"] for r in reports}) == 4
+    for report in reports:
+        stage = base.for_stage(report["pp_rank"])
+        assert report["segment"] == stage.segment_name(report["tp_rank"])
+        assert report["peer_prefixes"] == {"0": stage.prefix, "1": stage.prefix}
+        # Each rank holds its own owner record; none was refused as another's.
+        assert report["owner_record"] == report["pid"]
+        assert report["group"]["local_size"] == 2 and report["shm_available"] is True
+        first = 1 + 2 * report["pp_rank"]
+        assert report["tp_sum"] == [
+            2 * first + 1,
+            2 * (2 * first + 1),
+        ]  # the stage's two
+        assert report["world_sum"] == 1 + 2 + 3 + 4
+    assert [r["segment"].split("_")[-3] for r in reports] == [
+        "127.0.0.1",
+        "127.0.0.1",
+        "127.0.0.1@pp1",
+        "127.0.0.1@pp1",
+    ]

@@ -25,12 +25,12 @@ OVERLAY = Path(__file__).resolve().parent.parent / "scripts" / "overlay.py"
 BOOTSTRAP, ENGINE, ENVIRON = "srt/distributed/bootstrap.py", "srt/ray/engine.py", "srt/environ.py"
 NUMA = "srt/utils/numa_utils.py"
 SHM_IMPORT = (
-    "from sglang.srt.distributed.shm_collective import ShmNamespace, "
-    "init_shm_collective, start_shm_collective  # noqa: F401"
+    "from sglang.srt.distributed.shm_collective import ShmNamespace, init_shm_collective, start_shm_collective"
 )
-SHM_NEW = "start_shm_collective(dist_init_method=dist_init_method, tp_size=parallel.tp_size, tp_rank=parallel.tp_rank)"
+SHM_NEW = ("start_shm_collective(dist_init_method=dist_init_method, tp_size=parallel.tp_size, "
+           "tp_rank=parallel.tp_rank, pp_rank=parallel.pp_rank)")  # fmt: skip
+SHM_KEEP = 'os.environ["LOCAL_SIZE"] = str(parallel.tp_size)'
 SHM_OLD = (
-    'os.environ["LOCAL_SIZE"] = str(parallel.tp_size)',
     "_set_shm_master_env(dist_init_method)",
     "torch.ops.sgl_kernel.initialize(parallel.tp_size, parallel.tp_rank)",
 )
@@ -146,13 +146,23 @@ def assert_only_changed(old: str, new: str, spans: List[Tuple[int, int]]) -> Non
         assert any(s <= i1 and i2 <= e for _, i1, i2, _, _ in ops), f"no change in old lines {s + 1}-{e}"
 
 
+def _unparsed(code: str) -> str:
+    return ast.unparse(ast.parse(code).body[0])
+
+
 def bootstrap_spans(text: str) -> List[Tuple[int, int]]:
     tree = ast.parse(text)
-    last_import = max(n.end_lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)))
+    # The import goes where isort puts it: right before `from sglang.srt.environ import envs`
+    # (difflib may align its closing parenthesis with the one of the import above).
+    environ = next(n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "sglang.srt.environ")
     branch = next(n for n in _top(tree, "_init_cpu_threads_env").body if isinstance(n, ast.If))
-    stmts = [s for s in branch.body if ast.unparse(s) in {ast.unparse(ast.parse(c).body[0]) for c in SHM_OLD}]
-    # The comment right above the first statement is replaced too.
-    return [(last_import, last_import), (stmts[0].lineno - 2, stmts[-1].end_lineno)]
+    stmts = [s for s in branch.body if ast.unparse(s) in {_unparsed(c) for c in SHM_OLD}]
+    # The comment block right above the first statement (4 lines) is replaced too.
+    return [(environ.lineno - 2, environ.lineno - 1), (stmts[0].lineno - 5, stmts[-1].end_lineno)]
+
+
+def _imports(text: str) -> List[str]:
+    return [ast.unparse(n) for n in ast.parse(text).body if isinstance(n, ast.ImportFrom)]
 
 
 def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
@@ -161,13 +171,16 @@ def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
     old = {rel: (pristine / rel).read_text() for rel in (BOOTSTRAP, ENGINE, ENVIRON)}
     new = {rel: (pkg / rel).read_text() for rel in (BOOTSTRAP, ENGINE, ENVIRON)}
 
-    assert SHM_IMPORT in new[BOOTSTRAP].splitlines()
+    assert SHM_IMPORT in _imports(new[BOOTSTRAP])
     fn = _top(ast.parse(new[BOOTSTRAP]), "_init_cpu_threads_env")
     calls = {ast.unparse(c.func): c for c in ast.walk(fn) if isinstance(c, ast.Call)}
     assert "_set_shm_master_env" not in calls and "torch.ops.sgl_kernel.initialize" not in calls
     assert "torch.ops.sgl_kernel.init_cpu_threads_env" in calls and "logger.warning" in calls
-    start = calls["start_shm_collective"]
-    assert ast.unparse(start) == ast.unparse(ast.parse(SHM_NEW).body[0].value)
+    branch = next(n for n in fn.body if isinstance(n, ast.If))
+    # Upstream's LOCAL_SIZE statement stays, right before the one new call.
+    assert [ast.unparse(s) for s in branch.body[-2:]] == [_unparsed(SHM_KEEP), _unparsed(SHM_NEW)]
+    assert "        # Set local size to hint SGLang to use shared memory based AllReduce\n" in new[BOOTSTRAP]
+    assert "MASTER_ADDR/MASTER_PORT in the" in new[BOOTSTRAP].split("def _init_cpu_threads_env")[1]
     assert_only_changed(old[BOOTSTRAP], new[BOOTSTRAP], bootstrap_spans(old[BOOTSTRAP]))
 
     up_fn, fn = (_top(ast.parse(t[ENGINE]), "_create_scheduler_actor") for t in (old, new))
@@ -243,7 +256,8 @@ def test_diff_writes_nothing(pkg: Path, repo: Path, pristine: Path) -> None:
 
 NUMA_ANCHOR = "    SGLANG_CRASH_ON_NUMA_BIND_FAILURE = EnvBool(False)\n"
 UNKNOWN_SHAPES = {  # upstream edit -> (file, name the refusal must give)
-    "no initialize call": (BOOTSTRAP, f"        {SHM_OLD[2]}\n", "", "_init_cpu_threads_env"),
+    "no initialize call": (BOOTSTRAP, f"        {SHM_OLD[1]}\n", "", "_init_cpu_threads_env"),
+    "no LOCAL_SIZE statement": (BOOTSTRAP, f"        {SHM_KEEP}\n", "", "_init_cpu_threads_env"),
     "renamed actor factory": (ENGINE, "def _create_scheduler_actor(", "def _create_scheduler_actor_v2(",
                               "_create_scheduler_actor"),
     "new actor parameter": (ENGINE, "    rank0_node_ip: str,\n) ->", "    rank0_node_ip: str,\n    x: int,\n) ->",

@@ -18,13 +18,12 @@ import tempfile
 import pytest
 
 import shm_children
-from sglang.srt.distributed.init_address import (
-    AddressError,
+from sglang.srt.distributed.shm_namespace import (
+    NAME_MAX,
+    ShmNamespace,
+    ShmNamespaceError,
     parse_port,
-    parse_tcp_init_method,
-    split_host_port,
 )
-from sglang.srt.distributed.shm_namespace import NAME_MAX, ShmNamespace, ShmNamespaceError
 from sglang.srt.distributed.shm_segments import (
     claim_segment,
     release_shm_collective,
@@ -159,7 +158,7 @@ def test_another_users_owner_directory_blocks_no_claim(sticky_dir, kind):
         info = holder.claimed()
         # Another process of the same user finds the holder's record in the private directory.
         outcome = _run(victim, gid, "claim", shared, port, 0, False)
-        assert outcome[:2] == ("error", "ShmOwnerError"), outcome
+        assert outcome[:2] == ("error", "ShmCollectiveError"), outcome
         assert f"pid {info['pid']}" in outcome[2]
         warnings = [line for line in outcome[3] if line.startswith("WARNING")]
         assert any(repr(squatted) in line and f"uid {attacker}" in line for line in warnings), warnings
@@ -183,7 +182,7 @@ def test_segment_planted_by_another_user_is_refused_naming_file_owner_and_fix(st
     planted = os.path.join(shared, ShmNamespace(addr="127.0.0.1", port=port, uid=victim).segment_name(0))
     assert _run(attacker, gid, "plant", planted, "file")[0] == "ok"
     outcome = _run(victim, gid, "claim", shared, port, 0, False)
-    assert outcome[:2] == ("error", "ShmOwnerError"), outcome
+    assert outcome[:2] == ("error", "ShmCollectiveError"), outcome
     message = outcome[2].splitlines()[0]
     assert repr(planted) in message and f"uid {attacker}" in message
     assert "remove it" in message and "--dist-init-addr" in message
@@ -206,7 +205,7 @@ def test_owners_in_two_private_directories_still_exclude_each_other(shm_dir):
     os.rmdir(usual)
     try:
         outcome = _run(None, None, "claim", shm_dir, 41004, 0, False)
-        assert outcome[:2] == ("error", "ShmOwnerError"), outcome
+        assert outcome[:2] == ("error", "ShmCollectiveError"), outcome
         assert f"pid {first_info['pid']}" in outcome[2]
     finally:
         first.kill()
@@ -230,6 +229,29 @@ def test_dead_record_beside_a_live_owner_never_removes_its_segment(shm_dir):
         assert f.read() == f"pid {info['pid']} rank 0\n".encode()
     live.finish()
     remove_stale_segments(ShmNamespace(addr="127.0.0.1", port=41005), shm_dir=shm_dir)
+    assert os.listdir(shm_dir) == []
+
+
+def test_a_dead_engines_helper_that_kept_the_lock_is_named_with_its_command(shm_dir):
+    engine = _Child(None, None, "claim_with_helper", shm_dir, 41006, 0)
+    info = engine.claimed()
+    helper = info["helper"]
+    try:
+        engine.kill()  # SIGKILL: the forked helper lives on, holding the record's lock
+        outcome = _run(None, None, "claim", shm_dir, 41006, 0, False)
+        assert outcome[:2] == ("error", "ShmCollectiveError"), outcome
+        message = outcome[2].splitlines()[0]
+        assert f"was made by pid {info['pid']}, which no longer holds it" in message
+        assert f"locked by pid {helper}: {shm_children.HELPER_TITLE!r}" in message
+        assert f"kill {helper}" in message and "--dist-init-addr" in message
+        assert "live process" not in message
+    finally:
+        os.kill(helper, signal.SIGKILL)
+    # Once the helper is gone its lock goes with it: the next claim takes over.
+    outcome = _run(None, None, "claim", shm_dir, 41006, 0, False, 30.0)
+    assert outcome[0] == "ok", outcome
+    assert outcome[1]["pid"] != info["pid"]
+    # It removed the dead engine's segment and record; its own went when it exited.
     assert os.listdir(shm_dir) == []
 
 
@@ -315,10 +337,12 @@ def test_longest_accepted_host_claims_and_one_more_character_is_rejected(shm_dir
 
 @pytest.mark.parametrize("port_text", ["²", "٨٠", "1²", "\x00", "8\x0b0", "+80", "8_0", "0x50", "-1"])
 def test_port_must_be_ascii_digits_and_the_error_shows_the_value(port_text):
-    with pytest.raises(AddressError) as info:
-        split_host_port(f"127.0.0.1:{port_text}", what="--dist-init-addr")
+    method = f"tcp://127.0.0.1:{port_text}"
+    with pytest.raises(ShmNamespaceError) as info:
+        ShmNamespace.from_init_method(method)
     message = str(info.value)
-    assert message.startswith("--dist-init-addr: ") and repr(port_text) in message
+    assert message.startswith(f"dist_init_method={method!r}: ")
+    assert repr(port_text)[1:-1] in message.partition(": ")[2]
     assert message.isprintable()
     with pytest.raises(ShmNamespaceError) as info:
         ShmNamespace.from_init_method("env://", environ={"MASTER_ADDR": "h", "MASTER_PORT": port_text})
@@ -326,7 +350,7 @@ def test_port_must_be_ascii_digits_and_the_error_shows_the_value(port_text):
 
 
 def test_port_digit_count_is_bounded_before_conversion():
-    with pytest.raises(AddressError, match="out of range"):
+    with pytest.raises(ShmNamespaceError, match="out of range"):
         parse_port("9" * 5000, what="MASTER_PORT")
     assert parse_port("029500", what="x") == 29500
 
@@ -363,11 +387,12 @@ def test_file_init_method_uses_torchs_path_whatever_the_working_directory(tmp_pa
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: split_host_port("fe80::1%\n\x00:1", what="--dist-init-addr"),
-        lambda: split_host_port("[fe80::1%\x00]", what="--dist-init-addr"),
-        lambda: split_host_port("[fe80::1%\x1b]x", what="--dist-init-addr"),
-        lambda: split_host_port("h\x00:8\n0", what="--dist-init-addr"),
-        lambda: parse_tcp_init_method("tcp://h\x00:1\x7f"),
+        lambda: ShmNamespace.from_init_method("tcp://fe80::1%\n\x00:1"),
+        lambda: ShmNamespace.from_init_method("tcp://[fe80::1%\x00]"),
+        lambda: ShmNamespace.from_init_method("tcp://[fe80::1%\x1b]x"),
+        lambda: ShmNamespace.from_init_method("tcp://h\x00:8\n0"),
+        lambda: ShmNamespace.from_init_method("tcp://h\x00:1\x7f"),
+        lambda: ShmNamespace.from_init_method("tcp://h:" + "9" * 250),
         lambda: ShmNamespace.from_init_method("tcp://h\x00:1"),
         lambda: ShmNamespace.from_init_method("bad\x00://x"),
         lambda: ShmNamespace.from_init_method("env://", environ={"MASTER_ADDR": "a\u2028b", "MASTER_PORT": "1"}),

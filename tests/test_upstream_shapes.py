@@ -213,16 +213,18 @@ def test_an_invalid_boolean_warns_and_keeps_the_default(monkeypatch):
 
 
 @pytest.mark.parametrize("schema", ["released", "namespaced"])
-def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(schema, monkeypatch):
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(schema, pp_rank, monkeypatch):
     from sglang.srt.distributed import bootstrap
     from sglang.srt.distributed.bootstrap import ShmNamespace, init_shm_collective  # noqa: F401 (still importable)
     from sglang.srt.distributed.shm_collective import release_shm_collective
 
     port = 40000 + os.getpid() % 20000
     method = f"tcp://127.0.0.1:{port}"
-    namespace = ShmNamespace.from_init_method(method)
+    namespace = ShmNamespace.from_init_method(method, pp_rank=pp_rank)
     monkeypatch.setattr(bootstrap, "_is_cpu_amx_available", True)
-    monkeypatch.setattr(bootstrap, "get_parallel", lambda: types.SimpleNamespace(tp_size=1, tp_rank=0))
+    parallel = types.SimpleNamespace(tp_size=1, tp_rank=0, pp_rank=pp_rank)
+    monkeypatch.setattr(bootstrap, "get_parallel", lambda: parallel)
     for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)
     environ_before = dict(os.environ)
@@ -235,8 +237,10 @@ def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(schema, monke
             release_shm_collective(namespace, rank=0)
             os.sched_setaffinity(0, affinity_before)
     assert initialize and initialize[0]["segment"] == namespace.segment_name(0)
-    assert dict(os.environ) == environ_before
-    assert all(kernel.c_getenv(name) is None for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"))
+    # What parallel_state reads afterwards is what upstream sets; MASTER_ADDR/PORT are untouched.
+    assert dict(os.environ) == {**environ_before, "LOCAL_SIZE": "1"}
+    assert kernel.c_getenv("LOCAL_SIZE") == "1"
+    assert all(kernel.c_getenv(name) is None for name in ("MASTER_ADDR", "MASTER_PORT"))
 
 
 # --------------------------------------------------------------------------- imports upstream relies on

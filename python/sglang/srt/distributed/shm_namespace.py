@@ -7,6 +7,11 @@ released kernel, read from ``MASTER_ADDR``/``MASTER_PORT``. Two engines on one
 host must therefore never hand the kernel the same address and port, so the
 name is an explicit value derived from the engine's own init address rather
 than from whatever the process environment happens to hold.
+
+``host:port`` is split by upstream's :class:`~sglang.srt.utils.network.NetworkAddress`
+(the class that formats the init method in the first place); this module adds
+only the bounds a segment name needs: ports in ASCII digits from 1 to 65535,
+IPv6 hosts in brackets, and names that fit ``NAME_MAX``.
 """
 
 from __future__ import annotations
@@ -18,12 +23,7 @@ import re
 from typing import Any, Mapping, Optional
 from urllib.parse import urlparse
 
-from sglang.srt.distributed.init_address import (
-    AddressError,
-    parse_port,
-    parse_tcp_init_method,
-    quoted,
-)
+from sglang.srt.utils.network import NetworkAddress
 
 SHM_SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
 NAME_MAX = 255
@@ -36,10 +36,82 @@ _MAX_RANK = 10**_RANK_DIGITS - 1
 # Reserved for the pipeline-stage suffix; never valid in a host name or address.
 _STAGE_MARK = "@pp"
 _ADDR_RE = re.compile(r"[A-Za-z0-9._:%-]+")
+_MAX_PORT = 65535
+# ASCII only: str.isdigit() and int() also accept '٨٠' (read as 80), int() also
+# ' 80', '+80' and '8_0'.
+_PORT_RE = re.compile(r"[0-9]+")
+_SHOWN_MAX = 80
+_TCP_FORMS = "'tcp://host:port' or 'tcp://[ipv6]:port'"
 
 
 class ShmNamespaceError(ValueError):
-    """A value that names shared-memory segments is not usable."""
+    """A value that names shared-memory segments (an address, a port, a rank) is not usable."""
+
+
+def quoted(value: object) -> str:
+    """``repr(value)`` for an error message, cut short when long: a NUL or control
+    character stays visible and a huge value cannot flood the line."""
+    text = repr(value)
+    if len(text) <= _SHOWN_MAX:
+        return text
+    return f"{text[:_SHOWN_MAX]}... ({len(text)} characters)"
+
+
+def _printable(text: str) -> str:
+    """``text`` with every unprintable character escaped, as ``repr`` would."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def parse_port(text: str, *, what: str) -> int:
+    """A TCP port from text in ASCII digits, 1 to 65535; ``what`` names the setting."""
+    stripped = text.strip() if isinstance(text, str) else ""
+    if not _PORT_RE.fullmatch(stripped):
+        raise ShmNamespaceError(
+            f"{what}: port {quoted(text)} is not a number; expected an integer from 1 "
+            f"to {_MAX_PORT} in ASCII digits"
+        )
+    # Bounded before int(): a long digit string would cost time, and int() refuses
+    # 4300+ digits.
+    digits = stripped.lstrip("0")
+    if len(digits) > len(str(_MAX_PORT)) or not 0 < int(digits or "0") <= _MAX_PORT:
+        raise ShmNamespaceError(
+            f"{what}: port {quoted(text)} is out of range; expected 1 to {_MAX_PORT}"
+        )
+    return int(digits)
+
+
+def format_host_port(host: str, port: int) -> str:
+    """``host:port``, with IPv6 hosts in brackets (upstream's formatting)."""
+    return NetworkAddress(host, port).to_host_port_str()
+
+
+def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
+    """``(host, port)`` of ``tcp://host:port`` or ``tcp://[ipv6]:port``.
+
+    The query string and a trailing ``/`` are ignored, as torch's rendezvous does.
+    """
+    rest = method[len("tcp://") :].partition("?")[0]
+    rest = rest[:-1] if rest.endswith("/") else rest
+    # No longer address can yield a segment name within NAME_MAX; the bound also
+    # keeps upstream's messages, which show the whole value, short.
+    if len(rest) > NAME_MAX:
+        raise ShmNamespaceError(
+            f"{what} is too long: no /dev/shm segment name can hold a {len(rest)}-"
+            f"character address; give --dist-init-addr (or --host) as an IP address or "
+            f"a shorter host name"
+        )
+    try:
+        address = NetworkAddress.parse(rest)
+    except ValueError as exc:
+        raise ShmNamespaceError(
+            f"{what}: {_printable(str(exc))}; expected {_TCP_FORMS}"
+        ) from None
+    if ":" in address.host and not rest.startswith("["):
+        raise ShmNamespaceError(
+            f"{what}: host {quoted(address.host)} has ':' but no brackets; write an IPv6 "
+            f"address as 'tcp://[ipv6]:port'"
+        )
+    return address.host, parse_port(rest.rpartition(":")[2], what=what)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,35 +132,42 @@ class ShmNamespace:
     def __post_init__(self) -> None:
         if not isinstance(self.addr, str) or not self.addr:
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={quoted(self.addr)}: expected a non-empty host name or address"
+                f"ShmNamespace.addr={quoted(self.addr)}: expected a non-empty host "
+                f"name or address"
             )
         if "/" in self.addr:
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={quoted(self.addr)} contains '/', which cannot appear in a "
-                f"/dev/shm segment name; use the host's name or IP address"
+                f"ShmNamespace.addr={quoted(self.addr)} contains '/', which cannot "
+                f"appear in a /dev/shm segment name; use the host's name or IP address"
             )
         if not _ADDR_RE.fullmatch(self.addr):
             bad = sorted({c for c in self.addr if not _ADDR_RE.fullmatch(c)})
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={quoted(self.addr)} contains {quoted(''.join(bad))}; only "
-                f"letters, digits and . _ - : % are allowed in a /dev/shm segment name"
+                f"ShmNamespace.addr={quoted(self.addr)} contains "
+                f"{quoted(''.join(bad))}; only letters, digits and . _ - : % are "
+                f"allowed in a /dev/shm segment name"
             )
         for name, value, low, high in (
-            ("port", self.port, 0, 65535),
+            ("port", self.port, 0, _MAX_PORT),
             ("uid", self.uid, 0, 2**32 - 1),
             ("pp_rank", self.pp_rank, 0, _MAX_RANK),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not low <= value <= high
+            ):
                 raise ShmNamespaceError(
-                    f"ShmNamespace.{name}={quoted(value)}: expected an integer from {low} to {high}"
+                    f"ShmNamespace.{name}={quoted(value)}: expected an integer from "
+                    f"{low} to {high}"
                 )
         longest = len(self.segment_name(_MAX_RANK) + OWNER_RECORD_SUFFIX)
         if longest > NAME_MAX:
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={quoted(self.addr)} is too long: segment names and their "
-                f"owner records would be up to {longest} characters, over the {NAME_MAX} "
-                f"allowed in /dev/shm; give --dist-init-addr (or --host) as an IP address "
-                f"or a shorter host name"
+                f"ShmNamespace.addr={quoted(self.addr)} is too long: segment names and "
+                f"their owner records would be up to {longest} characters, over the "
+                f"{NAME_MAX} allowed in /dev/shm; give --dist-init-addr (or --host) as "
+                f"an IP address or a shorter host name"
             )
 
     @classmethod
@@ -114,25 +193,22 @@ class ShmNamespace:
             extra["uid"] = uid
         if not isinstance(method, str) or not method.strip():
             raise ShmNamespaceError(
-                f"dist_init_method={quoted(method)}: expected 'tcp://host:port', 'env://' "
-                f"or 'file://path'"
+                f"dist_init_method={quoted(method)}: expected {_TCP_FORMS}, 'env://' "
+                f"or 'file:///path'"
             )
         method = method.strip()
         scheme = method.split("://", 1)[0].lower() if "://" in method else ""
-        try:
-            if scheme == "tcp":
-                host, port = parse_tcp_init_method(method, what=what)
-            elif scheme == "env":
-                host, port = _env_address(what, os.environ if environ is None else environ)
-            elif scheme == "file":
-                host, port = _file_address(what, method), 0
-            else:
-                raise ShmNamespaceError(
-                    f"{what}: unsupported scheme; expected 'tcp://host:port', "
-                    f"'tcp://[ipv6]:port', 'env://' or 'file:///path'"
-                )
-        except AddressError as exc:
-            raise ShmNamespaceError(str(exc)) from None
+        if scheme == "tcp":
+            host, port = _tcp_address(method, what=what)
+        elif scheme == "env":
+            host, port = _env_address(what, os.environ if environ is None else environ)
+        elif scheme == "file":
+            host, port = _file_address(what, method), 0
+        else:
+            raise ShmNamespaceError(
+                f"{what}: unsupported scheme; expected {_TCP_FORMS}, 'env://' or "
+                f"'file:///path'"
+            )
         try:
             return cls(addr=host, port=port, **extra)
         except ShmNamespaceError as exc:
@@ -145,7 +221,9 @@ class ShmNamespace:
     @property
     def kernel_addr(self) -> str:
         """The address part of segment names (``MASTER_ADDR`` for the released kernel)."""
-        return self.addr if self.pp_rank == 0 else f"{self.addr}{_STAGE_MARK}{self.pp_rank}"
+        if self.pp_rank == 0:
+            return self.addr
+        return f"{self.addr}{_STAGE_MARK}{self.pp_rank}"
 
     @property
     def kernel_port(self) -> str:
@@ -158,7 +236,11 @@ class ShmNamespace:
 
     def segment_name(self, rank: int) -> str:
         """The ``/dev/shm`` name the CPU kernel uses for ``rank``."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= _MAX_RANK:
+        if (
+            isinstance(rank, bool)
+            or not isinstance(rank, int)
+            or not 0 <= rank <= _MAX_RANK
+        ):
             raise ShmNamespaceError(
                 f"rank={quoted(rank)}: expected an integer from 0 to {_MAX_RANK}"
             )
@@ -170,9 +252,17 @@ class ShmNamespace:
         if not name.startswith(head):
             return None
         tail = name[len(head) :]
-        if not tail.isdigit() or len(tail) > _RANK_DIGITS or (len(tail) > 1 and tail[0] == "0"):
+        if (
+            not tail.isdigit()
+            or len(tail) > _RANK_DIGITS
+            or (len(tail) > 1 and tail[0] == "0")
+        ):
             return None
         return int(tail)
+
+    def describe(self) -> str:
+        """``host:port`` of the engine, for messages."""
+        return quoted(format_host_port(self.addr, self.port))
 
 
 def _env_address(what: str, environ: Mapping[str, str]) -> tuple[str, int]:
@@ -182,12 +272,12 @@ def _env_address(what: str, environ: Mapping[str, str]) -> tuple[str, int]:
     if not host or not port_text:
         raise ShmNamespaceError(
             f"{what} takes the address from MASTER_ADDR and MASTER_PORT, but "
-            f"MASTER_ADDR={quoted(host)}, MASTER_PORT={quoted(port_text)}; set both, or use "
-            f"a tcp://host:port init method"
+            f"MASTER_ADDR={quoted(host)}, MASTER_PORT={quoted(port_text)}; set both, "
+            f"or use a tcp://host:port init method"
         )
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, parse_port(port_text, what="MASTER_PORT")
+    port = parse_port(port_text, what="MASTER_PORT")
+    # NetworkAddress drops the brackets of an IPv6 MASTER_ADDR, as upstream does.
+    return NetworkAddress(host, port).host, port
 
 
 def _file_address(what: str, method: str) -> str:
@@ -211,4 +301,7 @@ __all__ = [
     "SHM_SEGMENT_PREFIX",
     "ShmNamespace",
     "ShmNamespaceError",
+    "format_host_port",
+    "parse_port",
+    "quoted",
 ]

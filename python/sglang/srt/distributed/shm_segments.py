@@ -40,6 +40,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import logging
 import os
@@ -48,18 +49,24 @@ import stat
 import tempfile
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
-from sglang.srt.distributed.init_address import format_host_port, quoted
 from sglang.srt.distributed.shm_namespace import (
     OWNER_RECORD_SUFFIX,
     SHM_SEGMENT_PREFIX,
     ShmNamespace,
+    quoted,
 )
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+PROC_DIR = "/proc"
+# sizeof(struct allreduce_workspace) in sgl-kernel's CPU shm.cpp: two int states,
+# then a double buffer of NAIVE_ALLREDUCE_THRESHOLD (1 MiB) and one of MAX_BUF_SIZE
+# (32 MiB). The kernel write()s this much into each rank's segment.
+KERNEL_SEGMENT_BYTES = 2 * 4 + 2 * (1 << 20) + 2 * (32 << 20)
+_MIB = 1 << 20
 _OWNER_DIR_PREFIX = "sglang_shm_owners"
 # A pass that keeps finding new records means claimants keep coming and going;
 # after this many the segment counts as busy and the caller retries later.
@@ -67,8 +74,10 @@ _MAX_PASSES = 50
 _WARNED: set[tuple[str, int, int]] = set()
 
 
-class ShmOwnerError(RuntimeError):
-    """A segment's owner record cannot be created or is held by a live process."""
+class ShmCollectiveError(RuntimeError):
+    """The CPU shared-memory collective cannot be set up: its segment belongs to a live
+    process or another user, /dev/shm is full or read-only, or the kernel op has a
+    shape this package does not know."""
 
 
 # --------------------------------------------------------------------- trusted directories
@@ -80,7 +89,9 @@ def _owner_dir(shm_dir: str, uid: int) -> str:
 
 def _is_trusted(info: os.stat_result) -> bool:
     return (
-        stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o077
+        stat.S_ISDIR(info.st_mode)
+        and info.st_uid == os.geteuid()
+        and not info.st_mode & 0o077
     )
 
 
@@ -132,8 +143,10 @@ def _warn_untrusted(path: str, info: os.stat_result, private: str) -> None:
     if key in _WARNED:
         return
     _WARNED.add(key)
-    kind = "a symlink" if stat.S_ISLNK(info.st_mode) else (
-        "a directory" if stat.S_ISDIR(info.st_mode) else "a file"
+    kind = (
+        "a symlink"
+        if stat.S_ISLNK(info.st_mode)
+        else ("a directory" if stat.S_ISDIR(info.st_mode) else "a file")
     )
     if info.st_uid == os.geteuid():
         why, who = "its mode lets other users in", "remove"
@@ -256,26 +269,42 @@ def _close_all(held: list[_Held], *, unlink: bool) -> None:
         record.close(unlink=unlink)
 
 
+@dataclasses.dataclass(frozen=True)
+class BusyRecord:
+    """An owner record that another open file holds locked: the record's path and
+    identity, and the pid written in it (the process that claimed it)."""
+
+    path: str
+    dev: int
+    ino: int
+    recorded_pid: str
+
+
 def _lock_at(
     directory: _Dir, name: str, *, create: bool
-) -> tuple[Optional[_Held], Optional[str]]:
+) -> tuple[Optional[_Held], Optional[BusyRecord]]:
     """Open and lock the record ``name`` in ``directory``.
 
-    ``(record, None)`` once locked; ``(None, pid)`` when a live process holds it;
+    ``(record, None)`` once locked; ``(None, busy)`` when someone else holds it;
     ``(None, None)`` when it vanished or was replaced meanwhile (look again).
     """
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+    path = os.path.join(directory.path, name)
     try:
         fd = os.open(name, flags, 0o600, dir_fd=directory.fd)
     except FileNotFoundError:
         return None, None
+    except OSError as exc:
+        # Opened relative to a directory descriptor: the error names no file.
+        raise OSError(exc.errno, exc.strerror, path) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _read_pid(fd)
+        info = os.fstat(fd)
+        busy = BusyRecord(path, info.st_dev, info.st_ino, _read_pid(fd))
         os.close(fd)
-        return None, holder
-    record = _Held(os.path.join(directory.path, name), fd)
+        return None, busy
+    record = _Held(path, fd)
     if not _same_file(fd, name, directory.fd):
         record.close(unlink=False)
         return None, None
@@ -284,11 +313,12 @@ def _lock_at(
 
 def _lock_records(
     segment: str, shm_dir: str, uid: int, *, own: Optional[int] = None
-) -> tuple[Optional[list[_Held]], str]:
+) -> tuple[Optional[list[_Held]], Optional[BusyRecord]]:
     """Lock the record of ``segment`` in every trusted directory (all but ``own``'s file).
 
-    Returns ``(records, "")``, every one dead and now held here, or ``(None, pid)``
-    when a live process holds one (nothing then stays locked). Passes repeat with a
+    Returns ``(records, None)``, every one dead and now held here, or
+    ``(None, busy)`` when someone else holds one (nothing then stays locked;
+    ``busy`` is None when records kept coming and going). Passes repeat with a
     fresh listing until one finds no record it does not hold, so a directory or
     record made meanwhile is not missed.
     """
@@ -310,21 +340,21 @@ def _lock_records(
                     if (info.st_dev, info.st_ino) in skip:
                         continue
                     fresh = True
-                    record, holder = _lock_at(directory, name, create=False)
-                    if holder is not None:
+                    record, busy = _lock_at(directory, name, create=False)
+                    if busy is not None:
                         _close_all(held, unlink=False)
-                        return None, holder
+                        return None, busy
                     if record is not None:
                         held.append(record)
                         info = os.fstat(record.fd)
                         skip.add((info.st_dev, info.st_ino))
             if not fresh:
-                return held, ""
+                return held, None
     except BaseException:
         _close_all(held, unlink=False)
         raise
     _close_all(held, unlink=False)
-    return None, "?"
+    return None, None
 
 
 @dataclasses.dataclass
@@ -339,17 +369,163 @@ class _OwnerRecord:
         if self.held.fd < 0 or self.pid != os.getpid():
             return
         if unlink_segment:
-            _unlink_segment(os.path.join(self.shm_dir, self.namespace.segment_name(self.rank)))
+            segment = self.namespace.segment_name(self.rank)
+            _unlink_segment(os.path.join(self.shm_dir, segment))
         self.held.close(unlink=True)
 
 
-def _live_owner_error(namespace: ShmNamespace, rank: int, holder: str) -> ShmOwnerError:
-    return ShmOwnerError(
-        f"rank {rank}: segment {namespace.segment_name(rank)} belongs to a live process "
-        f"(pid {holder}); another engine uses the same address "
-        f"{quoted(format_host_port(namespace.addr, namespace.port))}. Give each engine "
-        f"its own --dist-init-addr or port"
+# ------------------------------------------------------------- who holds a record
+
+
+@dataclasses.dataclass(frozen=True)
+class LockHolder:
+    """A process with an open file that holds a flock on an owner record."""
+
+    pid: int
+    command: str
+
+
+def _command_line(proc_dir: str, pid: str) -> str:
+    try:
+        with open(os.path.join(proc_dir, pid, "cmdline"), "rb") as f:
+            raw = f.read(4096)
+    except OSError:
+        return "?"
+    words = [w.decode("utf-8", "replace") for w in raw.split(b"\0") if w]
+    return " ".join(words) or "?"
+
+
+def _holds_flock(fdinfo: str) -> bool:
+    # fdinfo lists, as "lock:" lines, the locks that this open file holds.
+    return any(
+        line.startswith("lock:") and " FLOCK " in line for line in fdinfo.splitlines()
     )
+
+
+def find_lock_holders(
+    *, dev: int, ino: int, proc_dir: str = PROC_DIR
+) -> list[LockHolder]:
+    """Every process whose open file ``(dev, ino)`` holds a flock on it.
+
+    ``/proc/locks`` names the process that took a flock, which may be long dead
+    when a child it forked inherited the open file (and with it the lock), so the
+    open files themselves are read: ``/proc/<pid>/fd`` and ``fdinfo``. Processes
+    this user may not inspect are passed over.
+    """
+    holders: list[LockHolder] = []
+    try:
+        pids = [p for p in os.listdir(proc_dir) if p.isascii() and p.isdigit()]
+    except OSError:
+        return holders
+    for pid in sorted(pids, key=int):
+        fd_dir = os.path.join(proc_dir, pid, "fd")
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                info = os.stat(os.path.join(fd_dir, fd))
+                if (info.st_dev, info.st_ino) != (dev, ino):
+                    continue
+                with open(os.path.join(proc_dir, pid, "fdinfo", fd)) as f:
+                    fdinfo = f.read(65536)
+            except OSError:
+                continue
+            if _holds_flock(fdinfo):
+                holders.append(LockHolder(int(pid), _command_line(proc_dir, pid)))
+                break
+    return holders
+
+
+def describe_busy_owner(
+    *,
+    rank: int,
+    segment: str,
+    address: str,
+    busy: Optional[BusyRecord],
+    holders: Sequence[LockHolder],
+    recorded_alive: bool,
+) -> str:
+    """The message for a segment whose owner record someone else holds (pure).
+
+    ``holders`` are the processes seen holding the record's lock;
+    ``recorded_alive`` says whether the pid written in the record still runs.
+    """
+    fix = "Give each engine its own --dist-init-addr or port"
+    if busy is None:
+        return (
+            f"rank {rank}: the owner records of segment {segment} kept changing "
+            f"hands; another engine is starting on the same address {address}. {fix}"
+        )
+    recorded = busy.recorded_pid
+    shown = ", ".join(f"pid {h.pid}: {quoted(h.command)}" for h in holders)
+    # No pid written yet ("?"): the holder is a claimant in the middle of its claim.
+    if any(str(h.pid) == recorded for h in holders) or (holders and recorded == "?"):
+        return (
+            f"rank {rank}: segment {segment} belongs to a live process ({shown}); "
+            f"another engine uses the same address {address}. {fix}"
+        )
+    if holders:
+        pids = " ".join(str(h.pid) for h in holders)
+        return (
+            f"rank {rank}: segment {segment} is still held: its owner record "
+            f"{busy.path!r} was made by pid {recorded}, which no longer holds it, and "
+            f"is locked by {shown}, a process that inherited the lock (one the engine "
+            f"started before it died, for example). Stop that process (kill {pids}) "
+            f"and start this engine again, or give it its own --dist-init-addr or port"
+        )
+    # Nobody seen: the holder runs as another user or in another pid namespace.
+    if recorded_alive:
+        return (
+            f"rank {rank}: segment {segment} belongs to a live process (pid "
+            f"{recorded}, as its owner record {busy.path!r} says); another engine "
+            f"uses the same address {address}. {fix}"
+        )
+    return (
+        f"rank {rank}: segment {segment} is still held: its owner record "
+        f"{busy.path!r} was made by pid {recorded}, which is gone, and its lock is "
+        f"held by a process this user cannot inspect (another user's, or one in "
+        f"another pid namespace). Stop it and start this engine again. {fix}"
+    )
+
+
+def _pid_alive(pid: str) -> bool:
+    """Whether ``pid`` (text from a record) names a running process; an unreadable
+    pid counts as running, since nothing says it has gone."""
+    if not pid.isascii() or not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def _live_owner_error(
+    namespace: ShmNamespace, rank: int, busy: Optional[BusyRecord]
+) -> ShmCollectiveError:
+    holders = [] if busy is None else find_lock_holders(dev=busy.dev, ino=busy.ino)
+    return ShmCollectiveError(
+        describe_busy_owner(
+            rank=rank,
+            segment=namespace.segment_name(rank),
+            address=namespace.describe(),
+            busy=busy,
+            holders=holders,
+            recorded_alive=busy is not None and _pid_alive(busy.recorded_pid),
+        )
+    )
+
+
+def _write_pid(record: _Held) -> None:
+    try:
+        os.ftruncate(record.fd, 0)
+        os.pwrite(record.fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, record.path) from None
 
 
 def _claim_owner(
@@ -365,25 +541,27 @@ def _claim_owner(
     while True:
         home = _home_dir(shm_dir, namespace.uid)
         try:
-            own, holder = _lock_at(home, name, create=True)
+            own, busy = _lock_at(home, name, create=True)
         finally:
             os.close(home.fd)
         if own is not None:
             try:
-                others, holder = _lock_records(segment, shm_dir, namespace.uid, own=own.fd)
+                others, busy = _lock_records(
+                    segment, shm_dir, namespace.uid, own=own.fd
+                )
                 if others is not None:
-                    os.ftruncate(own.fd, 0)
-                    os.pwrite(own.fd, f"{os.getpid()}\n".encode(), 0)
-                    return _OwnerRecord(namespace, rank, shm_dir, own, os.getpid()), others
+                    _write_pid(own)
+                    record = _OwnerRecord(namespace, rank, shm_dir, own, os.getpid())
+                    return record, others
             except BaseException:
                 own.close(unlink=True)
                 raise
             own.close(unlink=True)
-        elif holder is None:
+        elif busy is None:
             # The directory was removed as empty, or the record replaced, meanwhile.
             continue
         if time.monotonic() >= deadline:
-            raise _live_owner_error(namespace, rank, holder)
+            raise _live_owner_error(namespace, rank, busy)
         # Two claimants in different directories both back off: a random pause
         # lets one of them win the next round.
         time.sleep(random.uniform(0.02, 0.08))
@@ -419,7 +597,9 @@ def _recorded_segments(shm_dir: str, uid: int) -> set[str]:
     return found
 
 
-def _unrecorded(namespace: ShmNamespace, shm_dir: str, skip: Optional[str]) -> list[str]:
+def _unrecorded(
+    namespace: ShmNamespace, shm_dir: str, skip: Optional[str]
+) -> list[str]:
     """Segments of ``namespace`` that have no owner record.
 
     A record is made before its segment and removed after it, so a segment file
@@ -437,10 +617,13 @@ def _unrecorded(namespace: ShmNamespace, shm_dir: str, skip: Optional[str]) -> l
         names = os.listdir(shm_dir)
     except FileNotFoundError:
         return []
-    before = {n: inode(n) for n in names if namespace.rank_of(n) is not None and n != skip}
+    before = {
+        n: inode(n) for n in names if namespace.rank_of(n) is not None and n != skip
+    }
     recorded = _recorded_segments(shm_dir, namespace.uid)
     return sorted(
-        n for n, ino in before.items()
+        n
+        for n, ino in before.items()
         if ino is not None and n not in recorded and inode(n) == ino
     )
 
@@ -486,7 +669,7 @@ def remove_stale_segments(
         logger.warning(
             f"Shared-memory segments {', '.join(unknown)} in {shm_dir!r} have no owner "
             f"record, so whether they are in use is unknown; they are left alone. If no "
-            f"engine on {quoted(format_host_port(namespace.addr, namespace.port))} runs, "
+            f"engine on {namespace.describe()} runs, "
             f"remove them by hand"
         )
     return StaleSweep(tuple(removed), tuple(live), tuple(unknown))
@@ -529,35 +712,187 @@ def _remember(record: _OwnerRecord) -> None:
             _ATEXIT_REGISTERED = True
 
 
+# ------------------------------------------------------------- a full or read-only /dev/shm
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _suggested_mib(*, total: int, free: int, needed: int) -> int:
+    """The size, in MiB rounded up, that leaves room for ``needed`` more bytes."""
+    return -(-(total - free + needed) // _MIB)
+
+
+def describe_full_shm(
+    *,
+    rank: int,
+    shm_dir: str,
+    free: int,
+    total: int,
+    needed: int,
+    segment: str,
+    failed: Optional[str] = None,
+) -> str:
+    """The message for a ``shm_dir`` without room for ``needed`` more bytes (pure).
+
+    ``segment`` is the rank's segment path; ``failed`` the file whose write failed,
+    when one did.
+    """
+    size = _suggested_mib(total=total, free=free, needed=needed)
+    what = f"writing {failed!r} failed: " if failed else ""
+    return (
+        f"rank {rank}: {what}{shm_dir!r} has {free} of {total} bytes free, but the "
+        f"CPU shared-memory all-reduce needs {needed} bytes more there: each rank's "
+        f"segment (this rank's is {segment!r}) takes {KERNEL_SEGMENT_BYTES} bytes, "
+        f"about {KERNEL_SEGMENT_BYTES // _MIB} MiB. Grow it to at least {size} MiB: "
+        f"as root, `mount -o remount,size={size}M {shm_dir}`; in a container, start "
+        f"it with `--shm-size={size}m` (docker) or a larger memory-backed volume at "
+        f"{shm_dir}; or remove what else fills it"
+    )
+
+
+def describe_read_only_shm(*, rank: int, shm_dir: str, path: str) -> str:
+    """The message for a read-only ``shm_dir`` (pure)."""
+    return (
+        f"rank {rank}: cannot create {path!r}: {shm_dir!r} is mounted read-only, and "
+        f"the CPU shared-memory all-reduce keeps its segments there. Mount it "
+        f"read-write (as root, `mount -o remount,rw {shm_dir}`); in a container, do "
+        f"not mount {shm_dir} read-only"
+    )
+
+
+def _usage(shm_dir: str) -> tuple[int, int]:
+    """``(free, total)`` bytes of the file system at ``shm_dir``."""
+    info = os.statvfs(shm_dir)
+    return info.f_bavail * info.f_frsize, info.f_blocks * info.f_frsize
+
+
+def _shm_filesystem_error(
+    exc: OSError, *, namespace: ShmNamespace, rank: int, shm_dir: str
+) -> Optional[ShmCollectiveError]:
+    """The error that names the file and the fix for a full or read-only ``shm_dir``,
+    or None when ``exc`` is some other failure."""
+    segment = os.path.join(shm_dir, namespace.segment_name(rank))
+    path = exc.filename if isinstance(exc.filename, str) else segment
+    if exc.errno == errno.EROFS:
+        return ShmCollectiveError(
+            describe_read_only_shm(rank=rank, shm_dir=shm_dir, path=path)
+        )
+    if exc.errno in _FULL:
+        free, total = _usage(shm_dir)
+        # At least this rank's segment; its peers' are counted before the kernel runs.
+        return ShmCollectiveError(
+            describe_full_shm(
+                rank=rank,
+                shm_dir=shm_dir,
+                free=free,
+                total=total,
+                needed=KERNEL_SEGMENT_BYTES,
+                segment=segment,
+                failed=path,
+            )
+        )
+    return None
+
+
+@contextlib.contextmanager
+def _explained_shm_errors(
+    *, namespace: ShmNamespace, rank: int, shm_dir: str
+) -> Iterator[None]:
+    """Turn ENOSPC, EDQUOT and EROFS raised in the block into errors that name the
+    file and the fix; other errors pass unchanged."""
+    try:
+        yield
+    except OSError as exc:
+        explained = _shm_filesystem_error(
+            exc, namespace=namespace, rank=rank, shm_dir=shm_dir
+        )
+        if explained is None:
+            raise
+        raise explained from exc
+
+
+def segment_bytes_missing(
+    sizes: Sequence[Optional[int]], *, segment_bytes: int = KERNEL_SEGMENT_BYTES
+) -> int:
+    """How many bytes the kernel will still write into segments of these current
+    sizes (None: absent) (pure)."""
+    return sum(segment_bytes - min(size or 0, segment_bytes) for size in sizes)
+
+
+def ensure_segment_space(
+    namespace: ShmNamespace,
+    *,
+    rank: int,
+    tp_size: int,
+    shm_dir: str = SHM_DIR,
+) -> None:
+    """Raise :class:`ShmCollectiveError` unless ``shm_dir`` has room for the segments
+    that the ``tp_size`` ranks of ``namespace`` have still to write.
+
+    The CPU kernel write()s its segment without checking for a short write, and
+    its ranks then map the full size: past the end of a short file, the first
+    touch is a SIGBUS. A /dev/shm too small for that (docker's default is 64 MiB)
+    is therefore refused here, before the kernel runs.
+    """
+    sizes = []
+    for peer in range(tp_size):
+        try:
+            sizes.append(
+                os.lstat(os.path.join(shm_dir, namespace.segment_name(peer))).st_size
+            )
+        except FileNotFoundError:
+            sizes.append(None)
+    needed = segment_bytes_missing(sizes)
+    free, total = _usage(shm_dir)
+    if free < needed:
+        raise ShmCollectiveError(
+            describe_full_shm(
+                rank=rank,
+                shm_dir=shm_dir,
+                free=free,
+                total=total,
+                needed=needed,
+                segment=os.path.join(shm_dir, namespace.segment_name(rank)),
+            )
+        )
+
+
+# ------------------------------------------------------------------------ claiming
+
+
 def claim_segment(
     namespace: ShmNamespace, *, rank: int, shm_dir: str = SHM_DIR, wait_s: float = 10.0
 ) -> None:
     """Make this process the owner of ``rank``'s segment in ``namespace``, once per process.
 
     Locks the rank's owner record (waiting up to ``wait_s`` for a short-lived
-    holder; :class:`ShmOwnerError` if a live process keeps it), removes the rank's
-    own leftover segment (:class:`ShmOwnerError` if another user made it) and every
-    segment of this uid whose owner is gone, and registers the segment for
-    :func:`release_shm_collective` at exit.
+    holder), removes the rank's own leftover segment and every segment of this uid
+    whose owner is gone, and registers the segment for
+    :func:`release_shm_collective` at exit. :class:`ShmCollectiveError` when a live
+    process (or one that inherited a dead owner's lock) keeps the record, when
+    another user made a file under the segment's name, or when ``shm_dir`` is full
+    or read-only.
     """
     key = (namespace, rank, shm_dir)
     with _OWNED_LOCK:
         record = _OWNED.get(key)
     if record is not None:
         return
-    record, dead = _claim_owner(namespace, rank, shm_dir=shm_dir, wait_s=wait_s)
+    with _explained_shm_errors(namespace=namespace, rank=rank, shm_dir=shm_dir):
+        record, dead = _claim_owner(namespace, rank, shm_dir=shm_dir, wait_s=wait_s)
     segment = namespace.segment_name(rank)
     path = os.path.join(shm_dir, segment)
     try:
         try:
             planter = _foreign_owner(path)
             if planter is not None:
-                raise ShmOwnerError(
+                raise ShmCollectiveError(
                     f"rank {rank}: {path!r} is owned by uid {planter}, not by this "
-                    f"process's uid {os.geteuid()}: another user made a file under this "
-                    f"engine's segment name, which the CPU kernel would fail to open or "
-                    f"would share with that user. Have uid {planter} (or root) remove it, "
-                    f"or give this engine another --dist-init-addr or port"
+                    f"process's uid {os.geteuid()}: another user made a file under "
+                    f"this engine's segment name, which the CPU kernel would fail to "
+                    f"open or would share with that user. Have uid {planter} (or "
+                    f"root) remove it, or give this engine another --dist-init-addr "
+                    f"or port"
                 )
             # We hold every record of the segment, so any segment under our name is a
             # dead owner's.
@@ -576,10 +911,19 @@ def claim_segment(
 
 
 __all__ = [
+    "BusyRecord",
+    "KERNEL_SEGMENT_BYTES",
+    "LockHolder",
     "SHM_DIR",
-    "ShmOwnerError",
+    "ShmCollectiveError",
     "StaleSweep",
     "claim_segment",
+    "describe_busy_owner",
+    "describe_full_shm",
+    "describe_read_only_shm",
+    "ensure_segment_space",
+    "find_lock_holders",
     "release_shm_collective",
     "remove_stale_segments",
+    "segment_bytes_missing",
 ]
