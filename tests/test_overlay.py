@@ -372,7 +372,7 @@ def test_checkout_gets_the_package_and_the_ported_tests(checkout: Path, repo_tes
     pkg = checkout / "python" / "sglang"
     for rel, text in REPO_FILES.items():
         assert (pkg / rel).read_text() == text
-    assert SHM_IMPORT in (pkg / BOOTSTRAP).read_text().splitlines()
+    assert SHM_IMPORT in _imports((pkg / BOOTSTRAP).read_text())
     # Upstream's test of the same path is replaced by the port; a new port is added; nothing else changes.
     assert (checkout / "test" / PORTED).read_text() == REPO_TESTS[PORTED]
     assert (checkout / "test" / PORTED_NEW).read_text() == REPO_TESTS[PORTED_NEW]
