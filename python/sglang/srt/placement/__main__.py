@@ -295,10 +295,13 @@ def _local_ray_cluster(server_args: PlanArgs) -> Iterator[None]:
     else:
         from sglang.srt.placement.ranks import local_ranks
 
-        num_cpus = max(len(local_ranks(server_args)), len(os.sched_getaffinity(0)))
+        ranks = len(local_ranks(server_args))
+        num_cpus = max(ranks, len(os.sched_getaffinity(0)))
+        # RayEngine asks one GPU per scheduler actor whatever the device: a CPU engine needs GPUs declared.
+        num_gpus = ranks if server_args.device == "cpu" else None
         # "local": never join a cluster that someone else's `ray start` recorded on this machine.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, configure_logging=False,
-                 log_to_driver=False)
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 configure_logging=False, log_to_driver=False)
     try:
         yield
     finally:
