@@ -103,7 +103,8 @@ def main() -> None:
 # --------------------------------------------------------------------------- for the tests
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PYTHONPATH = os.pathsep.join([os.path.join(os.path.dirname(HERE), "python"), HERE])
+PYTHONPATH = os.pathsep.join([os.path.join(HERE, "harness"), HERE])
+"""The tests' helper modules, and the harness that keeps each interpreter from running sglang's own __init__."""
 START_TIMEOUT_S = 90.0
 
 

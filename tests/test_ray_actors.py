@@ -133,42 +133,7 @@ ONE_GPU = [{"CPU": 0.01, "GPU": 1}]
 
 
 # ----------------------------------------------------------------------------- RayEngine's own shapes
-
-
-def test_auto_group_bundle_on_one_node_starts_every_rank_under_numactl(cluster):
-    # RayEngine's own placement group: one bundle holding the node's GPUs, here GPUs 0 and 1 of node 0.
-    args = server_args(tp_size=2, device="cuda")
-    with group([{"CPU": 1, "GPU": 2}], strategy="STRICT_PACK") as (pg, actors):
-        for tp in range(2):
-            create(pg, actors, args, bundle=0, gpu_id=tp, tp=tp)
-        results = started(actors)
-        names = sorted(
-            n for n in ray.util.list_named_actors() if n.startswith("sglang_scheduler")
-        )
-    assert sorted(ray_gpu(b) for _, b in results) == [0, 1]
-    cpu = cluster.node_cpu[0]
-    for info, binding in results:
-        gpu = ray_gpu(binding)
-        placement = binding["placement"]
-        assert (
-            info["cuda_visible_devices"] == str(gpu)
-            and info["configured_gpu_id"] == gpu
-        )
-        assert placement["gpu_id"] == gpu and placement["pci"] == cluster.gpus[gpu]
-        assert placement["strategy"] == "exec", placement["reasons"]
-        assert placement["numactl_args"] == [f"--physcpubind={cpu}", "--membind=0"]
-        # numactl bound the worker before Python started: the scheduler's process is there.
-        assert (info["cpus"], info["policy"], info["policy_nodes"]) == (
-            [cpu],
-            "bind",
-            [0],
-        )
-        assert (
-            binding["mismatches"] == [] and binding["planned_on"] == binding["node_id"]
-        )
-    assert len(names) == 2 and all(
-        "_dp0_pp0_tp" in n and "_bundle0" in n for n in names
-    )
+# (A bundle whose GPUs bind alike: tests/test_upstream_shapes.py, with sglang's own SchedulerActor.)
 
 
 def test_a_bundle_whose_gpus_bind_differently_binds_each_actor_in_process_for_the_gpu_it_got(
