@@ -20,6 +20,11 @@ setting.
 
 A plan is kept for later calls under everything it depends on: the group,
 the placement fields of the server args and the engine's placement settings.
+
+``verify`` starts its probe ranks through sglang's own
+``_create_scheduler_actor``, whose arguments are upstream's; it names the
+probe's actor class with ``scheduler_actor_class``, a scope of the calling
+thread (a ``contextvars`` value), so nothing else ever sees it.
 """
 
 from __future__ import annotations
@@ -309,7 +314,7 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def actor_start(
-    placement_group: Any, bundle_idx: int, rank: RankIdentity, server_args: Any
+    *, placement_group: Any, bundle_idx: int, rank: RankIdentity, server_args: Any
 ) -> tuple[ActorStart, Optional[str]]:
     """What ``rank``'s actor in bundle ``bundle_idx`` starts with, and its py_executable.
 
@@ -360,7 +365,9 @@ def create_scheduler_actor(
     rank = RankIdentity(
         dp_rank=dp_rank or 0, pp_rank=pp_rank, tp_rank=tp_rank, gpu_id=gpu_id
     )
-    start, exec_string = actor_start(pg, bundle_idx, rank, server_args)
+    start, exec_string = actor_start(
+        placement_group=pg, bundle_idx=bundle_idx, rank=rank, server_args=server_args
+    )
     runtime_env: dict[str, Any] = {}
     env = forwarded_env(os.environ)
     if env:
