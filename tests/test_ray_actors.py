@@ -412,7 +412,7 @@ def test_a_group_its_nodes_cannot_plan_in_time_is_a_warning_and_each_actor_place
                 create(pg, actors, args, bundle=0, gpu_id=0, tp=0)
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "could not be planned on the nodes of placement group" in warning
-    assert "placement not planned on its node within 0 s" in warning
+    assert "within 0 s" in warning
     placement = binding["placement"]
     assert placement["reasons"][0].startswith(
         "its placement group could not be planned"
@@ -420,6 +420,39 @@ def test_a_group_its_nodes_cannot_plan_in_time_is_a_warning_and_each_actor_place
     assert placement["strategy"] == "in-process" and info["cpus"] == [
         cluster.gpu_cpu(ray_gpu(binding))
     ]
+
+
+def test_a_custom_group_not_reserved_yet_does_not_fail_the_call_and_its_actor_places_itself(
+    cluster, caplog, monkeypatch
+):
+    # RayEngine creates actors in a custom group without waiting for it, as upstream does.
+    caplog.set_level(
+        logging.WARNING, logger="sglang.srt.scheduler_placement.ray_actors"
+    )
+    monkeypatch.setattr(ray_actors, "PLAN_TIMEOUT_S", 2.0)
+    args = PlanArgs(tp_size=1, device="cuda")
+    with group([{"GPU": 4}]) as (blocker, _):
+        pending = placement_group(ONE_GPU)
+        actors: list = []
+        try:
+            create(pending, actors, args, bundle=0, gpu_id=0, tp=0)
+            remove_placement_group(blocker)
+            ((info, binding),) = started(actors)
+        finally:
+            for actor in actors:
+                ray.kill(actor)
+            remove_placement_group(pending)
+            ray_actors.forget_group(pending)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert (
+        "not reserved within 2 s, so where its bundles are is not known yet" in warning
+    )
+    placement = binding["placement"]
+    assert placement["reasons"][0].startswith(
+        "its placement group could not be planned"
+    )
+    assert placement["pci"] == cluster.gpus[ray_gpu(binding)]
+    assert info["cpus"] == [cluster.gpu_cpu(ray_gpu(binding))]
 
 
 # ----------------------------------------------------------------------------- a plan is reused only when it is the same

@@ -148,9 +148,10 @@ def plan_group(
     policy: PlacementPolicy,
     deadline: Deadline,
 ) -> tuple[NodePlan, ...]:
-    """Each node's plan for the GPU bundles of a reserved placement group, in one round trip.
+    """Each node's plan for the GPU bundles of a placement group, in one round trip.
 
-    One probe per bundle holds all of the bundle's GPUs, to learn their ids;
+    A group the caller created but Ray has not reserved yet (a custom group
+    handed to RayEngine) is waited for, within the deadline. One probe per bundle holds all of the bundle's GPUs, to learn their ids;
     a node's probes run one after another (each takes the previous one's site
     as an argument), since tiny tasks started together make Ray start a worker
     for each. One zero-resource task per node then plans that node's bundles;
@@ -160,6 +161,13 @@ def plan_group(
     view = placement_view(server_args)
     specs = placement_group.bundle_specs
     bundles = [index for index, spec in enumerate(specs) if spec.get(GPU, 0) > 0]
+    if placement_group_table(placement_group)["state"] != "CREATED":
+        ready, _ = ray.wait([placement_group.ready()], timeout=deadline.remaining())
+        if not ready:
+            raise PlanningError(
+                f"placement group {placement_group.id.hex()[:8]}: not reserved within "
+                f"{deadline.text()}, so where its bundles are is not known yet"
+            )
     node_of = bundle_nodes(placement_group)
     probes: dict[int, Any] = {}
     last_on: dict[str, Any] = {}
