@@ -103,6 +103,19 @@ def test_exclusive_mode_gives_each_rank_of_a_node_its_own_cpus(two_nodes):
         assert any(why.startswith("exclusive mode: slice ") for why in r["reasons"])
 
 
+def test_a_rank_that_cannot_start_fails_verify_in_one_line_naming_it(two_nodes):
+    # --numa-node has an entry for GPU 0 only: the rank Ray gives GPU 1 fails, as sglang's actor would.
+    done = subprocess.run(
+        [sys.executable, *VERIFY, "--device", "cuda", "--tp-size", "2", "--numa-node", "0",
+         "--timeout", "150"],
+        capture_output=True, text=True, timeout=240, env=two_nodes["env"],
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    (line,) = [l for l in done.stderr.splitlines() if l.startswith("error: ")]
+    assert ": the probe rank failed: PlacementError: DP0 PP0 TP" in line
+    assert "--numa-node has 1 entry (0) but the rank uses GPU 1" in line
+
+
 def test_verify_with_ray_refuses_a_driver_side_sysfs_root_without_starting_ray(
     tmp_path,
 ):

@@ -345,7 +345,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_plan(args)
         if args.command == "verify":
             _check_world_size(args)
-            return cmd_verify(args)
+            try:
+                return cmd_verify(args)
+            except RuntimeError as exc:
+                from sglang.srt.placement.verify import VerifyError
+
+                if not isinstance(exc, VerifyError):
+                    raise
+                # A rank that could not be checked fails the check: one line, status 1.
+                print(f"error: {one_line(exc)}", file=sys.stderr)
+                return 1
         return cmd_capture(args)
     # Bad input of any kind - a flag, an environment variable or a file - is one line and exit status 2:
     # ValueError covers SettingError, PlanArgsError, CpuListError, TopologyError and UnicodeError; OSError the

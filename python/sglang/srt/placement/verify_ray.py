@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any, Optional, Sequence
 
 import ray
@@ -44,6 +45,9 @@ from sglang.srt.placement.verify import DEFAULT_TIMEOUT_S, VerifyError, verify_r
 from sglang.srt.scheduler_placement.ray_rank import SchedulerRank
 
 logger = logging.getLogger(__name__)
+
+# The last line of a traceback: "package.module.SomeError: message".
+_EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(\w+(?:Error|Exception)): (.*)$")
 
 
 # --------------------------------------------------------------------------- inside a probe rank
@@ -232,6 +236,16 @@ def _row(rank: RankIdentity, report: dict) -> dict:
     return row
 
 
+def _cause(exc: BaseException) -> str:
+    """What a probe's actor raised, from Ray's error text (its last ``Type: message`` line)."""
+    text = str(exc)
+    for line in reversed(text.splitlines()):
+        found = _EXCEPTION_LINE.match(line)
+        if found:
+            return f"{found.group(1)}: {found.group(2)}"
+    return text
+
+
 def _collect(
     started: Sequence[tuple[RankIdentity, Any]], *, deadline: Any
 ) -> list[dict]:
@@ -251,7 +265,7 @@ def _collect(
                 reports[refs[ref]] = ray.get(ref)
             except ray.exceptions.RayError as exc:
                 raise VerifyError(
-                    f"{rank.label}: the probe rank failed: {exc}"
+                    f"{rank.label}: the probe rank failed: {_cause(exc)}"
                 ) from exc
     return [reports[i] for i in range(len(started))]
 

@@ -138,7 +138,9 @@ def plan_ids(
         else:
             found.append(
                 (
-                    RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=gpu_id),
+                    RankIdentity(
+                        dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=gpu_id
+                    ),  # a stand-in
                     accelerator_id,
                 )
             )
@@ -157,11 +159,19 @@ def plan_ids(
             try:
                 place([item])
             except (ValueError, PlacementError) as exc:
-                found[i] = str(exc)
+                found[i] = _unlabelled(str(exc))
         good = [item for item in found if not isinstance(item, str)]
         placed = place(good) if good else ()
     rest = iter(placed)
     return [item if isinstance(item, str) else next(rest) for item in found]
+
+
+_STAND_IN = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=None).label
+
+
+def _unlabelled(text: str) -> str:
+    """``text`` without the stand-in rank's label: a node plans ids, not ranks (the actor adds its own)."""
+    return text.replace(f"{_STAND_IN}: ", "").replace(_STAND_IN, "the rank")
 
 
 def _exec_argv_here(
@@ -175,7 +185,7 @@ def _exec_argv_here(
     try:
         prefix = numactl_prefix(placement)
     except FileNotFoundError as exc:
-        return None, f"numactl was not found on this node ({exc})"
+        return None, f"numactl was not found on this node ({_unlabelled(str(exc))})"
     complaint = exec_refusal(placement)
     if complaint is not None:
         return None, (
