@@ -109,6 +109,22 @@ def test_rows_of_ranks_not_created_through_create_scheduler_actor_are_not_ok(
         )
 
 
+def test_a_probe_that_fails_to_start_fails_verify_with_its_error_and_leaves_nothing(
+    cluster, monkeypatch
+):
+    # One group for two CPU ranks: the rank that gets Ray's GPU 1 has no CPUs to run on.
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", str(cluster.node_cpu[0]))
+    with pytest.raises(VerifyError) as info:
+        verify_ray(PlanArgs(tp_size=2, device="cpu"), timeout_s=TIMEOUT_S)
+    message = str(info.value)
+    assert (
+        message.startswith("DP0 PP0 TP")
+        and ": the probe rank failed: PlacementError: " in message
+    )
+    assert "SGLANG_CPU_OMP_THREADS_BIND=" in message and "has 1 group(s)" in message
+    assert "\n" not in message  # Ray's traceback is left out
+
+
 def test_a_group_the_cluster_cannot_hold_fails_at_the_deadline_and_leaves_nothing(
     cluster,
 ):
