@@ -1,18 +1,29 @@
-"""What placement costs a Ray launch: the same 4-rank engine placed and unplaced, interleaved, on one cluster.
+"""What placement costs a RayEngine launch: the same 4-rank engine placed and unplaced, interleaved, on one cluster.
 
-Run (after scripts/setup.sh): .venv/bin/python benchmarks/ray_launch.py [--repeat N] [--modes placed,in-process,unplaced]
+Run (after scripts/setup.sh): .venv/bin/python benchmarks/ray_launch.py [--repeat N]
+[--modes placed,in-process,unplaced]
 
 A local cluster declares 4 GPUs on this CPU host; its raylet reads a fake /sys
-(SGLANG_SYSFS_ROOT) holding this host's CPUs (padded to 8) and the 4 GPUs on
-node 0 plus a GPU-less node 1, so a placed launch really binds: every rank
-starts under ``numactl --physcpubind=<this host's CPUs> --membind=0``. Modes:
+(SGLANG_SYSFS_ROOT, ``tests/ray_gpu_cluster.two_numa_nodes``): GPUs 0 and 1
+on NUMA node 0, GPUs 2 and 3 on node 1, each node holding one real CPU of this
+host, so a placed launch really binds. Each launch
+does what ``RayEngine._launch_scheduler_processes`` does: it reserves the
+engine's placement group (one bundle of 4 GPUs), then calls the overlaid
+``sglang.srt.ray.engine._create_scheduler_actor`` once per rank, then waits
+for every actor's ``get_info``. The actors are verify's probe (sglang's
+``SchedulerRank`` placement steps without a model; sglang's own actor would
+add the same 20 s engine import to every mode). Modes:
 
-* ``placed``: the planning round (a probe per bundle, a resolve per node), actors under numactl (exec).
-* ``in-process``: the same round, actors bind themselves with libnuma.
-* ``unplaced``: ``placement=False``, unbound actors, no round.
+* ``placed``: ``--numa-node 0 0 0 0``: the first call plans the group on its
+  node (a probe per bundle, one plan per node); every GPU of the bundle binds
+  alike, so every actor starts under numactl (exec).
+* ``in-process``: node discovery: the GPUs of the bundle sit on two nodes, so
+  each actor binds itself once it knows its GPU.
+* ``unplaced``: the same actors created as upstream's ``_create_scheduler_actor``
+  creates them, placement off: no planning, nothing bound.
 
-Each launch is timed from reserving the placement group until every actor
-is ready (shutdown is printed apart), once the previous launch's GPUs are free
+Each launch is timed from reserving the placement group until every actor is
+ready (shutdown is printed apart), once the previous launch's GPUs are free
 again. Modes take turns within a repetition, in a rotating order, so that a
 warm or cold worker pool favours none.
 """
@@ -26,67 +37,150 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+)
+sys.path.insert(
+    0,
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "harness"),
+)
+import sglang_light  # noqa: E402,F401  (sglang's own __init__ costs seconds and nothing here uses it)
+
 import fakesys  # noqa: E402
 import ray  # noqa: E402
-import ray_helpers  # noqa: E402
-from ray_gpu_cluster import tree_spec  # noqa: E402
+from ray.util.placement_group import (
+    placement_group,
+    remove_placement_group,
+)  # noqa: E402
+from ray.util.scheduling_strategies import (
+    PlacementGroupSchedulingStrategy,
+)  # noqa: E402
+from ray_gpu_cluster import two_numa_nodes  # noqa: E402
 
-from sglang.srt.scheduler_launch.ray_launcher import (  # noqa: E402
-    launch_scheduler_actors,
-    shutdown_ray,
-    wait_ready_ray,
-)
-from sglang.srt.placement.engine_args import EngineArgs  # noqa: E402
+from sglang.srt.placement.plan_args import PlanArgs  # noqa: E402
+from sglang.srt.placement.scoped_environ import scoped_environ  # noqa: E402
+from sglang.srt.placement.types import RankIdentity  # noqa: E402
+from sglang.srt.placement.verify_ray import ProbeActor  # noqa: E402
+from sglang.srt.scheduler_placement import ray_actors  # noqa: E402
+from sglang.srt.scheduler_placement.ray_plan import ActorStart  # noqa: E402
 
-MODES = {"placed": {}, "in-process": {"force_in_process": True}, "unplaced": {"placement": False}}
-PHASES = ("placement_group_s", "plan_s", "node_resolve_s", "create_s", "ready_s")
+RANKS = 4
+MODES = {
+    "placed": PlanArgs(tp_size=RANKS, device="cuda", numa_node=[0] * RANKS),
+    "in-process": PlanArgs(tp_size=RANKS, device="cuda"),
+    "unplaced": None,
+}
+PHASES = ("placement_group_s", "first_call_s", "other_calls_s", "ready_s")
 
 
-def wait_released(gpus: float, *, limit_s: float = 30.0) -> None:
-    """Wait (untimed) until the previous launch's GPUs are free again, so every launch starts from one state."""
+def wait_released(gpus: float, *, limit_s: float = 60.0) -> None:
+    """Wait (untimed) until the previous launch's GPUs are free again, so every launch starts alike."""
     deadline = time.monotonic() + limit_s
-    while ray.available_resources().get("GPU", 0) < gpus and time.monotonic() < deadline:
+    while (
+        ray.available_resources().get("GPU", 0) < gpus and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
 
 
-def one_launch(options: dict) -> dict[str, float]:
-    wait_released(4)
+def upstream_call(
+    *, pg: Any, bundle_idx: int, gpu_id: int, tp_rank: int, **_: Any
+) -> Any:
+    """Upstream's ``_create_scheduler_actor`` body, with the probe and placement off."""
+    rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=tp_rank, gpu_id=gpu_id)
+    return ProbeActor.options(
+        num_cpus=0,
+        num_gpus=1,
+        name=f"sglang_scheduler_bench_tp{tp_rank}_pg{pg.id.hex()[:8]}",
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle_idx
+        ),
+    ).remote(
+        PlanArgs(tp_size=RANKS),
+        None,
+        gpu_id,
+        tp_rank,
+        0,
+        0,
+        start=ActorStart(rank, policy=None),
+    )
+
+
+def one_launch(mode: str) -> dict[str, Any]:
+    import sglang.srt.ray.engine as engine
+
+    wait_released(RANKS)
+    server_args = MODES[mode]
+    timings: dict[str, Any] = {}
     started = time.perf_counter()
-    launch = launch_scheduler_actors(EngineArgs(tp_size=4, device="cuda"), target=ray_helpers.reporting_target,
-                                     timeout_s=120, **options)
+    pg = placement_group([{"CPU": 1, "GPU": RANKS}], strategy="STRICT_PACK")
+    actors = []
     try:
-        results = wait_ready_ray(launch, timeout_s=120)
-        launch.timings["launch_s"] = time.perf_counter() - started
+        ray.get(pg.ready(), timeout=120)
+        timings["placement_group_s"] = time.perf_counter() - started
+        create = (
+            upstream_call if MODES[mode] is None else engine._create_scheduler_actor
+        )
+        with ray_actors.scheduler_actor_class(ProbeActor):
+            for tp_rank in range(RANKS):
+                t = time.perf_counter()
+                actors.append(create(
+                    pg=pg, bundle_idx=0, gpu_id=tp_rank, server_args=server_args, port_args=None,
+                    tp_rank=tp_rank, pp_rank=0, dp_rank=0, dist_init_addr="127.0.0.1:0",
+                    rank0_node_ip="127.0.0.1",
+                ))  # fmt: skip
+                key = "first_call_s" if tp_rank == 0 else "other_calls_s"
+                timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
+        reports = ray.get([a.get_info.remote() for a in actors], timeout=300)
+        timings["ready_s"] = time.perf_counter() - t
+        timings["launch_s"] = time.perf_counter() - started
     finally:
         t = time.perf_counter()
-        shutdown_ray(launch)
-        launch.timings["shutdown_s"] = time.perf_counter() - t
-    strategies = {r.placement.strategy.value if r.placement else "unplaced" for r in results}
-    return {**launch.timings, "strategy": ",".join(sorted(strategies))}
+        for actor in actors:
+            ray.kill(actor)
+        remove_placement_group(pg)
+        ray_actors.forget_group(pg)
+        timings["shutdown_s"] = time.perf_counter() - t
+    strategies = {
+        (r["binding"].get("placement") or {}).get("strategy", "off") for r in reports
+    }
+    timings["strategy"] = ",".join(sorted(strategies))
+    return timings
 
 
-def run_modes(modes: list[str], *, repeat: int, tree: os.PathLike) -> dict[str, list[dict]]:
-    """Every mode ``repeat`` times on one local cluster whose raylet reads ``tree``; the timings per mode."""
-    os.environ["SGLANG_SYSFS_ROOT"] = str(tree)  # the local raylet, and so its workers, inherit it
-    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")  # a shared host's other users must not kill ranks
-    ray.cloudpickle.register_pickle_by_value(ray_helpers)
+def run_modes(
+    modes: list[str], *, repeat: int, tree: os.PathLike
+) -> dict[str, list[dict]]:
+    """Every mode ``repeat`` times on one local cluster whose raylet reads ``tree``."""
     t = time.perf_counter()
-    ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, configure_logging=False,
-             log_to_driver=False)
+    # The local raylet, and so its workers, inherit these; this process keeps its own environment.
+    with scoped_environ({"SGLANG_SYSFS_ROOT": str(tree), "RAY_memory_monitor_refresh_ms": "0",
+                         "PYTHONPATH": os.pathsep.join(sys.path[:2])}):  # fmt: skip
+        ray.init(address="local", num_cpus=2, num_gpus=RANKS, include_dashboard=False,
+                 configure_logging=False, log_to_driver=False)  # fmt: skip
     print(f"ray.init: {time.perf_counter() - t:.2f} s; fake /sys {tree}")
     try:
-        one_launch(MODES[modes[0]])  # warm-up: the first launch also imports the modules in the workers
+        t = time.perf_counter()
+        one_launch(
+            modes[0]
+        )  # warm-up: imports the engine here and the modules in the workers
+        print(f"warm-up launch ({modes[0]}): {time.perf_counter() - t:.2f} s")
         runs: dict[str, list[dict]] = {mode: [] for mode in modes}
         for i in range(repeat):
-            order = modes[i % len(modes):] + modes[:i % len(modes)]
+            order = modes[i % len(modes) :] + modes[: i % len(modes)]
             for mode in order:
-                r = one_launch(MODES[mode])
+                r = one_launch(mode)
                 runs[mode].append(r)
-                phases = ", ".join(f"{k.removesuffix('_s')} {r[k] * 1000:.0f}"
-                                   for k in (*PHASES, "launch_s", "shutdown_s") if k in r)
-                print(f"rep {i + 1} {mode:10s} ({r['strategy']}): {phases} ms")
+                phases = ", ".join(
+                    f"{k.removesuffix('_s')} {r[k] * 1000:.0f}"
+                    for k in (*PHASES, "launch_s", "shutdown_s")
+                    if k in r
+                )
+                print(
+                    f"rep {i + 1} {mode:10s} ({r['strategy']}): {phases} ms", flush=True
+                )
         return runs
     finally:
         ray.shutdown()
@@ -95,25 +189,41 @@ def run_modes(modes: list[str], *, repeat: int, tree: os.PathLike) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--modes", default="placed,unplaced", help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument(
+        "--modes",
+        default="placed,in-process,unplaced",
+        help=f"comma-separated, of {', '.join(MODES)}",
+    )
     args = parser.parse_args()
     modes = args.modes.split(",")
-    directory = tempfile.mkdtemp(prefix="sglr-bench-")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or args.repeat < 1:
+        parser.error(
+            f"--modes takes {', '.join(MODES)} (got {unknown}); --repeat must be at least 1"
+        )
+    directory = tempfile.mkdtemp(prefix="sglr-bench-", dir="/tmp")
     try:
-        runs = run_modes(modes, repeat=args.repeat, tree=fakesys.write_sysfs(os.path.join(directory, "sys"),
-                                                                              tree_spec([0, 1, 2, 3])))
+        tree = fakesys.write_sysfs(os.path.join(directory, "sys"), two_numa_nodes())
+        runs = run_modes(modes, repeat=args.repeat, tree=tree)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print()
-    medians = {mode: statistics.median(r["launch_s"] for r in rs) for mode, rs in runs.items()}
+    medians = {
+        mode: statistics.median(r["launch_s"] for r in rs) for mode, rs in runs.items()
+    }
     for mode, rs in runs.items():
-        phases = ", ".join(f"{k.removesuffix('_s')} {statistics.median(r[k] for r in rs) * 1000:.0f}"
-                           for k in PHASES if k in rs[0])
+        phases = ", ".join(
+            f"{k.removesuffix('_s')} {statistics.median(r[k] for r in rs) * 1000:.0f}"
+            for k in PHASES
+            if k in rs[0]
+        )
         print(f"median {mode:10s}: launch {medians[mode] * 1000:.0f} ms ({phases} ms)")
     if "unplaced" in medians:
         for mode in medians:
             if mode != "unplaced":
-                print(f"median ratio {mode}/unplaced: {medians[mode] / medians['unplaced']:.2f}")
+                print(
+                    f"median ratio {mode}/unplaced: {medians[mode] / medians['unplaced']:.2f}"
+                )
 
 
 if __name__ == "__main__":

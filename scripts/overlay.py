@@ -291,8 +291,16 @@ ACTOR_PARAMS = (
     "pg", "bundle_idx", "gpu_id", "server_args", "port_args",
     "tp_rank", "pp_rank", "dp_rank", "dist_init_addr", "rank0_node_ip",
 )  # fmt: skip
-ACTOR_IMPORT = "from sglang.srt.scheduler_launch.ray_actors import create_scheduler_actor\n"
-ACTOR_RETURN = "return create_scheduler_actor(\n" + "".join(f"    {p}={p},\n" for p in ACTOR_PARAMS) + ")\n"
+ACTOR_IMPORT = (
+    "from sglang.srt.scheduler_placement.ray_actors import create_scheduler_actor\n"
+)
+_ACTOR_KEYWORDS = "".join(f"    {p}={p},\n" for p in ACTOR_PARAMS)
+ACTOR_RETURN = (
+    "return create_scheduler_actor(\n"
+    "    actor_class=SchedulerActor,\n" + _ACTOR_KEYWORDS + ")\n"
+)
+#: Earlier overlays' delegation (another module path, no actor class): updated.
+STALE_ACTOR_RETURN = "return create_scheduler_actor(\n" + _ACTOR_KEYWORDS + ")\n"
 #: Keyword names of upstream's `SchedulerActor.options(...).remote(...)` call.
 ACTOR_OPTIONS = {"num_cpus", "num_gpus", "name", "scheduling_strategy"}
 ACTOR_REMOTE = {"server_args", "port_args", "gpu_id", "tp_rank", "pp_rank", "dp_rank", "dist_init_addr"}
@@ -322,6 +330,21 @@ def _is_upstream_actor_return(module: "cst.Module", stmt: "cst.BaseStatement") -
     )
 
 
+def _imports_create_scheduler_actor(stmt: "cst.BaseStatement") -> bool:
+    """Whether ``stmt`` is ``from <module> import create_scheduler_actor``."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return False
+    imp = stmt.body[0]
+    return (
+        isinstance(imp, cst.ImportFrom)
+        and imp.module is not None
+        and not imp.relative
+        and not isinstance(imp.names, cst.ImportStar)
+        and [(a.name.value, a.asname) for a in imp.names]
+        == [("create_scheduler_actor", None)]
+    )
+
+
 def rewrite_ray_engine(module: "cst.Module", rel: str) -> "cst.Module":
     """Keep `_create_scheduler_actor`'s signature and docstring; delegate its body."""
     where = f"sglang/{rel}: _create_scheduler_actor()"
@@ -341,15 +364,21 @@ def rewrite_ray_engine(module: "cst.Module", rel: str) -> "cst.Module":
     stmts = list(func.body.body)
     doc = stmts[:1] if stmts and _is_docstring(stmts[0]) else []
     rest = stmts[len(doc) :]
-    if len(rest) == 2 and _same(module, rest[0], ACTOR_IMPORT) and _same(module, rest[1], ACTOR_RETURN):
-        return module
+    delegation = func.body.with_changes(
+        body=[*doc, _statement(ACTOR_IMPORT), _statement(ACTOR_RETURN, blank_lines=1)]
+    )
+    if len(rest) == 2 and _imports_create_scheduler_actor(rest[0]):
+        current = _same(module, rest[0], ACTOR_IMPORT)
+        if current and _same(module, rest[1], ACTOR_RETURN):
+            return module
+        if any(_same(module, rest[1], r) for r in (ACTOR_RETURN, STALE_ACTOR_RETURN)):
+            return module.deep_replace(func, func.with_changes(body=delegation))
     if len(rest) != 1 or not _is_upstream_actor_return(module, rest[0]):
         raise Refusal(
             f"{where}: expected the body (after the docstring) to be one "
             "`return SchedulerActor.options(...).remote(...)` with the known keywords"
         )
-    body = [*doc, _statement(ACTOR_IMPORT), _statement(ACTOR_RETURN, blank_lines=1)]
-    return module.deep_replace(func, func.with_changes(body=func.body.with_changes(body=body)))
+    return module.deep_replace(func, func.with_changes(body=delegation))
 
 
 ENV_ANCHOR = "SGLANG_CRASH_ON_NUMA_BIND_FAILURE = EnvBool(False)"

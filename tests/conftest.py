@@ -31,15 +31,16 @@ def full_import_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster (2 CPUs) for every Ray test of the session, shut down at the end.
+    """One local Ray cluster for every Ray test of the session, shut down at the end.
+
+    2 CPUs and 4 declared GPUs; its raylet reads a fake /sys whose GPUs sit on
+    two NUMA nodes (``ray_gpu_cluster.two_numa_nodes``).
 
     A cluster costs seconds to start and about 1 GB, so the tests share this
     one; each test must leave no actor or placement group of its own behind.
+    Its workers build sglang's stand-in Scheduler (``upstream_standins``).
     """
-    import ray
+    import ray_gpu_cluster
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+    with ray_gpu_cluster.session_cluster() as cluster:
+        yield cluster

@@ -1,4 +1,11 @@
-"""The project's modules only point down: host facts and placement, then a rank's side, then the launchers, then the CLI.
+"""The project's modules only point down: placement, then the glue sglang's launchers call, then the CLI.
+
+``placement`` (host facts, the pure decision, the ways to apply it) imports
+nothing of the project's but ``environ``; ``scheduler_placement`` is the glue
+sglang's own launchers call (the spawn hook, the Ray planning round, the
+in-rank apply); the owned ``ray.scheduler_actor`` and upstream's modules sit
+above the glue; ``placement.__main__``, ``placement.verify`` and
+``placement.verify_ray`` drive sglang's launch path, so they sit on top.
 
 Read from the source (every import, function-level ones included), not from
 what happens to be loaded, so a lazy import cannot hide a circle.
@@ -11,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 SRT = Path(__file__).resolve().parents[1] / "python" / "sglang" / "srt"
+CLI = ("__main__", "verify", "verify_ray")
 
 
 def layer(module: str) -> str | None:
@@ -19,9 +27,9 @@ def layer(module: str) -> str | None:
     if parts[:2] != ["sglang", "srt"] or len(parts) < 3:
         return None
     rest = parts[2:]
-    if rest[:2] == ["placement", "__main__"]:
-        return "placement.__main__"
-    if rest[0] in ("placement", "scheduler_launch", "scheduler_rank", "distributed"):
+    if rest[0] == "placement" and len(rest) > 1 and rest[1] in CLI:
+        return "placement.cli"
+    if rest[0] in ("placement", "scheduler_placement", "distributed"):
         return rest[0]
     return ".".join(rest[:2])
 
@@ -53,7 +61,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str]:
         path.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt, path)
                 if found:
@@ -74,9 +82,30 @@ def test_no_import_circle_between_the_packages_parts():
     assert find_cycle(import_graph()) == []
 
 
-def test_placement_imports_no_launcher_and_a_rank_imports_no_launcher():
+def test_placement_imports_only_environ_and_the_glue_imports_no_actor_nor_cli():
     edges = import_graph()
     assert edges["placement"] <= {"environ"}, edges["placement"]
-    assert "scheduler_launch" not in edges["scheduler_rank"]
-    assert "scheduler_launch" not in edges["ray.scheduler_actor"]
-    assert "scheduler_launch" not in edges["distributed"]
+    assert "placement.cli" not in edges["scheduler_placement"]
+    assert "ray.scheduler_actor" not in edges["scheduler_placement"]
+    assert "placement.cli" not in edges["ray.scheduler_actor"]
+    # The owned actor is built on the glue; the CLI drives sglang's own launch path (the overlaid engine).
+    assert "scheduler_placement" in edges["ray.scheduler_actor"]
+    assert {"ray.engine", "scheduler_placement"} <= edges["placement.cli"]
+
+
+def test_no_module_names_the_removed_launchers():
+    removed = (
+        "scheduler_launch",
+        "scheduler_rank",
+        "run_ranks_ray",
+        "ray_launcher",
+        "lifeline",
+    )
+    root = SRT.parents[2]
+    found = []
+    for path in [*SRT.rglob("*.py"), *(root / "scripts").glob("*")]:
+        text = path.read_text(encoding="utf-8")
+        found += [
+            f"{path.relative_to(root)}: {name}" for name in removed if name in text
+        ]
+    assert found == []

@@ -36,6 +36,12 @@ SHM_OLD = (
 )
 ACTOR_PARAMS = ["pg", "bundle_idx", "gpu_id", "server_args", "port_args", "tp_rank", "pp_rank", "dp_rank",
                 "dist_init_addr", "rank0_node_ip"]  # fmt: skip
+ACTOR_IMPORT = (
+    "from sglang.srt.scheduler_placement.ray_actors import create_scheduler_actor"
+)
+STALE_ACTOR_IMPORT = (
+    "from sglang.srt.an_older_glue.ray_actors import create_scheduler_actor"
+)
 ENV_FIELDS = {"SGLANG_CPU_OMP_THREADS_BIND": "EnvStr('all')", "SGLANG_NUMA_AFFINITY_MODE": "EnvStr('node')",
               "SGLANG_SYSFS_ROOT": "EnvStr('/sys')"}  # fmt: skip
 REPO_FILES = {
@@ -187,9 +193,10 @@ def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
     for part in (lambda f: f.args, lambda f: f.returns, lambda f: f.body[0]):  # signature and docstring kept
         assert ast.dump(part(fn)) == ast.dump(part(up_fn))
     imp, ret = fn.body[1:]
-    assert ast.unparse(imp) == "from sglang.srt.scheduler_launch.ray_actors import create_scheduler_actor"
+    assert ast.unparse(imp) == ACTOR_IMPORT
     assert ast.unparse(ret.value.func) == "create_scheduler_actor" and not ret.value.args
-    assert [(k.arg, ast.unparse(k.value)) for k in ret.value.keywords] == [(p, p) for p in ACTOR_PARAMS]
+    keywords = [(k.arg, ast.unparse(k.value)) for k in ret.value.keywords]
+    assert keywords == [("actor_class", "SchedulerActor"), *zip(ACTOR_PARAMS, ACTOR_PARAMS)]
     assert_only_changed(old[ENGINE], new[ENGINE], [(up_fn.body[0].end_lineno, up_fn.end_lineno)])
 
     envs = _top(ast.parse(new[ENVIRON]), "Envs")
@@ -207,6 +214,27 @@ def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
     manifest = json.loads((pkg / ".placement-overlay.json").read_text())
     assert set(manifest["added"]) == set(REPO_FILES) - {NUMA}
     assert set(manifest["replaced"]) == {BOOTSTRAP, ENGINE, ENVIRON, NUMA}
+
+
+def test_the_delegation_names_the_module_of_this_repo_that_defines_it() -> None:
+    module, _, name = ACTOR_IMPORT.removeprefix("from ").partition(" import ")
+    source = OVERLAY.parents[1] / "python" / Path(*module.split(".")).with_suffix(".py")
+    assert source.is_file(), source
+    tree = ast.parse(source.read_text())
+    assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_a_package_rewritten_by_an_earlier_overlay_is_brought_up_to_date(
+    pkg: Path, repo: Path
+) -> None:
+    assert overlay(pkg, repo).returncode == 0
+    fresh = (pkg / ENGINE).read_text()
+    # What earlier overlays wrote: the old module path, and no actor class passed.
+    edit(pkg / ENGINE, ACTOR_IMPORT, STALE_ACTOR_IMPORT)
+    edit(pkg / ENGINE, "        actor_class=SchedulerActor,\n", "")
+    r = overlay(pkg, repo)
+    assert r.returncode == 0, r.stderr
+    assert (pkg / ENGINE).read_text() == fresh
 
 
 def test_overlaid_environ_loads(pkg: Path, repo: Path) -> None:

@@ -1,149 +1,140 @@
-"""plan_node(): a Ray node's ranks resolved together from explicit accelerator ids, on fake sysfs trees (no Ray)."""
+"""A Ray node's plan for its bundles' GPU ids (``ray_node.plan_ids``), on fake sysfs trees, without Ray.
+
+The numactl here is a stand-in that accepts every option: the trees describe
+NUMA nodes this host does not have.
+"""
 
 from __future__ import annotations
 
 import pytest
 
 import fakesys
-from sglang.srt.environ import envs
-from sglang.srt.placement.devices import DeviceIdentityError
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
-from sglang.srt.placement.resolve import (
-    HostCapabilities,
-    PlacementIntent,
-    PlacementPolicy,
-    local_ranks,
-    placement_intent,
-    plan_node,
-)
+from sglang.srt.placement.plan import HostFacts
+from sglang.srt.placement.plan_args import PlanArgs
+from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.strategy import HostCapabilities
 from sglang.srt.placement.topology import read_topology
-from sglang.srt.placement.types import Accelerator, ProcessAffinity
-from sglang.srt.scheduler_rank.ray_plan import Candidate, RankPlan
-from sglang.srt.placement.engine_args import EngineArgs
+from sglang.srt.placement.types import ProcessAffinity
+from sglang.srt.scheduler_placement.ray_node import plan_ids
 
 GPUS = [fakesys.gpu_address(i) for i in range(4)]
 
 
-class Counting:
-    """A numactl prober whose kernel accepts everything, recording each option set it probes."""
-
-    def __init__(self):
-        self.calls = []
-        self.prober = NumactlProber(numactl_path="/usr/bin/numactl", run=self._run)
-
-    def _run(self, argv):
-        self.calls.append(tuple(argv[1:-1]))
-        return ProbeResult(ok=True, message="")
+def accepting() -> NumactlProber:
+    return NumactlProber(
+        numactl_path="/usr/bin/numactl",
+        run=lambda argv: ProbeResult(ok=True, message=""),
+    )
 
 
-def host(tree):
+def facts(tree) -> HostFacts:
     topology = read_topology(tree)
-    affinity = ProcessAffinity(cpus=topology.online_cpus, mems=frozenset(n.node_id for n in topology.nodes),
-                               source="the tree")
-    return dict(topology=topology, affinity=affinity)
+    affinity = ProcessAffinity(
+        cpus=topology.online_cpus,
+        mems=frozenset(n.node_id for n in topology.nodes),
+        source="the tree",
+    )
+    capabilities = HostCapabilities(numactl=accepting(), libnuma=True)
+    return HostFacts(topology=topology, affinity=affinity, capabilities=capabilities)
 
 
 @pytest.fixture
-def two_sockets(tmp_path):
-    """Nodes 0 and 1; GPUs 0000:18:00.0 and 0000:28:00.0 on node 0, 0000:38:00.0 and 0000:48:00.0 on node 1."""
-    return host(fakesys.two_sockets_four_gpus(tmp_path / "sys"))
+def two_sockets(tmp_path) -> HostFacts:
+    """GPUs 0 and 1 on node 0 (CPUs 0-7 of a 2 x 8-core host), GPUs 2 and 3 on node 1."""
+    return facts(fakesys.two_sockets_four_gpus(tmp_path / "sys"))
 
 
 @pytest.fixture
-def one_node_eight_cpus(tmp_path):
+def one_node_eight_cpus(tmp_path) -> HostFacts:
     """Node 0 with CPUs 0-7 and all four GPUs; node 1 with CPUs 8-11 and none."""
-    return host(fakesys.write_sysfs(tmp_path / "sys", fakesys.Host(
-        nodes={0: fakesys.NodeSpec(cpus=range(8)), 1: fakesys.NodeSpec(cpus=range(8, 12))},
-        pci=[fakesys.host_bridge(0)] + [fakesys.PciSpec(a, 0) for a in GPUS],
-    )))
+    return facts(
+        fakesys.write_sysfs(
+            tmp_path / "sys",
+            fakesys.Host(
+                nodes={
+                    0: fakesys.NodeSpec(cpus=range(8)),
+                    1: fakesys.NodeSpec(cpus=range(8, 12)),
+                },
+                pci=[fakesys.host_bridge(0)] + [fakesys.PciSpec(a, 0) for a in GPUS],
+            ),
+        )
+    )
 
 
-def plan(facts, ranks_with_ids, *, counting=None, **server):
-    counting = counting or Counting()
-    return plan_node(EngineArgs(**server), ranks_with_ids=ranks_with_ids, runtime=None,
-                     capabilities=HostCapabilities(numactl=counting.prober, libnuma=True), **facts)
+def plan(host: HostFacts, ids, **args):
+    server_args = PlanArgs(**args)
+    policy = PlacementPolicy.from_env(server_args, launcher="ray")
+    return plan_ids(server_args, ids, policy=policy, facts=host)
 
 
-def test_each_rank_is_identified_from_its_own_id_not_from_the_callers_visible_devices(two_sockets, monkeypatch):
-    # A Ray task holding GPU 3 sees CUDA_VISIBLE_DEVICES=3: it must not decide its neighbours' devices.
+def test_each_id_is_placed_as_the_device_ray_names_whatever_this_process_sees(
+    two_sockets, monkeypatch
+):
+    # A task holding GPU 3 sees CUDA_VISIBLE_DEVICES=3: it must not decide the other ids' devices.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    ranks = local_ranks(EngineArgs(tp_size=4))
-    placements = plan(two_sockets, [(r, str(i)) for i, r in enumerate(ranks)], tp_size=4)
-    assert [p.pci for p in placements] == GPUS
-    assert [p.numa_node for p in placements] == [0, 0, 1, 1]
-    assert [p.gpu_id for p in placements] == [0, 1, 2, 3]
-    assert placements[3].numactl_args == ("--cpunodebind=1", "--membind=1")
-    assert all(p.launcher == "ray" and p.strategy == "exec" for p in placements)
-    assert "Ray GPU id '3'" in placements[3].reasons[0]
-
-
-def test_dp2_tp2_ranks_take_the_ids_they_are_given_whatever_their_order(two_sockets):
-    ranks = local_ranks(EngineArgs(tp_size=2, dp_size=2))
-    placements = plan(two_sockets, list(zip(ranks, ["3", "2", "1", "0"])), tp_size=2, dp_size=2)
-    assert [(p.dp_rank, p.tp_rank, p.gpu_id) for p in placements] == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+    placements = plan(two_sockets, ["3", "2", "1", "0"], tp_size=4)
     assert [p.pci for p in placements] == GPUS[::-1]
+    assert [p.gpu_id for p in placements] == [3, 2, 1, 0]  # the id sglang's actor uses
     assert [p.numa_node for p in placements] == [1, 1, 0, 0]
+    assert placements[0].numactl_args == ("--cpunodebind=1", "--membind=1")
+    assert all(p.launcher == "ray" and p.strategy == "exec" for p in placements)
 
 
-def test_exclusive_mode_gives_the_nodes_ranks_disjoint_slices(one_node_eight_cpus):
-    ranks = local_ranks(EngineArgs(tp_size=4))
-    with envs.SGLANG_NUMA_AFFINITY_MODE.override("exclusive"):
-        placements = plan(one_node_eight_cpus, [(r, str(i)) for i, r in enumerate(ranks)], tp_size=4)
-    assert [p.cpus for p in placements] == [frozenset({0, 1}), frozenset({2, 3}), frozenset({4, 5}),
-                                            frozenset({6, 7})]
+def test_exclusive_mode_slices_the_node_between_every_id_of_its_bundles(
+    one_node_eight_cpus, monkeypatch
+):
+    monkeypatch.setenv("SGLANG_NUMA_AFFINITY_MODE", "exclusive")
+    placements = plan(one_node_eight_cpus, ["0", "1", "2", "3"], tp_size=4)
+    assert [p.cpus for p in placements] == [
+        frozenset({0, 1}),
+        frozenset({2, 3}),
+        frozenset({4, 5}),
+        frozenset({6, 7}),
+    ]
     assert placements[1].numactl_args == ("--physcpubind=2-3", "--membind=0")
 
 
-def rank_plans(ranks, placements, ids):
-    it = iter(placements)
-    return [RankPlan(rank=r, bundle_index=0, candidates=tuple(Candidate(accelerator_id=i, placement=next(it))
-                                                                 for i in ids)) for r in ranks]
-
-
-def test_candidates_of_one_bundle_agree_in_node_mode_and_differ_by_slice_in_exclusive_mode(one_node_eight_cpus):
-    ranks = local_ranks(EngineArgs(tp_size=2))
-    pairs = [(r, gpu) for r in ranks for gpu in ("0", "1")]
-    node_mode = plan(one_node_eight_cpus, pairs, tp_size=2)
-    assert [p.pci for p in node_mode] == [GPUS[0], GPUS[1]] * 2
-    assert all(rp.agreed for rp in rank_plans(ranks, node_mode, ("0", "1")))
-    with envs.SGLANG_NUMA_AFFINITY_MODE.override("exclusive"):
-        exclusive = plan(one_node_eight_cpus, pairs, tp_size=2)
-    # Slices go by device: whichever rank gets GPU 0 takes CPUs 0-3, GPU 1's rank CPUs 4-7.
-    assert [p.cpus for p in exclusive] == [frozenset(range(4)), frozenset(range(4, 8))] * 2
-    assert not any(rp.agreed for rp in rank_plans(ranks, exclusive, ("0", "1")))
-
-
-def test_candidates_on_different_numa_nodes_do_not_agree(two_sockets):
-    (rank,) = local_ranks(EngineArgs(tp_size=1))
-    placements = plan(two_sockets, [(rank, "1"), (rank, "2")], tp_size=1)
+def test_numa_node_is_indexed_by_the_gpu_id_the_actor_uses(two_sockets):
+    placements = plan(two_sockets, ["2", "0"], tp_size=2, numa_node=[1, 1, 0, 0])
     assert [p.numa_node for p in placements] == [0, 1]
-    assert not rank_plans([rank], placements, ("1", "2"))[0].agreed
+    assert "node 0 from --numa-node (GPU 2)" in placements[0].reasons
 
 
-def test_a_gpu_rank_without_an_id_is_an_error_naming_it(two_sockets):
-    ranks = local_ranks(EngineArgs(tp_size=2))
-    with pytest.raises(DeviceIdentityError, match=r"DP0 PP0 TP1: no accelerator id was given .*\{'GPU': 1\}"):
-        plan(two_sockets, [(ranks[0], "0"), (ranks[1], None)], tp_size=2)
+def test_a_setting_that_does_not_fit_one_id_fails_only_that_id(
+    one_node_eight_cpus, monkeypatch
+):
+    monkeypatch.setenv("SGLANG_NUMA_AFFINITY_MODE", "exclusive")
+    # --numa-node has no entry for GPU 3: the rank that gets it fails; the others still share the node.
+    placements = plan(
+        one_node_eight_cpus, ["0", "1", "2", "3"], tp_size=4, numa_node=[0, 0, 0]
+    )
+    *good, missing = placements
+    assert isinstance(missing, str) and "--numa-node has 3 entries" in missing
+    assert "uses GPU 3: give one node per GPU id, at least 4 entries" in missing
+    assert [p.cpus for p in good] == [
+        frozenset({0, 1, 2}),
+        frozenset({3, 4, 5}),
+        frozenset({6, 7}),
+    ]
 
 
-def test_gpus_option_names_the_device_of_each_physical_id(two_sockets):
-    (rank,) = local_ranks(EngineArgs(tp_size=1))
-    (p,) = plan_node(EngineArgs(tp_size=1), ranks_with_ids=[(rank, "1")], gpus=[GPUS[3], GPUS[0]], runtime=None,
-                     capabilities=HostCapabilities(numactl=Counting().prober, libnuma=True), **two_sockets)
-    assert p.pci == GPUS[0] and p.numa_node == 0
+def test_cpu_device_ids_are_placed_by_the_numa_index_bootstrap_will_use(
+    two_sockets, monkeypatch
+):
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "8-11|0-3")
+    placements = plan(two_sockets, ["1", "0", "2"], tp_size=2, device="cpu")
+    assert [p.cpus for p in placements[:2]] == [
+        frozenset(range(4)),
+        frozenset(range(8, 12)),
+    ]
+    assert [p.gpu_id for p in placements[:2]] == [1, 0]
+    # Index 2 has no group: only the rank that gets Ray's GPU 2 fails, naming the setting.
+    assert isinstance(placements[2], str)
+    assert "SGLANG_CPU_OMP_THREADS_BIND='8-11|0-3' has 2 group(s)" in placements[2]
 
 
-def test_each_distinct_option_set_is_probed_once_and_the_intent_probes_nothing(two_sockets):
-    counting = Counting()
-    ranks = local_ranks(EngineArgs(tp_size=4))
-    plan(two_sockets, [(r, str(i)) for i, r in enumerate(ranks)], counting=counting, tp_size=4)
-    assert sorted(counting.calls) == [("--cpunodebind=0", "--membind=0"), ("--cpunodebind=1", "--membind=1")]
-
-    # The intent alone (node, CPUs, memory) asks the host nothing: the numactl probe belongs to choose_strategy.
-    policy = PlacementPolicy(launcher="ray", device="cuda")
-    intent = placement_intent(rank=ranks[2], accelerator=Accelerator(2, "2", GPUS[2], "test"), policy=policy,
-                              **two_sockets)
-    assert isinstance(intent, PlacementIntent)
-    assert (intent.node_id, intent.cpus, intent.mem_nodes, intent.whole_nodes) == (
-        1, two_sockets["topology"].node(1).cpus, (1,), (1,))
-    assert len(counting.calls) == 2
+def test_an_id_that_is_not_an_index_fails_that_id(two_sockets):
+    placements = plan(two_sockets, ["GPU-5d3f", "1"], tp_size=2)
+    assert "'GPU-5d3f' is not an integer" in placements[0]
+    assert placements[1].pci == GPUS[1]

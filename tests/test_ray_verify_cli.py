@@ -2,8 +2,10 @@
 
 In the two-node cluster (two raylets on this host, two GPUs each) each raylet
 has its own fake /sys (SGLANG_SYSFS_ROOT) whose GPUs sit at PCI addresses only
-that node has, so a rank planned from the wrong node's tree, or from the
-driver's, would name a GPU its node does not hold.
+that node has, all on NUMA node 0 with this host's CPUs (padded with CPUs it
+lacks), so a rank planned from the wrong node's tree, or from the driver's,
+would name a GPU its node does not hold. The command joins it through
+RAY_ADDRESS.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from ray_gpu_cluster import ray_test_env, run_json, running_cluster
 
 pytestmark = pytest.mark.ray
 
+VERIFY = ["-m", "sglang.srt.placement", "verify", "--launcher", "ray", "--json"]
+
 
 @pytest.fixture(scope="module")
 def two_nodes():
@@ -28,48 +32,129 @@ def two_nodes():
         yield cluster
 
 
-def test_every_rank_is_planned_on_its_node_and_names_a_gpu_of_that_node(two_nodes):
-    status, out, err = run_json(["-m", "sglang.srt.placement", "verify", "--launcher", "ray", "--device", "cuda",
-                                 "--tp-size", "4", "--nnodes", "2", "--json", "--timeout", "90"],
-                                env={**two_nodes["env"], "SGLANG_SYSFS_ROOT": "/nonexistent/driver/sys"})
+def planned_on(row: dict) -> str:
+    (where,) = [
+        why for why in row["reasons"] if why.startswith("resolved on Ray node ")
+    ]
+    return where.removeprefix("resolved on Ray node ")
+
+
+def test_every_rank_is_planned_on_its_node_and_starts_there_under_numactl(two_nodes):
+    status, out, err = run_json(
+        [
+            *VERIFY,
+            "--device",
+            "cuda",
+            "--tp-size",
+            "4",
+            "--nnodes",
+            "2",
+            "--timeout",
+            "150",
+        ],
+        env={**two_nodes["env"], "SGLANG_SYSFS_ROOT": "/nonexistent/driver/sys"},
+        timeout=240,
+    )
     assert status == 0, err[-4000:]
     rows = out["ranks"]
     gpus_of = {node["node_id"]: node["gpus"] for node in two_nodes["nodes"]}
     assert [r["tp_rank"] for r in rows] == [0, 1, 2, 3]
-    planned_on = []
+    assert [r["engine_gpu_id"] for r in rows] == [
+        0,
+        1,
+        0,
+        1,
+    ]  # RayEngine's per-node GPU index
     for r in rows:
-        (where,) = [why for why in r["reasons"] if why.startswith("resolved on Ray node ")]
-        node = where.removeprefix("resolved on Ray node ")
-        planned_on.append(node)
-        # The node is one of the cluster's (verify joined it), its tree holds the rank's GPU, and the actor
-        # ran there: a rank on another node than its plan would be a difference, and the row not ok.
+        node = planned_on(r)
+        # The node is one of the cluster's (verify joined it), its own tree holds the rank's GPU, and the
+        # actor ran there; its bundle's GPUs bind alike, so the worker started under numactl.
+        assert node == r["node_id"] == r["planned_on"]
         assert r["pci"] in gpus_of[node], (r["pci"], node)
+        assert r["pci"] == gpus_of[node][int(r["accelerator_ids"][0])]
         assert r["ok"] and r["strategy"] == "exec", r
-    assert sorted(planned_on) == sorted(list(gpus_of) * 2)
-    assert sorted(r["pci"] for r in rows) == sorted(sum(gpus_of.values(), []))
+        assert r["observed_cpus"] == r["cpus"]
+    assert sorted(planned_on(r) for r in rows) == sorted(list(gpus_of) * 2)
+    # Rank 0 is on the driver's node's bundle, with TP1; the other node holds TP2 and TP3.
+    assert (
+        rows[0]["node_id"]
+        == rows[1]["node_id"]
+        != rows[2]["node_id"]
+        == rows[3]["node_id"]
+    )
 
 
-def test_verify_with_ray_refuses_a_driver_side_sysfs_root_without_starting_ray(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "sglang.srt.placement", "verify", "--launcher", "ray",
-                           "--sysfs-root", str(tmp_path)], capture_output=True, text=True, timeout=60)
+def test_exclusive_mode_gives_each_rank_of_a_node_its_own_cpus(two_nodes):
+    status, out, err = run_json(
+        [*VERIFY, "--device", "cuda", "--tp-size", "2", "--timeout", "150",
+         "--numa-affinity-mode", "exclusive"],
+        env=two_nodes["env"], timeout=240,
+    )  # fmt: skip
+    assert status == 0, err[-4000:]
+    rows = out["ranks"]
+    cpus = [r["cpus"] for r in rows]
+    assert len(set(cpus)) == 2 and all(cpus)
+    for r in rows:
+        # Which slice a rank gets depends on the GPU Ray gives it, so each actor binds once it knows.
+        assert r["strategy"] == "in-process" and r["ok"], r
+        assert (
+            r["observed_cpus"] == r["cpus"]
+        )  # really bound here: these CPUs exist on this host
+        assert any(why.startswith("exclusive mode: slice ") for why in r["reasons"])
+
+
+def test_a_rank_that_cannot_start_fails_verify_in_one_line_naming_it(two_nodes):
+    # --numa-node has an entry for GPU 0 only: the rank Ray gives GPU 1 fails, as sglang's actor would.
+    done = subprocess.run(
+        [sys.executable, *VERIFY, "--device", "cuda", "--tp-size", "2", "--numa-node", "0",
+         "--timeout", "150"],
+        capture_output=True, text=True, timeout=240, env=two_nodes["env"],
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    (line,) = [l for l in done.stderr.splitlines() if l.startswith("error: ")]
+    assert ": the probe rank failed: PlacementError: DP0 PP0 TP" in line
+    assert "--numa-node has 1 entry (0) but the rank uses GPU 1" in line
+
+
+def test_verify_with_ray_refuses_a_driver_side_sysfs_root_without_starting_ray(
+    tmp_path,
+):
+    done = subprocess.run(
+        [sys.executable, "-m", "sglang.srt.placement", "verify", "--launcher", "ray",
+         "--sysfs-root", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "with --launcher ray each node plans from its own host facts; drop --sysfs-root" in done.stderr
+    assert (
+        "drop --sysfs-root" in done.stderr
+        and "SGLANG_SYSFS_ROOT of its raylet" in done.stderr
+    )
 
 
 def test_verify_without_ray_address_starts_a_local_cluster_and_stops_it():
     directory = tempfile.mkdtemp(prefix="sglr-", dir="/tmp")
     env = ray_test_env(directory)
     try:
-        status, out, err = run_json(["-m", "sglang.srt.placement", "verify", "--launcher", "ray", "--device", "cpu",
-                                     "--json", "--timeout", "90"], env=env)
+        # RayEngine asks a GPU per actor for a CPU engine too: the cluster verify starts declares them.
+        status, out, err = run_json(
+            [*VERIFY, "--device", "cpu", "--timeout", "150"], env=env, timeout=240
+        )
         assert status == 0, err[-4000:]
         (row,) = out["ranks"]
-        assert row["launcher"] == "ray" and row["ok"]
+        assert (
+            row["launcher"] == "ray"
+            and row["ok"]
+            and row["planned_on"] == row["node_id"]
+        )
         # The cluster it started is gone: no process of that session (raylet, GCS, workers) stays running.
         sessions = os.path.join(directory, "ray")
         deadline = time.monotonic() + 15
-        while (leftover := subprocess.run(["pgrep", "-f", sessions], capture_output=True, text=True).stdout.split()):
-            assert time.monotonic() < deadline, f"processes of the cluster verify started are still running: {leftover}"
+        while leftover := subprocess.run(
+            ["pgrep", "-f", sessions], capture_output=True, text=True
+        ).stdout.split():
+            assert (
+                time.monotonic() < deadline
+            ), f"processes of the cluster verify started run on: {leftover}"
             time.sleep(0.2)
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -8,7 +8,6 @@ that callers and operators rely on.
 from __future__ import annotations
 
 import ast
-import json
 import ctypes
 import importlib
 import multiprocessing
@@ -289,22 +288,62 @@ def test_sglang_router_imports_its_launch_server_from_the_overlaid_package():
 
 
 # --------------------------------------------------------------------------- Ray actors as RayEngine creates them
+@pytest.mark.ray
+def test_scheduler_actors_created_as_ray_engine_creates_them_start_under_their_placement(
+    ray_cluster,
+):
+    """RayEngine's own placement group (one bundle of the node's GPUs: GPUs 0 and 1, on
+    NUMA node 0 of the session cluster's fake /sys) and its ``_create_scheduler_actor``
+    call per rank, with a real ServerArgs; the actors build sglang's stand-in Scheduler
+    (``upstream_standins``)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
 
+    from sglang.srt.ray.engine import _create_scheduler_actor
+    from sglang.srt.scheduler_placement.ray_actors import forget_group
 
-def test_scheduler_actors_created_as_ray_engine_creates_them_start_under_their_placement():
-    tests_dir = Path(__file__).resolve().parent
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(tests_dir), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    out = subprocess.run([sys.executable, str(tests_dir / "upstream_ray_driver.py")], capture_output=True,
-                         text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    infos = result["infos"]
-    # Each actor built the (stand-in) Scheduler for the GPU Ray gave it, after upstream's configure step.
+    args = server_args(tp_size=2, device="cuda")
+    pg = placement_group([{"CPU": 1, "GPU": 2}], strategy="STRICT_PACK")
+    actors = []
+    try:
+        ray.get(pg.ready(), timeout=120)
+        for tp_rank in range(2):
+            actors.append(
+                _create_scheduler_actor(
+                    pg=pg,
+                    bundle_idx=0,
+                    gpu_id=tp_rank,
+                    server_args=args,
+                    port_args=None,
+                    tp_rank=tp_rank,
+                    pp_rank=0,
+                    dp_rank=0,
+                    dist_init_addr="127.0.0.1:29999",
+                    rank0_node_ip="127.0.0.1",
+                )
+            )
+        infos = ray.get([a.get_info.remote() for a in actors], timeout=300)
+        bindings = ray.get([a.binding_report.remote() for a in actors], timeout=60)
+        ray.get([a.run_event_loop.remote() for a in actors], timeout=60)
+        names = sorted(
+            n for n in ray.util.list_named_actors() if n.startswith("sglang_scheduler")
+        )
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        remove_placement_group(pg)
+        forget_group(pg)
+    # Each actor built the stand-in Scheduler for its GPU, after upstream's configure step.
     assert sorted(i["cuda_visible_devices"] for i in infos) == ["0", "1"]
     assert all(i["configured_gpu_id"] == int(i["cuda_visible_devices"]) for i in infos)
     assert {i["model_path"] for i in infos} == {"/nonexistent"}
-    # Both GPUs are on node 0, so the bundle's plan agrees and each worker started under numactl.
-    assert [(i["policy"], i["policy_nodes"]) for i in infos] == [("bind", [0]), ("bind", [0])]
-    assert result["mismatches"] == [[], []]
-    assert len(result["names"]) == 2 and all("_dp0_pp0_tp" in n and "_bundle0" in n for n in result["names"])
+    # Both GPUs are on node 0: the plan agrees, and each worker started under numactl.
+    cpu = ray_cluster.node_cpu[0]
+    assert [(i["cpus"], i["policy"], i["policy_nodes"]) for i in infos] == [
+        ([cpu], "bind", [0])
+    ] * 2
+    assert [b["placement"]["strategy"] for b in bindings] == ["exec", "exec"]
+    assert [b["mismatches"] for b in bindings] == [[], []]
+    assert len(names) == 2 and all(
+        "_dp0_pp0_tp" in n and "_bundle0" in n for n in names
+    )

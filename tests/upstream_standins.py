@@ -34,6 +34,7 @@ class Scheduler:
             "policy_nodes": sorted(nodes),
             "configured_gpu_id": CONFIGURED.get("gpu_id"),
             "model_path": server_args.model_path,
+            "omp_bind_env": os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"),
         }
 
     def get_init_info(self) -> dict:

@@ -306,10 +306,13 @@ def _local_ray_cluster(server_args: PlanArgs) -> Iterator[None]:
     else:
         from sglang.srt.placement.ranks import local_ranks
 
-        num_cpus = max(len(local_ranks(server_args)), len(os.sched_getaffinity(0)))
+        ranks = len(local_ranks(server_args))
+        num_cpus = max(ranks, len(os.sched_getaffinity(0)))
+        # RayEngine asks one GPU per scheduler actor whatever the device: a CPU engine needs GPUs declared.
+        num_gpus = ranks if server_args.device == "cpu" else None
         # "local": never join a cluster that someone else's `ray start` recorded on this machine.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, configure_logging=False,
-                 log_to_driver=False)
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 configure_logging=False, log_to_driver=False)
     try:
         yield
     finally:
@@ -353,7 +356,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_plan(args)
         if args.command == "verify":
             _check_world_size(args)
-            return cmd_verify(args)
+            try:
+                return cmd_verify(args)
+            except RuntimeError as exc:
+                from sglang.srt.placement.verify import VerifyError
+
+                if not isinstance(exc, VerifyError):
+                    raise
+                # A rank that could not be checked fails the check: one line, status 1.
+                print(f"error: {one_line(exc)}", file=sys.stderr)
+                return 1
         return cmd_capture(args)
     # Bad input of any kind - a flag, an environment variable or a file - is one line and exit status 2:
     # ValueError covers SettingError, PlanArgsError, CpuListError, TopologyError and UnicodeError; OSError the

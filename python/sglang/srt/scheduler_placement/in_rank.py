@@ -1,20 +1,23 @@
 """Inside a rank: apply the part of its placement that is done there, and read the binding back.
 
 A Ray scheduler actor binds itself in-process when it could not start under
-numactl, then, like every placed rank, reads its binding back (every thread
-included) and compares it with its placement: a difference is a warning
-naming the rank, or an error under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
+numactl, then reads its binding back (every thread included) and compares it
+with its placement: a difference is a warning naming the rank, or an error
+under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.types import PlacementError, ProcessPlacement, Strategy
+
+if TYPE_CHECKING:
+    from sglang.srt.placement.apply import BindOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +25,11 @@ logger = logging.getLogger(__name__)
 _THREAD_CHECKED_STRATEGIES = ("exec", "in-process")
 
 
-def apply_in_rank(placement: ProcessPlacement, *, who: str) -> None:
-    """Apply the part of ``placement`` that is done inside the rank (in-process); log what holds."""
+def apply_in_rank(placement: ProcessPlacement, *, who: str) -> Optional["BindOutcome"]:
+    """Apply the part of ``placement`` that is done inside the rank (in-process); log what holds.
+
+    Returns what an in-process bind applied (None for other strategies).
+    """
     summary = (
         f"node={placement.numa_node} cpus={format_cpulist(placement.cpus) or '-'} "
         f"mem={placement.mem_policy}:{format_cpulist(placement.mem_nodes) or '-'} strategy={placement.strategy}"
@@ -31,12 +37,18 @@ def apply_in_rank(placement: ProcessPlacement, *, who: str) -> None:
     if placement.strategy == Strategy.IN_PROCESS:
         from sglang.srt.placement.apply import bind_in_process
 
-        bind_in_process(placement)
+        outcome = bind_in_process(placement)
         logger.info(f"{who}: bound in-process: {summary}")
-    elif placement.strategy == Strategy.EXEC:
-        logger.info(f"{who}: started under numactl {' '.join(placement.numactl_args)}: {summary}")
+        return outcome
+    if placement.strategy == Strategy.EXEC:
+        logger.info(
+            f"{who}: started under numactl {' '.join(placement.numactl_args)}: {summary}"
+        )
     else:
-        logger.info(f"{who}: not bound ({'; '.join(placement.reasons) or 'no reason recorded'})")
+        logger.info(
+            f"{who}: not bound ({'; '.join(placement.reasons) or 'no reason recorded'})"
+        )
+    return None
 
 
 def _thread_cpus(tasks_dir: str) -> dict[int, frozenset[int]]:
@@ -56,7 +68,9 @@ def _thread_cpus(tasks_dir: str) -> dict[int, frozenset[int]]:
     return found
 
 
-def thread_mismatches(placement: ProcessPlacement, *, tasks_dir: str = "/proc/self/task") -> list[str]:
+def thread_mismatches(
+    placement: ProcessPlacement, *, tasks_dir: str = "/proc/self/task"
+) -> list[str]:
     """One line when some thread of this process may run outside ``placement.cpus``.
 
     ``/proc/self/status`` shows the main thread only; a process bound from one
@@ -75,16 +89,12 @@ def thread_mismatches(placement: ProcessPlacement, *, tasks_dir: str = "/proc/se
     ]
 
 
-def read_back(placement: ProcessPlacement, *, premises: Iterable[str] = ()) -> dict[str, Any]:
-    """Read this process's binding back and list every way it differs from ``placement``.
-
-    ``premises`` are differences the launcher found in what the placement was
-    resolved for (another node, another accelerator); they lead the list.
-    """
+def read_back(placement: ProcessPlacement) -> dict[str, Any]:
+    """Read this process's binding back and list every way it differs from ``placement``."""
     from sglang.srt.placement.observe import compare_binding, observe_self
 
     observed = observe_self()
-    mismatches = [*premises, *compare_binding(placement, observed), *thread_mismatches(placement)]
+    mismatches = [*compare_binding(placement, observed), *thread_mismatches(placement)]
     return {
         "pid": os.getpid(),
         "observed": observed.to_dict(),
@@ -93,8 +103,13 @@ def read_back(placement: ProcessPlacement, *, premises: Iterable[str] = ()) -> d
     }
 
 
-def report_mismatches(placement: ProcessPlacement, report: dict[str, Any], *, who: str,
-                      warn: Callable[[str], None]) -> None:
+def report_mismatches(
+    placement: ProcessPlacement,
+    report: dict[str, Any],
+    *,
+    who: str,
+    warn: Callable[[str], None],
+) -> None:
     """Log a rank whose binding differs from its placement; raise instead under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1."""
     mismatches = report.get("mismatches") or []
     if not mismatches:

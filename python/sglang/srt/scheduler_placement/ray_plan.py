@@ -1,18 +1,21 @@
-"""The typed values that pass between the Ray driver, each node and each actor, and the pure decisions made on them.
+"""The values that pass between the Ray driver, each node and each actor, and the pure decisions on them.
 
-A launch goes: where is each bundle (``BundleSite``) -> which ranks run in which
-bundle, with which candidate accelerator ids (``RankOnNode``) -> each node's
-plan for its ranks, one placement per candidate (``NodePlan`` of ``RankPlan``)
--> what each actor starts with (``ActorStart``), and the py_executable that
-starts its worker under numactl. Nothing here imports Ray.
+sglang's ``RayEngine`` reserves a placement group and calls
+``_create_scheduler_actor`` once per rank. The first call plans the whole
+group: where each bundle is and which GPU ids Ray reserved in it
+(``BundleSite``), then, on each node, one ``Candidate`` placement per id
+(``BundlePlan``, in a ``NodePlan``). Each call then decides what its rank's
+actor starts with (``ActorStart``) and, when it starts under numactl, the
+``py_executable``; the actor takes the candidate of the id Ray gives it
+(``actor_choice``). Nothing here imports Ray.
 
 Ray 2.60 does not exec ``py_executable`` as an argv: the worker is started by
-``bash -c "exec <py_executable> <quoted worker args>"`` (``RuntimeEnvContext.exec_worker``),
-so the string is split and expanded by a shell. Every token is therefore
-checked against a strict pattern (an absolute path, or a numactl option whose
-value is digits, commas and dashes) before it is joined; a token that fails
-(say, a Python path with a space) makes the rank bind in-process instead, with
-the reason in its placement.
+``bash -c "exec <py_executable> <quoted worker args>"``
+(``RuntimeEnvContext.exec_worker``), so the string is split and expanded by a
+shell. Every token is therefore checked against a strict pattern (an absolute
+path, or a numactl option whose value is digits, commas and dashes) before it
+is joined; a token that fails (say, a Python path with a space) makes the rank
+bind in-process instead, with the reason in its placement.
 """
 
 from __future__ import annotations
@@ -20,11 +23,9 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
-from sglang.srt.placement import settings
-from sglang.srt.placement.types import PlacementError
 
 if TYPE_CHECKING:
     from sglang.srt.placement.policy import PlacementPolicy
@@ -38,7 +39,7 @@ _ABSOLUTE_PATH = re.compile(r"/[A-Za-z0-9_.+@/-]*")
 
 @dataclass(frozen=True)
 class BundleSite:
-    """Where a placement-group bundle is: its node, and every accelerator id Ray assigns in it (() for CPU bundles)."""
+    """Where a placement-group bundle is, and every GPU id Ray reserved in it."""
 
     bundle_index: int
     node_id: str
@@ -47,180 +48,144 @@ class BundleSite:
 
 
 @dataclass(frozen=True)
-class RankOnNode:
-    """A rank, the bundle it starts in, and the accelerator ids it may get there.
+class Candidate:
+    """A rank's placement if Ray gives it ``accelerator_id``, with the node's numactl argv.
 
-    One id when the bundle holds exactly the rank's accelerator; several when the
-    bundle holds more and Ray picks one only as the actor starts; none for CPU ranks.
+    ``error`` says why there is no placement for this id (a setting that does
+    not fit it, such as a ``--numa-node`` list too short for it): the rank that
+    gets this id fails with that error, as sglang's own actor would.
     """
 
-    rank: RankIdentity
-    bundle_index: int
-    accelerator_ids: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A rank's placement if it gets ``accelerator_id``, with the node's numactl argv or why there is none."""
-
     accelerator_id: Optional[str]
-    placement: ProcessPlacement
+    placement: Optional[ProcessPlacement]
     exec_argv: Optional[tuple[str, ...]] = None
-    """[numactl, *options, python] for an exec placement whose options numactl accepts on the node."""
+    """[numactl, *options, python] for an exec placement that numactl accepts on the node."""
     exec_problem: Optional[str] = None
+    error: Optional[str] = None
 
 
 @dataclass(frozen=True)
-class RankPlan:
-    """One rank's plan from its node: a candidate per accelerator id it may get (one for CPU ranks)."""
+class BundlePlan:
+    """A bundle's plan from its node: one candidate per GPU id reserved in it.
 
-    rank: RankIdentity
+    Every rank that RayEngine starts in the bundle may get any of these ids
+    (Ray picks one only as the actor starts).
+    """
+
     bundle_index: int
     candidates: tuple[Candidate, ...]
 
     @property
     def agreed(self) -> bool:
-        """True when every candidate binds the same way, so the rank can start under that binding before
-        knowing which id it gets (the placements differ only in the device they name)."""
+        """True when every candidate binds the same way, so an actor can start under that binding
+        before it knows its id (the placements differ only in the device they name)."""
+        if any(c.error is not None for c in self.candidates):
+            return len(self.candidates) == 1
         first = _binding(self.candidates[0].placement)
         return all(_binding(c.placement) == first for c in self.candidates[1:])
 
 
 @dataclass(frozen=True)
 class NodeRequest:
-    """What the driver asks a node to resolve: its ranks in their bundles, under the engine's policy.
+    """What the driver asks a node to plan: its bundles, under the engine's policy.
 
-    Each rank's candidate ids are its bundle's, from the bundle's site, learnt
-    as the node's task starts, so the driver need not wait for them first. The
-    policy is the driver's (engine settings, read once there); host facts,
-    SGLANG_SYSFS_ROOT included, are the node's own.
+    The ids of each bundle come from the bundle's site, passed to the node's
+    task as it starts. The policy is the driver's (engine settings, read once
+    there); host facts, SGLANG_SYSFS_ROOT included, are the node's own.
     """
 
     server_args: object
-    ranks: tuple[tuple[RankIdentity, int], ...]
-    """(rank, bundle index) pairs, in launch order."""
+    """The placement fields of the engine's ServerArgs (``placement_view``)."""
+    bundles: tuple[int, ...]
     policy: "PlacementPolicy"
-    gpus: Optional[tuple[str, ...]] = None
-    """``--gpus``: PCI addresses by physical device index, for every node alike."""
 
 
 @dataclass(frozen=True)
 class NodePlan:
-    """What a node resolved for its ranks: its bundles' sites, a plan per rank, and how long that took."""
+    """What a node planned for its bundles: their sites, a plan per bundle, and how long that took."""
 
     node_id: str
     node_ip: str
     sites: tuple[BundleSite, ...]
-    ranks: tuple[RankPlan, ...]
+    bundles: tuple[BundlePlan, ...]
     resolve_s: float = 0.0
-    pid: int = 0
 
 
 @dataclass(frozen=True)
 class ActorStart:
-    """What a ``SchedulerActor`` starts its rank with: who it is, where it was planned, its placement per id.
+    """What a ``SchedulerActor`` starts its rank with.
 
-    ``candidates`` is empty when placement is off. The actor takes the candidate
-    of the accelerator Ray gave it; ``node_id`` is the node its plan was made on.
+    ``policy`` is None when placement is off (``SGLANG_NUMA_BIND_V2=0``: the
+    legacy bind runs in ``configure_scheduler_process``). Otherwise
+    ``candidates`` holds the placement per GPU id Ray may give the actor, planned
+    on ``node_id``; with none (the plan could not be made: ``unplanned`` says
+    why), the actor resolves its own placement under ``policy``. ``enforced``
+    is True when the driver already applied the failure policy to the rank's
+    one candidate, so the actor does not warn a second time.
     """
 
     rank: RankIdentity
-    accelerator_resource: str
+    policy: Optional["PlacementPolicy"]
     node_id: Optional[str] = None
-    candidates: tuple[tuple[Optional[str], ProcessPlacement], ...] = ()
-
-    @property
-    def placed(self) -> bool:
-        return bool(self.candidates)
+    candidates: tuple[Candidate, ...] = ()
+    enforced: bool = False
+    unplanned: str = ""
 
 
-def _binding(p: ProcessPlacement) -> tuple:
+def _binding(p: Optional[ProcessPlacement]) -> tuple:
+    if p is None:
+        return ()
     return (p.strategy, p.numa_node, p.cpus, p.mem_nodes, p.mem_policy, p.numactl_args)
 
 
-# --------------------------------------------------------------------------- pairing ranks with sites
+# --------------------------------------------------------------------------- the id a rank uses
 
 
-def ranks_on_sites(ranks_and_bundles: Sequence[tuple[RankIdentity, int]],
-                   sites: Mapping[int, BundleSite]) -> tuple[RankOnNode, ...]:
-    """Each rank in its bundle, with every accelerator id of that bundle as its candidates."""
-    return tuple(RankOnNode(rank=rank, bundle_index=index, accelerator_ids=sites[index].accelerator_ids)
-                 for rank, index in ranks_and_bundles)
+def rank_gpu_id(accelerator_id: Optional[str]) -> tuple[Optional[int], Optional[str]]:
+    """The GPU id sglang's ``SchedulerActor`` uses for Ray's ``accelerator_id``, or None and why not.
 
-
-def by_node(ranks_and_bundles: Sequence[tuple[RankIdentity, int]],
-            node_of_bundle: Mapping[int, str]) -> dict[str, tuple[tuple[RankIdentity, int], ...]]:
-    """The (rank, bundle index) pairs grouped by the node their bundle is on, in launch order within a node."""
-    grouped: dict[str, list[tuple[RankIdentity, int]]] = {}
-    for rank, index in ranks_and_bundles:
-        grouped.setdefault(node_of_bundle[index], []).append((rank, index))
-    return {node: tuple(members) for node, members in grouped.items()}
-
-
-# --------------------------------------------------------------------------- the exec decision
-
-
-def demote_to_in_process(placement: ProcessPlacement, *, why: str) -> ProcessPlacement:
-    """``placement`` with strategy in-process instead of exec, ``why`` appended to its reasons."""
-    reason = f"{why}: in-process bind with libnuma"
-    return placement.replace(strategy=Strategy.IN_PROCESS, numactl_args=(), reasons=(*placement.reasons, reason))
-
-
-@dataclass(frozen=True)
-class ExecCommand:
-    """The argv that starts a rank under numactl ([numactl, *options, python]), or why it cannot."""
-
-    argv: Optional[tuple[str, ...]]
-    refusal: Optional[str] = None
-    """Why there is no argv: numactl is missing, or numactl's own complaint about the options."""
-    numactl_missing: bool = False
-
-    @property
-    def prefix(self) -> Optional[tuple[str, ...]]:
-        """The argv without the Python interpreter (what goes in front of a spawned child's command)."""
-        return None if self.argv is None else self.argv[:-1]
-
-
-def exec_command(placement: ProcessPlacement, *, python: str) -> ExecCommand:
-    """The numactl argv for an exec ``placement`` on this host, checked by numactl's own dry run (cached)."""
-    from sglang.srt.placement.numactl import exec_refusal, numactl_prefix
-
-    try:
-        prefix = numactl_prefix(placement)
-    except FileNotFoundError as exc:
-        return ExecCommand(argv=None, refusal=f"numactl was not found at launch ({exc})", numactl_missing=True)
-    complaint = exec_refusal(placement)
-    if complaint is not None:
-        return ExecCommand(argv=None, refusal=complaint)
-    return ExecCommand(argv=(*prefix, python))
-
-
-def decide_start(placement: ProcessPlacement, command: Optional[ExecCommand], *,
-                 log: Callable[[str], None]) -> ProcessPlacement:
-    """The placement a rank starts with: exec stays exec when ``command`` has an argv, else it is demoted.
-
-    Under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 a refused exec is an error rather
-    than a demotion, since the rank would not start the way it was planned.
+    The actor takes ``int(ray_id)`` as its device (``publish(gpu_id=...)``):
+    it indexes ``--numa-node``, and bootstrap hands it to a CPU rank's
+    ``init_threads_binding`` as ``numa_index``.
     """
-    if placement.strategy != Strategy.EXEC or (command is not None and command.argv is not None):
-        return placement
-    why = command.refusal if command is not None else "the launcher was asked to bind in-process"
-    if command is not None and settings.bind_failure_is_fatal():
-        raise PlacementError(f"{placement.label}: {why} (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1)")
-    if command is not None:
-        log(f"{placement.label}: {why}; binding in-process instead")
-    return demote_to_in_process(placement, why=why)
+    if accelerator_id is None:
+        return None, None
+    text = str(accelerator_id).strip()
+    if not text.isdigit():
+        return None, (
+            f"Ray's GPU id {text!r} is not an integer, but sglang's SchedulerActor uses int(id) as the "
+            "rank's GPU id; give the raylet CUDA_VISIBLE_DEVICES as indices"
+        )
+    return int(text), None
 
 
-def numactl_complaint(prefix: Sequence[str]) -> Optional[str]:
-    """numactl's own complaint for ``prefix``, by running it again in front of ``true``; None if it now works."""
-    from sglang.srt.placement.numactl import run_numactl
-
-    result = run_numactl([*prefix, shutil.which("true") or "/bin/true"])
-    return None if result.ok else result.message
+def for_rank(placement: ProcessPlacement, rank: RankIdentity) -> ProcessPlacement:
+    """A bundle's placement, told which rank it is for (its GPU id stays the device's, when it has one)."""
+    gpu_id = placement.gpu_id if placement.gpu_id is not None else rank.gpu_id
+    return placement.replace(
+        dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank, gpu_id=gpu_id
+    )
 
 
 # --------------------------------------------------------------------------- the start decision
+
+
+def demote_to_in_process(
+    placement: ProcessPlacement, *, why: str, failure: bool = False
+) -> ProcessPlacement:
+    """``placement`` with strategy in-process instead of exec, ``why`` appended to its reasons.
+
+    ``failure`` marks it less bound than planned (exec was intended and is not
+    possible); the edge that applies it then warns, or raises under
+    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
+    """
+    reason = f"{why}: in-process bind with libnuma"
+    return placement.replace(
+        strategy=Strategy.IN_PROCESS,
+        numactl_args=(),
+        reasons=(*placement.reasons, reason),
+        warning=placement.warning or failure,
+    )
 
 
 def exec_argv_problem(argv: Sequence[str]) -> Optional[str]:
@@ -249,69 +214,99 @@ def py_executable(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(token) for token in argv)
 
 
-def _command_of(candidate: Candidate) -> ExecCommand:
-    problem = candidate.exec_problem or exec_argv_problem(candidate.exec_argv or ())
-    if problem is None:
-        return ExecCommand(argv=tuple(candidate.exec_argv))
-    return ExecCommand(argv=None, refusal=f"cannot start the Ray worker under numactl: {problem}")
+def _with_placement(candidate: Candidate, placement: ProcessPlacement) -> Candidate:
+    return Candidate(
+        accelerator_id=candidate.accelerator_id,
+        placement=placement,
+        exec_argv=candidate.exec_argv,
+        exec_problem=candidate.exec_problem,
+    )
 
 
-def start_decision(plan: RankPlan, *, accelerator_resource: str, node_id: str, force_in_process: bool = False,
-                   log: Callable[[str], None]) -> tuple[ActorStart, Optional[str]]:
-    """What the rank's actor starts with, and its py_executable (None unless it starts under numactl).
+def start_for_rank(
+    plan: BundlePlan, *, rank: RankIdentity, policy: "PlacementPolicy", node_id: str
+) -> tuple[ActorStart, Optional[str]]:
+    """What ``rank``'s actor in ``plan``'s bundle starts with, and its py_executable (None unless exec).
 
-    Exec needs one numactl command that is right whichever candidate id Ray
-    gives the actor, so candidates that bind differently all bind in-process
-    instead, each once the actor knows its id. A refused or unsafe command
-    demotes the same way (an error under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1).
+    Exec needs one numactl command that is right whichever id Ray gives the
+    actor, so candidates that bind differently all bind in-process instead,
+    each once the actor knows its id (by design, not a failure). A command that
+    cannot be handed to Ray's shell demotes the same way, as a failure.
     """
-    first = plan.candidates[0]
-    command: Optional[ExecCommand] = None
-    if first.placement.strategy == Strategy.EXEC and not force_in_process:
-        command = _command_of(first)
+    candidates = tuple(
+        c if c.placement is None else _with_placement(c, for_rank(c.placement, rank))
+        for c in plan.candidates
+    )
+    start = ActorStart(
+        rank=rank,
+        policy=policy,
+        node_id=node_id,
+        candidates=candidates,
+        enforced=len(candidates) == 1,
+    )
+    execs = [
+        c
+        for c in candidates
+        if c.placement is not None and c.placement.strategy == Strategy.EXEC
+    ]
+    if not execs:
+        return start, None
     if not plan.agreed:
-        ids = ", ".join(str(c.accelerator_id) for c in plan.candidates)
-        why = (f"{accelerator_resource} ids {ids} that Ray may give this rank bind differently; "
-               f"the actor binds in-process once it knows its id")
-        candidates = tuple((c.accelerator_id, _demoted(c.placement, why=why)) for c in plan.candidates)
-        return ActorStart(rank=plan.rank, accelerator_resource=accelerator_resource, node_id=node_id,
-                          candidates=candidates), None
-    started = decide_start(first.placement, command, log=log)
-    exec_string = py_executable(command.argv) if started.strategy == Strategy.EXEC else None
-    if started is first.placement:
-        candidates = tuple((c.accelerator_id, c.placement) for c in plan.candidates)
-    else:  # the demotion's reason was added to the first; the others take the same change
-        why = started.reasons[-1]
-        candidates = tuple((c.accelerator_id, c.placement.replace(
-            strategy=started.strategy, numactl_args=started.numactl_args,
-            reasons=(*c.placement.reasons, why))) for c in plan.candidates)
-    return ActorStart(rank=plan.rank, accelerator_resource=accelerator_resource, node_id=node_id,
-                      candidates=candidates), exec_string
+        ids = ", ".join(str(c.accelerator_id) for c in candidates)
+        why = (
+            f"GPU ids {ids} that Ray may give this rank bind differently; "
+            "the actor binds in-process once it knows its id"
+        )
+        return _demoted(start, why=why, failure=False), None
+    first = execs[0]
+    problem = first.exec_problem or exec_argv_problem(first.exec_argv or ())
+    if problem is not None:
+        why = f"cannot start the Ray worker under numactl: {problem}"
+        return _demoted(start, why=why, failure=True), None
+    return start, py_executable(first.exec_argv)
 
 
-def _demoted(placement: ProcessPlacement, *, why: str) -> ProcessPlacement:
-    return demote_to_in_process(placement, why=why) if placement.strategy == Strategy.EXEC else placement
+def _demoted(start: ActorStart, *, why: str, failure: bool) -> ActorStart:
+    candidates = tuple(
+        (
+            _with_placement(
+                c, demote_to_in_process(c.placement, why=why, failure=failure)
+            )
+            if c.placement is not None and c.placement.strategy == Strategy.EXEC
+            else c
+        )
+        for c in start.candidates
+    )
+    return ActorStart(
+        rank=start.rank,
+        policy=start.policy,
+        node_id=start.node_id,
+        candidates=candidates,
+        enforced=start.enforced,
+        unplanned=start.unplanned,
+    )
 
 
-def unplaced_start(rank: RankIdentity, *, accelerator_resource: str) -> ActorStart:
-    """What an actor starts with when the launch skips placement: no plan, nothing bound."""
-    return ActorStart(rank=rank, accelerator_resource=accelerator_resource)
+def actor_choice(
+    start: ActorStart, accelerator_ids: Sequence[str], *, node_id: str
+) -> tuple[Optional[Candidate], str]:
+    """The candidate of the GPU id Ray gave the actor, or None and why the actor must resolve its own.
 
-
-def actor_placement(start: ActorStart, accelerator_ids: Sequence[str], *,
-                    node_id: str) -> tuple[Optional[ProcessPlacement], list[str]]:
-    """The placement an actor applies for the ids Ray gave it, and each way its premises differ from its plan."""
-    if not start.placed:
-        return None, []
-    premises: list[str] = []
+    A plan made on another node, or for other ids than the one Ray gave, says
+    nothing about this actor: it then places the device it has, on its node.
+    """
+    if not start.candidates:
+        return None, start.unplanned or "no plan was made for this rank's bundle"
     if start.node_id is not None and node_id != start.node_id:
-        premises.append(f"placement resolved on Ray node {start.node_id}, actor runs on node {node_id}")
+        return None, (
+            f"its bundle was planned on Ray node {start.node_id}, but the actor runs on node {node_id}"
+        )
     own = str(accelerator_ids[0]) if accelerator_ids else None
-    for candidate_id, placement in start.candidates:
-        if candidate_id == own:
-            return placement, premises
-    planned = [candidate_id for candidate_id, _ in start.candidates]
-    premises.append(f"placement resolved for {start.accelerator_resource} {planned}, "
-                    f"Ray gave this actor {list(accelerator_ids)}")
-    return start.candidates[0][1], premises
-
+    for candidate in start.candidates:
+        if candidate.accelerator_id == own:
+            return candidate, ""
+    planned = [c.accelerator_id for c in start.candidates]
+    return (
+        None,
+        f"its bundle was planned for GPU ids {planned}, but Ray gave the actor {own!r}",
+    )
