@@ -34,6 +34,14 @@ if [ ! -f "$stamp" ]; then
     touch "$stamp"
 fi
 
+lint=requirements/lint.txt
+lint_stamp=.venv/.lint-$(sha256sum "$lint" | cut -c1-16)
+if [ ! -f "$lint_stamp" ]; then
+    .venv/bin/python -m pip install -qq --no-deps -r "$lint"
+    rm -f .venv/.lint-*
+    touch "$lint_stamp"
+fi
+
 # Hard links make the copy instant; the overlay replaces files (write, then rename), never writes
 # through a link, so the pristine copy stays pristine.
 rm -rf "$site/sglang"

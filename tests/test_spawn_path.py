@@ -47,6 +47,11 @@ def split_host(tmp_path, monkeypatch):
 
 
 def use_standin(monkeypatch, tmp_path, mode):
+    if mode == "missing":
+        from sglang.srt.placement import numactl
+
+        monkeypatch.setattr(numactl, "find_numactl", lambda: None)
+        return None
     directory, log = numactl_standin(tmp_path / f"numactl-{mode}", mode)
     monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
     return log
@@ -153,6 +158,8 @@ FAILURES = {
     "refuse-all": ("numactl could not apply NUMA binding for node 1", "Operation not permitted"),
     # libnuma missing: numactl itself cannot start.
     "no-libnuma": ("numactl could not apply NUMA binding for node 1", "libnuma.so.1"),
+    # numactl not installed at all.
+    "missing": ("numactl is not installed", "the mp launcher binds only by exec"),
 }
 
 

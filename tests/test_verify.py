@@ -102,3 +102,22 @@ def test_verify_refuses_planning_inputs_that_sglang_does_not_take(flag):
     done = subprocess.run([sys.executable, "-m", "sglang.srt.placement", "verify", flag], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and "sglang's launch path does not take" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("mode", ["refuse-all", "no-libnuma"])
+def test_verify_agrees_with_sglangs_path_when_numactl_cannot_bind(cpu_groups, monkeypatch, tmp_path, mode):
+    """A numactl that seccomp refuses, or one without libnuma: plan says unbound, and the ranks are."""
+    directory, _ = numactl_standin(tmp_path / "numactl", mode)
+    monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
+    rows = verify_mp(args(device="cpu", tp_size=2), timeout_s=120)
+    assert [(row["strategy"], row["warning"], row["ok"]) for row in rows] == [("none", True, True)] * 2
+    assert [row["observed_cpus"] for row in rows] == [f"{CPUS[0]}-{CPUS[-1]}"] * 2
+
+
+def test_verify_agrees_with_sglangs_path_without_numactl(cpu_groups, monkeypatch):
+    from sglang.srt.placement import numactl
+
+    monkeypatch.setattr(numactl, "find_numactl", lambda: None)
+    rows = verify_mp(args(device="cpu", tp_size=2), timeout_s=120)
+    assert [(row["strategy"], row["ok"]) for row in rows] == [("none", True)] * 2
+    assert all("numactl is not installed" in row["reasons"] for row in rows)
