@@ -362,3 +362,13 @@ def test_fake_tree_uses_real_sysfs_layout(tmp_path):
     real = Path("/sys/devices/system/node/node0/meminfo").read_text().splitlines()[0]
     assert real.split(":")[0] == "Node 0 MemTotal" and real.endswith(" kB")
     assert Path("/sys/bus/pci/devices").iterdir().__next__().is_symlink()
+
+
+def test_the_cached_topology_is_read_again_when_online_cpus_change(tmp_path):
+    from sglang.srt.placement.topology import read_topology_cached
+
+    root = fakesys.one_node(tmp_path / "sys", cpus=4)
+    first = read_topology_cached(root)
+    assert read_topology_cached(root) is first
+    (root / "devices/system/cpu/online").write_text("0-2\n")
+    assert read_topology_cached(root).online_cpus == frozenset({0, 1, 2})

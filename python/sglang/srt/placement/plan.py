@@ -51,10 +51,10 @@ class HostFacts:
     @classmethod
     def live(cls) -> "HostFacts":
         """This host, its topology read from ``SGLANG_SYSFS_ROOT``."""
-        from sglang.srt.placement.topology import read_process_affinity, read_topology
+        from sglang.srt.placement.topology import read_process_affinity, read_topology_cached
 
         return cls(
-            topology=read_topology(settings.sysfs_root()),
+            topology=read_topology_cached(settings.sysfs_root()),
             affinity=read_process_affinity(),
             capabilities=HostCapabilities.live(),
         )

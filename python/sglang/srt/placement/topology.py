@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import re
 import stat
 from dataclasses import dataclass, field
@@ -131,6 +132,36 @@ def read_topology(root: str | os.PathLike = LIVE_SYSFS, *, setting: str = ROOT_S
     ``root`` (``SGLANG_SYSFS_ROOT``, or the CLI's ``--sysfs-root``), named in the fix.
     """
     return _read(root, setting=setting).topology
+
+
+_cache_lock = threading.Lock()
+_cached: dict[str, tuple[tuple[bytes, ...], HostTopology]] = {}
+_CACHE_KEYS = (CPU_ONLINE, "devices/system/node/online")
+
+
+def read_topology_cached(root: str | os.PathLike = LIVE_SYSFS) -> HostTopology:
+    """``read_topology(root)``, read again only when the online CPUs or nodes under ``root`` changed.
+
+    sglang spawns its ranks one after another; each is placed from the same
+    host facts, so the tree is walked once per launch, not once per rank.
+    """
+    path = os.path.abspath(os.fspath(root))
+    stamp = tuple(_stamp(os.path.join(path, rel)) for rel in _CACHE_KEYS)
+    with _cache_lock:
+        hit = _cached.get(path)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+    topology = read_topology(path)
+    with _cache_lock:
+        _cached[path] = (stamp, topology)
+    return topology
+
+
+def _stamp(path: str) -> bytes:
+    try:
+        return read_regular_file(path)
+    except (FileProblem, OSError):
+        return b""
 
 
 def read_process_affinity(
