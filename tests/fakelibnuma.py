@@ -37,8 +37,6 @@ class FakeLibNuma:
     calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
     policy: str = "default"
     policy_nodes: frozenset[int] = frozenset()
-    run_on: Optional[frozenset[int]] = None
-    """CPUs the calling thread was restricted to by run_on_node, or None."""
 
     def __post_init__(self) -> None:
         self.node_cpus = {int(n): frozenset(cpus) for n, cpus in self.node_cpus.items()}
@@ -64,17 +62,6 @@ class FakeLibNuma:
             if cpu in cpus:
                 return node
         raise self._error("numa_node_of_cpu", errno.EINVAL)
-
-    def run_on_node(self, node: int) -> None:
-        self._call("run_on_node", node)
-        cpus = self.node_cpus.get(node)
-        if not cpus:
-            raise self._error("numa_run_on_node", errno.EINVAL)
-        self.run_on = cpus
-
-    def set_localalloc(self) -> None:
-        self._call("set_localalloc")
-        self.policy, self.policy_nodes = "local", frozenset()
 
     def set_membind(self, nodes: Iterable[int]) -> None:
         node_set = frozenset(nodes)

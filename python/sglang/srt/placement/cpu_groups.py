@@ -13,13 +13,10 @@ from __future__ import annotations
 from typing import Optional
 
 from sglang.srt.placement.cpulist import CpuListError, format_cpulist, parse_cpulist
+from sglang.srt.placement.settings import SettingError
 from sglang.srt.placement.types import HostTopology, ProcessAffinity
 
 SETTING = "SGLANG_CPU_OMP_THREADS_BIND"
-
-
-class CpuGroupsError(ValueError):
-    """SGLANG_CPU_OMP_THREADS_BIND cannot give a rank its CPUs; the message says how to fix it."""
 
 
 def rank_cpus(
@@ -34,7 +31,7 @@ def rank_cpus(
     if text == "all":
         cpu_nodes = topology.cpu_nodes
         if not 0 <= index < len(cpu_nodes):
-            raise CpuGroupsError(
+            raise SettingError(
                 f"{SETTING}=all gives each rank one NUMA node, but rank index {index} has none: "
                 f"this host has {len(cpu_nodes)} node(s) with CPUs; use fewer ranks, or give one "
                 f"'|'-separated cpulist per rank, e.g. {SETTING}='{example(topology, index + 1)}'"
@@ -43,7 +40,7 @@ def rank_cpus(
         return cpus if affinity is None else cpus & affinity.cpus
     groups = text.split("|")
     if not 0 <= index < len(groups):
-        raise CpuGroupsError(
+        raise SettingError(
             f"{SETTING}={spec!r} has {len(groups)} group(s) but rank index {index} needs one more: "
             f"give one '|'-separated cpulist per rank (dp_size x tp_size x pp_size, across all "
             f"data-parallel workers), e.g. {SETTING}='{example(topology, index + 1)}'"
@@ -61,21 +58,21 @@ def _group(
     try:
         cpus = parse_cpulist(part, what=SETTING)
     except CpuListError:
-        raise CpuGroupsError(
+        raise SettingError(
             f"{SETTING}: group {index} {part!r} is not a cpulist; expected ranges such as '0-3,8'"
         ) from None
     if not cpus:
-        raise CpuGroupsError(
+        raise SettingError(
             f"{SETTING}: group {index} is empty; every rank needs at least one CPU"
         )
     offline = cpus - topology.online_cpus
     if offline:
-        raise CpuGroupsError(
+        raise SettingError(
             f"{SETTING}: group {index} {part!r} names CPU(s) {format_cpulist(offline)} that are "
             f"not online on this host (online: {format_cpulist(topology.online_cpus)})"
         )
     if affinity is not None and not cpus <= affinity.cpus:
-        raise CpuGroupsError(
+        raise SettingError(
             f"{SETTING}: group {index} {part!r} names CPU(s) "
             f"{format_cpulist(cpus - affinity.cpus)} that this process may not use "
             f"({affinity.source} allows {format_cpulist(affinity.cpus)})"

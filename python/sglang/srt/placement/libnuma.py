@@ -22,13 +22,8 @@ logger = logging.getLogger(__name__)
 LIBNUMA_NAME = "libnuma.so.1"
 
 # <linux/mempolicy.h>
-MPOL_DEFAULT = 0
 MPOL_PREFERRED = 1
 MPOL_BIND = 2
-MPOL_INTERLEAVE = 3
-MPOL_LOCAL = 4
-MPOL_PREFERRED_MANY = 5
-MPOL_WEIGHTED_INTERLEAVE = 6
 
 
 @runtime_checkable
@@ -43,10 +38,6 @@ class LibNumaApi(Protocol):
     def configured_nodes(self) -> frozenset[int]: ...
 
     def node_of_cpu(self, cpu: int) -> int: ...
-
-    def run_on_node(self, node: int) -> None: ...
-
-    def set_localalloc(self) -> None: ...
 
     def set_membind(self, nodes: Iterable[int]) -> None: ...
 
@@ -75,11 +66,6 @@ class LibNuma:
         self.name = name
         self._declare()
 
-    @property
-    def cdll(self) -> ctypes.CDLL:
-        """The loaded library itself (what upstream's ``get_libnuma()`` returns)."""
-        return self._lib
-
     def _declare(self) -> None:
         lib = self._lib
         signatures = {
@@ -87,8 +73,6 @@ class LibNuma:
             "numa_max_node": (ctypes.c_int, []),
             "numa_num_configured_nodes": (ctypes.c_int, []),
             "numa_node_of_cpu": (ctypes.c_int, [ctypes.c_int]),
-            "numa_run_on_node": (ctypes.c_int, [ctypes.c_int]),
-            "numa_set_localalloc": (None, []),
             "numa_allocate_nodemask": (_BitmaskPtr, []),
             "numa_bitmask_setbit": (_BitmaskPtr, [_BitmaskPtr, ctypes.c_uint]),
             "numa_bitmask_isbitset": (ctypes.c_int, [_BitmaskPtr, ctypes.c_uint]),
@@ -130,14 +114,6 @@ class LibNuma:
         return int(node)
 
     # -- actions ---------------------------------------------------------------------------
-
-    def run_on_node(self, node: int) -> None:
-        """Restrict the calling thread (and threads it starts later) to the CPUs of ``node``."""
-        if self._lib.numa_run_on_node(node) < 0:
-            raise _oserror("numa_run_on_node", ctypes.get_errno(), f"node {node}")
-
-    def set_localalloc(self) -> None:
-        self._lib.numa_set_localalloc()
 
     def set_membind(self, nodes: Iterable[int]) -> None:
         """Allocate only from ``nodes`` (MPOL_BIND) for the calling thread."""

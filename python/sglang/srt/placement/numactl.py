@@ -97,10 +97,6 @@ class NumactlProber:
         self._lock = threading.Lock()
         self.probe_count = 0
 
-    @property
-    def assumed(self) -> bool:
-        return False
-
     def probe(self, args: Sequence[str]) -> ProbeResult:
         key = tuple(args)
         with self._lock:
@@ -161,10 +157,6 @@ class AssumedNumactl:
         self.root = root
         self.numactl_path = numactl_path
         self.probe_count = 0
-
-    @property
-    def assumed(self) -> bool:
-        return True
 
     def ladder(self, *, cpu_args: Sequence[str], mem_policy: str, mem_nodes: Iterable[int],
                preferred_node: Optional[int]) -> LadderOutcome:

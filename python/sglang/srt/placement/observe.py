@@ -57,10 +57,6 @@ _ULONG_BITS = ctypes.sizeof(ctypes.c_ulong) * 8
 MemPolicyReader = Callable[[], "tuple[str, frozenset[int]]"]
 
 
-class ObserveError(OSError):
-    """The binding of a process could not be read."""
-
-
 @dataclass(frozen=True)
 class ObservedBinding:
     """A process's binding as the kernel reports it."""
@@ -208,7 +204,7 @@ def _get_mempolicy_function() -> Callable[..., int]:
     try:
         lib = ctypes.CDLL("libnuma.so.1", use_errno=True)
     except OSError as exc:
-        raise ObserveError(
+        raise OSError(
             f"cannot read the memory policy on {arch}: no get_mempolicy syscall number known and libnuma.so.1 "
             f"not loadable ({exc})"
         ) from None
@@ -227,7 +223,7 @@ def read_mempolicy() -> tuple[str, frozenset[int]]:
     result = call(ctypes.byref(mode), mask, _MASK_BITS + 1, None, 0)
     if result < 0:
         err = ctypes.get_errno()
-        raise ObserveError(err, f"get_mempolicy failed: {os.strerror(err)}")
+        raise OSError(err, f"get_mempolicy failed: {os.strerror(err)}")
     nodes = frozenset(
         word_index * _ULONG_BITS + bit
         for word_index, word in enumerate(mask)
@@ -251,7 +247,7 @@ def _status_field(text: str, key: str, path: str) -> str:
         name, sep, value = line.partition(":")
         if sep and name == key:
             return value.strip()
-    raise ObserveError(f"{path} has no {key} line")
+    raise OSError(f"{path} has no {key} line")
 
 
 def observe_self(

@@ -73,6 +73,3 @@ ENGINE_POLICY_VARS = (
     "SGLANG_CPU_OMP_THREADS_BIND",
 )
 """Settings that belong to the engine: a launcher passes the driver's values to every node that runs a rank."""
-
-HOST_LOCAL_VARS = ("SGLANG_SYSFS_ROOT",)
-"""Settings that describe one host: each node's own environment decides; a driver never passes its own on."""

@@ -58,9 +58,6 @@ CPU_ONLINE = "devices/system/cpu/online"
 NODE_DIR = "devices/system/node"
 MEMORY_DIR = "devices/system/memory"
 PCI_DIR = "bus/pci/devices"
-CPU_TOPOLOGY_FILES = ("physical_package_id", "core_id", "thread_siblings_list")
-NODE_FILES = ("cpulist", "meminfo", "distance")
-PCI_FILES = ("numa_node", "vendor", "device", "class")
 
 MAX_FILE_BYTES = 64 * 1024
 """The most read from one file: a sysfs attribute holds at most a page (4 KiB), a snapshot marker far less."""

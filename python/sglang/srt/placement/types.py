@@ -33,7 +33,6 @@ MEM_POLICIES = tuple(p.value for p in MemPolicy)
 STRATEGIES = tuple(s.value for s in Strategy)
 LAUNCHERS = ("mp", "ray")
 AFFINITY_MODES = ("node", "exclusive", "socket")
-DEVICES = ("cuda", "xpu", "cpu")
 
 
 class TopologyError(ValueError):

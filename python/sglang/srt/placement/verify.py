@@ -27,7 +27,6 @@ from sglang.srt.placement.types import MemPolicy, ProcessPlacement, RankIdentity
 
 logger = logging.getLogger(__name__)
 
-LAUNCHER_CHOICES = ("mp", "ray", "both")
 DEFAULT_TIMEOUT_S = 300.0
 
 # Share of a rank's own (anonymous) resident memory that must sit on its bound node(s).
