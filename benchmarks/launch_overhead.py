@@ -62,9 +62,20 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     cpus = sorted(os.sched_getaffinity(0))
-    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[i % len(cpus)]) for i in range(args.ranks))
-    server_args = types.SimpleNamespace(tp_size=args.ranks, pp_size=1, dp_size=1, nnodes=1, node_rank=0,
-                                        base_gpu_id=0, gpu_id_step=1, numa_node=None, device="cpu")
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+        str(cpus[i % len(cpus)]) for i in range(args.ranks)
+    )
+    server_args = types.SimpleNamespace(
+        tp_size=args.ranks,
+        pp_size=1,
+        dp_size=1,
+        nnodes=1,
+        node_rank=0,
+        base_gpu_id=0,
+        gpu_id_step=1,
+        numa_node=None,
+        device="cpu",
+    )
     times: dict[str, list[float]] = {"placed": [], "upstream": []}
 
     def run(mode: str) -> None:
@@ -78,13 +89,23 @@ def main() -> int:
         order = ("placed", "upstream") if rep % 2 == 0 else ("upstream", "placed")
         for mode in order:
             run(mode)
-    placed, upstream = statistics.median(times["placed"]), statistics.median(times["upstream"])
-    paired = statistics.median(p / u for p, u in zip(times["placed"], times["upstream"]))
-    print(f"{args.ranks} CPU-device ranks through configure_subprocess, {args.reps} launches each (ABBA), "
-          f"python {sys.version.split()[0]}, {len(cpus)} CPUs")
-    print(f"median launch: placed (exec under numactl) {placed * 1000:.1f} ms, upstream (no binding) "
-          f"{upstream * 1000:.1f} ms")
-    print(f"median ratio {placed / upstream:.3f}, paired median ratio {paired:.3f} (goal <= {GOAL})")
+    placed, upstream = statistics.median(times["placed"]), statistics.median(
+        times["upstream"]
+    )
+    paired = statistics.median(
+        p / u for p, u in zip(times["placed"], times["upstream"])
+    )
+    print(
+        f"{args.ranks} CPU-device ranks through configure_subprocess, {args.reps} launches each (ABBA), "
+        f"python {sys.version.split()[0]}, {len(cpus)} CPUs"
+    )
+    print(
+        f"median launch: placed (exec under numactl) {placed * 1000:.1f} ms, upstream (no binding) "
+        f"{upstream * 1000:.1f} ms"
+    )
+    print(
+        f"median ratio {placed / upstream:.3f}, paired median ratio {paired:.3f} (goal <= {GOAL})"
+    )
     return 0
 
 

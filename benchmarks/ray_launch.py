@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+import unittest.mock
 from typing import Any
 
 sys.path.insert(
@@ -46,21 +47,19 @@ sys.path.insert(
     0,
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "harness"),
 )
-import sglang_light  # noqa: E402,F401  (sglang's own __init__ costs seconds and nothing here uses it)
-
 import fakesys  # noqa: E402
 import ray  # noqa: E402
-from ray.util.placement_group import (
+import sglang_light  # noqa: E402,F401  (sglang's own __init__ costs seconds and nothing here uses it)
+from ray.util.placement_group import (  # noqa: E402
     placement_group,
     remove_placement_group,
-)  # noqa: E402
-from ray.util.scheduling_strategies import (
+)
+from ray.util.scheduling_strategies import (  # noqa: E402
     PlacementGroupSchedulingStrategy,
-)  # noqa: E402
+)
 from ray_gpu_cluster import two_numa_nodes  # noqa: E402
 
 from sglang.srt.placement.plan_args import PlanArgs  # noqa: E402
-from sglang.srt.placement.scoped_environ import scoped_environ  # noqa: E402
 from sglang.srt.placement.types import RankIdentity  # noqa: E402
 from sglang.srt.placement.verify_ray import ProbeActor  # noqa: E402
 from sglang.srt.scheduler_placement import ray_actors  # noqa: E402
@@ -156,7 +155,7 @@ def run_modes(
     """Every mode ``repeat`` times on one local cluster whose raylet reads ``tree``."""
     t = time.perf_counter()
     # The local raylet, and so its workers, inherit these; this process keeps its own environment.
-    with scoped_environ({"SGLANG_SYSFS_ROOT": str(tree), "RAY_memory_monitor_refresh_ms": "0",
+    with unittest.mock.patch.dict(os.environ, {"SGLANG_SYSFS_ROOT": str(tree), "RAY_memory_monitor_refresh_ms": "0",
                          "PYTHONPATH": os.pathsep.join(sys.path[:2])}):  # fmt: skip
         ray.init(address="local", num_cpus=2, num_gpus=RANKS, include_dashboard=False,
                  configure_logging=False, log_to_driver=False)  # fmt: skip

@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import fakesys  # noqa: E402
 
 from sglang.srt.environ import envs  # noqa: E402
+from sglang.srt.placement.engine_args import EngineArgs  # noqa: E402
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult  # noqa: E402
 from sglang.srt.placement.resolve import HostCapabilities, plan_engine  # noqa: E402
 from sglang.srt.placement.topology import read_topology  # noqa: E402
 from sglang.srt.placement.types import ProcessAffinity  # noqa: E402
-from sglang.srt.placement.engine_args import EngineArgs  # noqa: E402
 
 
 def main() -> None:
@@ -34,17 +34,28 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=50)
     args = parser.parse_args()
 
-    shape = fakesys.Shape(sockets=2, nodes_per_socket=4, cores_per_node=8, threads_per_core=2, gpus_per_node=8)
+    shape = fakesys.Shape(
+        sockets=2,
+        nodes_per_socket=4,
+        cores_per_node=8,
+        threads_per_core=2,
+        gpus_per_node=8,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         root = fakesys.write_sysfs(Path(tmp) / "sys", shape)
         start = time.perf_counter()
         topology = read_topology(root)
         read_ms = (time.perf_counter() - start) * 1e3
-    affinity = ProcessAffinity(cpus=topology.online_cpus,
-                               mems=frozenset(n.node_id for n in topology.nodes), source="snapshot")
+    affinity = ProcessAffinity(
+        cpus=topology.online_cpus,
+        mems=frozenset(n.node_id for n in topology.nodes),
+        source="snapshot",
+    )
     server_args = EngineArgs(tp_size=8, dp_size=8)
-    print(f"topology: {len(topology.nodes)} nodes, {len(topology.online_cpus)} CPUs, "
-          f"{len(topology.pci_devices)} PCI devices; read once in {read_ms:.1f} ms")
+    print(
+        f"topology: {len(topology.nodes)} nodes, {len(topology.online_cpus)} CPUs, "
+        f"{len(topology.pci_devices)} PCI devices; read once in {read_ms:.1f} ms"
+    )
 
     for mode in ("node", "exclusive", "socket"):
         probes: list[tuple[str, ...]] = []
@@ -53,21 +64,33 @@ def main() -> None:
             probes.append(tuple(argv))
             return ProbeResult(ok=True, message="")
 
-        prober = NumactlProber(numactl_path="numactl", true_path="true", run=counting_numactl)
+        prober = NumactlProber(
+            numactl_path="numactl", true_path="true", run=counting_numactl
+        )
         capabilities = HostCapabilities(numactl=prober, libnuma=True)
         timings = []
         with envs.SGLANG_NUMA_AFFINITY_MODE.override(mode):
             for _ in range(args.repeat):
                 start = time.perf_counter()
-                placements = plan_engine(server_args, topology=topology, affinity=affinity,
-                                         capabilities=capabilities, env={}, runtime=None)
+                placements = plan_engine(
+                    server_args,
+                    topology=topology,
+                    affinity=affinity,
+                    capabilities=capabilities,
+                    env={},
+                    runtime=None,
+                )
                 timings.append((time.perf_counter() - start) * 1e3)
         distinct = {p.numactl_args for p in placements}
-        print(f"mode={mode:9s} ranks={len(placements)} resolve median {statistics.median(timings):.2f} ms, "
-              f"max {max(timings):.2f} ms over {args.repeat} runs; numactl probes {len(probes)} "
-              f"for {len(distinct)} distinct option sets")
+        print(
+            f"mode={mode:9s} ranks={len(placements)} resolve median {statistics.median(timings):.2f} ms, "
+            f"max {max(timings):.2f} ms over {args.repeat} runs; numactl probes {len(probes)} "
+            f"for {len(distinct)} distinct option sets"
+        )
         if len(probes) > len(distinct):
-            raise SystemExit("numactl was probed more often than there are distinct option sets")
+            raise SystemExit(
+                "numactl was probed more often than there are distinct option sets"
+            )
 
 
 if __name__ == "__main__":

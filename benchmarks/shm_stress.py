@@ -25,9 +25,9 @@ import tempfile
 import time
 from typing import Optional
 
+from sglang.srt.distributed.shm_errors import ShmCollectiveError
 from sglang.srt.distributed.shm_namespace import ShmNamespace
 from sglang.srt.distributed.shm_segments import (
-    ShmCollectiveError,
     claim_segment,
     release_shm_collective,
     remove_stale_segments,
@@ -65,8 +65,15 @@ def _read(path: str) -> Optional[bytes]:
         return None
 
 
-def _worker(slot: int, counters, shm_dir: str, namespaces: int, ranks: int,
-            seed: int, deadline: float) -> None:
+def _worker(
+    slot: int,
+    counters,
+    shm_dir: str,
+    namespaces: int,
+    ranks: int,
+    seed: int,
+    deadline: float,
+) -> None:
     rng = random.Random(seed * 1_000_003 + os.getpid())
     spaces = _namespaces(namespaces)
     base = slot * _FIELDS
@@ -149,7 +156,15 @@ def run(
     def start(slot: int):
         worker = context.Process(
             target=_worker,
-            args=(slot, counters, shm_dir, namespaces, ranks, rng.randrange(2**31), deadline),
+            args=(
+                slot,
+                counters,
+                shm_dir,
+                namespaces,
+                ranks,
+                rng.randrange(2**31),
+                deadline,
+            ),
         )
         worker.start()
         return worker
@@ -159,8 +174,11 @@ def run(
     try:
         while time.time() < deadline:
             time.sleep(rng.uniform(0.5, 1.5) * kill_interval)
-            owners = [s for s in range(processes)
-                      if workers[s].is_alive() and counters[s * _FIELDS + _HELD] > 0]
+            owners = [
+                s
+                for s in range(processes)
+                if workers[s].is_alive() and counters[s * _FIELDS + _HELD] > 0
+            ]
             if not owners or time.time() >= deadline:
                 continue
             slot = rng.choice(owners)
@@ -216,9 +234,13 @@ def main() -> None:
     shm_dir = tempfile.mkdtemp(prefix="sglang-shm-stress-", dir="/dev/shm")
     try:
         result = run(
-            processes=args.processes, seconds=args.seconds, shm_dir=shm_dir,
-            namespaces=args.namespaces, ranks=args.ranks,
-            kill_interval=args.kill_interval, seed=args.seed,
+            processes=args.processes,
+            seconds=args.seconds,
+            shm_dir=shm_dir,
+            namespaces=args.namespaces,
+            ranks=args.ranks,
+            kill_interval=args.kill_interval,
+            seed=args.seed,
         )
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)

@@ -21,7 +21,18 @@ SCRIPT = "tests/vm_scripts/inprocess_bind.py"
 
 
 def measure(*, mib: int, migrate: bool) -> dict:
-    argv = [str(NUMA_VM), "--nodes", "2", "--cpus", "4", "--timeout", "300", "--", sys.executable, SCRIPT]
+    argv = [
+        str(NUMA_VM),
+        "--nodes",
+        "2",
+        "--cpus",
+        "4",
+        "--timeout",
+        "300",
+        "--",
+        sys.executable,
+        SCRIPT,
+    ]
     argv += ["--mib", str(mib)] + ([] if migrate else ["--no-migrate"])
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -33,7 +44,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64)
     args = parser.parse_args()
-    print(f"{'migration':<10} {'before':>8} {'after bind':>11} {'after alloc':>12} {'anon':>7} {'bind s':>7}  not moved")
+    print(
+        f"{'migration':<10} {'before':>8} {'after bind':>11} {'after alloc':>12} {'anon':>7} {'bind s':>7}  not moved"
+    )
     for migrate in (False, True):
         out = measure(mib=args.mib, migrate=migrate)
         print(
@@ -41,7 +54,9 @@ def main() -> None:
             f"{out['ratio_after_alloc']:>12.3f} {out['anon_ratio_after_alloc']:>7.3f} {out['bind_seconds']:>7.3f}  "
             f"{out['pages_not_migrated']}"
         )
-    print(f"(share of resident kB on node 1, the target; {args.mib} MiB touched before and after the bind; TCG emulation)")
+    print(
+        f"(share of resident kB on node 1, the target; {args.mib} MiB touched before and after the bind; TCG emulation)"
+    )
 
 
 if __name__ == "__main__":

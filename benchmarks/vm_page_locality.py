@@ -34,13 +34,33 @@ MINIMUM = 0.99
 def measure(device: str, touch_mb: int) -> tuple[dict, float]:
     started = time.perf_counter()
     proc = subprocess.run(
-        [str(NUMA_VM), "--nodes", "2", "--cpus", "4", "--timeout", "600", "--", sys.executable, SCRIPT, "locality",
-         "--device", device, "--touch-mb", str(touch_mb)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        [
+            str(NUMA_VM),
+            "--nodes",
+            "2",
+            "--cpus",
+            "4",
+            "--timeout",
+            "600",
+            "--",
+            sys.executable,
+            SCRIPT,
+            "locality",
+            "--device",
+            device,
+            "--touch-mb",
+            str(touch_mb),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     elapsed = time.perf_counter() - started
     if proc.returncode != 0:
-        raise SystemExit(f"numa-vm exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"numa-vm exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1]), elapsed
 
 
@@ -59,7 +79,9 @@ def main() -> None:
         out, elapsed = measure(device, args.touch_mb)
         row = out["row"]
         plan, observed = row["plan"], row["observed"]
-        anon, every = share(observed["anon_kb"], "1"), share(observed["resident_kb"], "1")
+        anon, every = share(observed["anon_kb"], "1"), share(
+            observed["resident_kb"], "1"
+        )
         verdict = "meets" if anon >= MINIMUM else "BELOW"
         print(
             f"  {device:4s} rank (gpu_id {row['gpu_id']}): plan {plan['strategy']} cpus {plan['cpus']} "

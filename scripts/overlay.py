@@ -61,7 +61,11 @@ class Manifest:
     tests_added: FrozenSet[str] = frozenset()
 
     def dumps(self) -> bytes:
-        body = {"format": 1, "added": sorted(self.added), "replaced": sorted(self.replaced)}
+        body = {
+            "format": 1,
+            "added": sorted(self.added),
+            "replaced": sorted(self.replaced),
+        }
         if self.tests_added:
             body["tests_added"] = sorted(self.tests_added)
         return (json.dumps(body, indent=2) + "\n").encode()
@@ -134,11 +138,15 @@ def _statement(code: str, blank_lines: int = 0) -> "cst.BaseStatement":
     return stmt.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * blank_lines)
 
 
-def _top_level(module: "cst.Module", kind: type, name: str, where: str) -> "cst.CSTNode":
+def _top_level(
+    module: "cst.Module", kind: type, name: str, where: str
+) -> "cst.CSTNode":
     found = [s for s in module.body if isinstance(s, kind) and s.name.value == name]
     what = "class" if kind is cst.ClassDef else "def"
     if len(found) != 1:
-        raise Refusal(f"{where}: expected exactly one top-level `{what} {name}`, found {len(found)}")
+        raise Refusal(
+            f"{where}: expected exactly one top-level `{what} {name}`, found {len(found)}"
+        )
     if not isinstance(found[0].body, cst.IndentedBlock):
         raise Refusal(f"{where}: expected `{what} {name}` to have an indented body")
     return found[0]
@@ -303,7 +311,15 @@ ACTOR_RETURN = (
 STALE_ACTOR_RETURN = "return create_scheduler_actor(\n" + _ACTOR_KEYWORDS + ")\n"
 #: Keyword names of upstream's `SchedulerActor.options(...).remote(...)` call.
 ACTOR_OPTIONS = {"num_cpus", "num_gpus", "name", "scheduling_strategy"}
-ACTOR_REMOTE = {"server_args", "port_args", "gpu_id", "tp_rank", "pp_rank", "dp_rank", "dist_init_addr"}
+ACTOR_REMOTE = {
+    "server_args",
+    "port_args",
+    "gpu_id",
+    "tp_rank",
+    "pp_rank",
+    "dp_rank",
+    "dist_init_addr",
+}
 
 
 def _is_upstream_actor_return(module: "cst.Module", stmt: "cst.BaseStatement") -> bool:
@@ -393,7 +409,9 @@ def _assigns(stmt: "cst.BaseStatement", name: str) -> bool:
     if not isinstance(stmt, cst.SimpleStatementLine):
         return False
     for small in stmt.body:
-        targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else []
+        targets = (
+            [t.target for t in small.targets] if isinstance(small, cst.Assign) else []
+        )
         if isinstance(small, cst.AnnAssign):
             targets = [small.target]
         if any(isinstance(t, cst.Name) and t.value == name for t in targets):
@@ -414,14 +432,22 @@ def rewrite_environ(module: "cst.Module", rel: str) -> "cst.Module":
             missing.append(code)
         elif not all(_same(module, d, code) for d in defs):
             found = "; ".join(_one_line(module, d) for d in defs)
-            raise Refusal(f"{where}.{name}: already defined as `{found}`, expected `{code}`")
+            raise Refusal(
+                f"{where}.{name}: already defined as `{found}`, expected `{code}`"
+            )
     if not missing:
         return module
-    anchor = next((i for i, s in enumerate(stmts) if _same(module, s, ENV_ANCHOR)), None)
+    anchor = next(
+        (i for i, s in enumerate(stmts) if _same(module, s, ENV_ANCHOR)), None
+    )
     if anchor is None:
-        raise Refusal(f"{where}: expected the statement `{ENV_ANCHOR}` in the class body")
+        raise Refusal(
+            f"{where}: expected the statement `{ENV_ANCHOR}` in the class body"
+        )
     stmts[anchor + 1 : anchor + 1] = [_statement(code + "\n") for code in missing]
-    return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=stmts)))
+    return module.deep_replace(
+        cls, cls.with_changes(body=cls.body.with_changes(body=stmts))
+    )
 
 
 REWRITES: Dict[str, Callable[["cst.Module", str], "cst.Module"]] = {
@@ -442,7 +468,9 @@ def _check_package(pkg: Path) -> None:
         and (pkg / "__init__.py").is_file()
         and (pkg / "version.py").is_file()
     ):
-        raise Refusal(f"{pkg} is not an sglang package dir (it needs srt/, __init__.py and version.py)")
+        raise Refusal(
+            f"{pkg} is not an sglang package dir (it needs srt/, __init__.py and version.py)"
+        )
 
 
 def _load_manifest(pkg: Path) -> Optional[Manifest]:
@@ -451,8 +479,14 @@ def _load_manifest(pkg: Path) -> Optional[Manifest]:
         return None
     try:
         data = json.loads(path.read_text())
-        added, replaced, tests_added = data["added"], data["replaced"], data.get("tests_added", [])
-        if not isinstance(tests_added, list) or not all(isinstance(p, str) for p in [*added, *replaced, *tests_added]):
+        added, replaced, tests_added = (
+            data["added"],
+            data["replaced"],
+            data.get("tests_added", []),
+        )
+        if not isinstance(tests_added, list) or not all(
+            isinstance(p, str) for p in [*added, *replaced, *tests_added]
+        ):
             raise TypeError("paths must be strings")
     except (ValueError, KeyError, TypeError) as e:
         raise Refusal(
@@ -490,18 +524,28 @@ def _repo_files(repo_sglang: Path) -> Dict[str, Path]:
     return dict(sorted(found.items()))
 
 
-def _check_target(pkg: Path, rel: str, *, shown: str = "", owner: str = "the package") -> None:
+def _check_target(
+    pkg: Path, rel: str, *, shown: str = "", owner: str = "the package"
+) -> None:
     target = pkg / rel
-    blockers = [p for p in target.parents if p != pkg and pkg in p.parents and p.exists() and not p.is_dir()]
+    blockers = [
+        p
+        for p in target.parents
+        if p != pkg and pkg in p.parents and p.exists() and not p.is_dir()
+    ]
     if blockers or (target.exists() and not target.is_file()):
-        raise Refusal(f"{shown or f'sglang/{rel}'}: {owner} has a non-file or a file-as-directory in the way")
+        raise Refusal(
+            f"{shown or f'sglang/{rel}'}: {owner} has a non-file or a file-as-directory in the way"
+        )
 
 
 def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode) if path.exists() else NEW_FILE_MODE
 
 
-def _rewrite(pkg: Path, rel: str, rewrite: Callable[["cst.Module", str], "cst.Module"]) -> Optional[Change]:
+def _rewrite(
+    pkg: Path, rel: str, rewrite: Callable[["cst.Module", str], "cst.Module"]
+) -> Optional[Change]:
     path = pkg / rel
     if not path.is_file():
         raise Refusal(f"sglang/{rel}: upstream file not found in the package")
@@ -509,11 +553,15 @@ def _rewrite(pkg: Path, rel: str, rewrite: Callable[["cst.Module", str], "cst.Mo
     try:
         new = rewrite(cst.parse_module(old), rel).bytes
     except cst.ParserSyntaxError as e:
-        raise Refusal(f"sglang/{rel}: does not parse: {str(e).splitlines()[0]}") from None
+        raise Refusal(
+            f"sglang/{rel}: does not parse: {str(e).splitlines()[0]}"
+        ) from None
     return None if new == old else Change(rel, old, new, _mode(path), "rewrote")
 
 
-def plan(pkg: Path, repo_sglang: Path, manifest: Optional[Manifest]) -> Tuple[List[Change], Manifest]:
+def plan(
+    pkg: Path, repo_sglang: Path, manifest: Optional[Manifest]
+) -> Tuple[List[Change], Manifest]:
     """The changes that bring ``pkg`` up to date, and the manifest to write after them.
 
     Refuses repo files that stand in for upstream ones: an upstream path other
@@ -529,14 +577,19 @@ def plan(pkg: Path, repo_sglang: Path, manifest: Optional[Manifest]) -> Tuple[Li
     def upstream_dir(rel: str) -> bool:  # holds a file that no overlay run added
         parent = (pkg / rel).parent
         return parent.is_dir() and any(
-            f.is_file() and f.relative_to(pkg).as_posix() not in prior.added for f in parent.iterdir()
+            f.is_file() and f.relative_to(pkg).as_posix() not in prior.added
+            for f in parent.iterdir()
         )
 
     standins = [
         rel
         for rel in repo
         if (upstream(rel) and rel not in OWNED_WHOLE)
-        or (rel.rsplit("/", 1)[-1] == "__init__.py" and rel not in prior.added and upstream_dir(rel))
+        or (
+            rel.rsplit("/", 1)[-1] == "__init__.py"
+            and rel not in prior.added
+            and upstream_dir(rel)
+        )
     ]
     if standins:
         raise Refusal(
@@ -550,22 +603,30 @@ def plan(pkg: Path, repo_sglang: Path, manifest: Optional[Manifest]) -> Tuple[Li
         target, new = pkg / rel, src.read_bytes()
         old = target.read_bytes() if target.exists() else None
         if old != new:
-            kind = "replaced" if upstream(rel) else ("added" if old is None else "updated")
+            kind = (
+                "replaced" if upstream(rel) else ("added" if old is None else "updated")
+            )
             changes.append(Change(rel, old, new, _mode(target), kind))
     for rel, rewrite in REWRITES.items():
         change = _rewrite(pkg, rel, rewrite)
         changes += [change] if change else []
     gone = sorted(rel for rel in prior.added - repo.keys() if (pkg / rel).is_file())
-    changes += [Change(rel, (pkg / rel).read_bytes(), None, 0, "deleted") for rel in gone]
+    changes += [
+        Change(rel, (pkg / rel).read_bytes(), None, 0, "deleted") for rel in gone
+    ]
     after = Manifest(
         added=frozenset(rel for rel in repo if not upstream(rel)),
-        replaced=prior.replaced | {rel for rel in repo if upstream(rel)} | frozenset(REWRITES),
+        replaced=prior.replaced
+        | {rel for rel in repo if upstream(rel)}
+        | frozenset(REWRITES),
         tests_added=prior.tests_added,
     )
     return changes, after
 
 
-def plan_tests(tests: Path, repo_tests: Path, manifest: Manifest) -> Tuple[List[Change], Manifest]:
+def plan_tests(
+    tests: Path, repo_tests: Path, manifest: Manifest
+) -> Tuple[List[Change], Manifest]:
     """The changes that bring a checkout's ``test/`` dir up to date with the repo's ``tests/upstream/``.
 
     A ported test replaces upstream's file of the same path. The repo's package
@@ -574,7 +635,9 @@ def plan_tests(tests: Path, repo_tests: Path, manifest: Manifest) -> Tuple[List[
     """
     repo = {
         rel: path
-        for rel, path in (_repo_files(repo_tests) if repo_tests.is_dir() else {}).items()
+        for rel, path in (
+            _repo_files(repo_tests) if repo_tests.is_dir() else {}
+        ).items()
         if rel.rsplit("/", 1)[-1] != "__init__.py"
     }
     changes: List[Change] = []
@@ -588,9 +651,16 @@ def plan_tests(tests: Path, repo_tests: Path, manifest: Manifest) -> Tuple[List[
             else:
                 kind = "updated" if rel in manifest.tests_added else "replaced"
             changes.append(Change(rel, old, new, _mode(target), kind, area="test"))
-    gone = sorted(rel for rel in manifest.tests_added - repo.keys() if (tests / rel).is_file())
-    changes += [Change(rel, (tests / rel).read_bytes(), None, 0, "deleted", area="test") for rel in gone]
-    added = {rel for rel in repo if rel in manifest.tests_added or not (tests / rel).exists()}
+    gone = sorted(
+        rel for rel in manifest.tests_added - repo.keys() if (tests / rel).is_file()
+    )
+    changes += [
+        Change(rel, (tests / rel).read_bytes(), None, 0, "deleted", area="test")
+        for rel in gone
+    ]
+    added = {
+        rel for rel in repo if rel in manifest.tests_added or not (tests / rel).exists()
+    }
     return changes, dataclasses.replace(manifest, tests_added=frozenset(added))
 
 
@@ -600,7 +670,9 @@ def plan_tests(tests: Path, repo_tests: Path, manifest: Manifest) -> Tuple[List[
 
 def _write_atomic(path: Path, data: bytes, mode: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".overlay-tmp")
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=".overlay-tmp"
+    )
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -633,8 +705,12 @@ def apply(target: Target, changes: Sequence[Change], manifest: Manifest) -> None
             _delete(base, c.rel)
         else:
             _write_atomic(base / c.rel, c.new, c.mode)
-        replaced = " (upstream's test, ported)" if c.area == "test" else " (owned whole)"
-        note = {"replaced": replaced, "deleted": " (no longer in the repo)"}.get(c.kind, "")
+        replaced = (
+            " (upstream's test, ported)" if c.area == "test" else " (owned whole)"
+        )
+        note = {"replaced": replaced, "deleted": " (no longer in the repo)"}.get(
+            c.kind, ""
+        )
         print(f"{c.kind} {c.shown}{note}")
     manifest_path = target.pkg / MANIFEST_NAME
     if not manifest_path.exists() or manifest_path.read_bytes() != manifest.dumps():
@@ -669,24 +745,39 @@ def unified_diff(change: Change) -> Tuple[List[str], int, int]:
     body = out[2:]
     added = sum(1 for line in body if line.startswith("+"))
     removed = sum(1 for line in body if line.startswith("-"))
-    out = [line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in out]
+    out = [
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+        for line in out
+    ]
     return out, added, removed
 
 
 def print_diff(changes: Sequence[Change]) -> str:
     """Print the diff of ``changes`` to stdout; return the one-line summary."""
-    counts = {k: [0, 0, 0] for k in ("upstream", "added", "updated", "deleted")}  # files, +, -
+    counts = {
+        k: [0, 0, 0] for k in ("upstream", "added", "updated", "deleted")
+    }  # files, +, -
     for c in sorted(changes, key=lambda c: (not c.upstream, c.shown)):
         text, plus, minus = unified_diff(c)
         sys.stdout.write("".join(text))
         bucket = counts["upstream" if c.upstream else c.kind]
-        bucket[0], bucket[1], bucket[2] = bucket[0] + 1, bucket[1] + plus, bucket[2] + minus
-    up, new, upd, gone = (counts[k] for k in ("upstream", "added", "updated", "deleted"))
+        bucket[0], bucket[1], bucket[2] = (
+            bucket[0] + 1,
+            bucket[1] + plus,
+            bucket[2] + minus,
+        )
+    up, new, upd, gone = (
+        counts[k] for k in ("upstream", "added", "updated", "deleted")
+    )
     parts = [
         f"{up[0]} upstream files changed (+{up[1]} -{up[2]} lines)",
         f"{new[0]} new files ({new[1]} lines)",
     ]
-    parts += [f"{upd[0]} overlay files updated (+{upd[1]} -{upd[2]} lines)"] if upd[0] else []
+    parts += (
+        [f"{upd[0]} overlay files updated (+{upd[1]} -{upd[2]} lines)"]
+        if upd[0]
+        else []
+    )
     parts += [f"{gone[0]} overlay files deleted ({gone[2]} lines)"] if gone[0] else []
     return "overlay --diff: " + ", ".join(parts)
 
@@ -697,13 +788,20 @@ def print_diff(changes: Sequence[Change]) -> str:
 def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "target", type=Path, metavar="TARGET",
+        "target",
+        type=Path,
+        metavar="TARGET",
         help="an sglang package dir, or an sglang checkout (python/sglang and test/): then the ported "
         "upstream tests go to its test/ too",
     )
-    parser.add_argument("--diff", action="store_true", help="print the unified diff; write nothing")
     parser.add_argument(
-        "--repo-python", type=Path, default=REPO_ROOT / "python", metavar="DIR",
+        "--diff", action="store_true", help="print the unified diff; write nothing"
+    )
+    parser.add_argument(
+        "--repo-python",
+        type=Path,
+        default=REPO_ROOT / "python",
+        metavar="DIR",
         help="the repo's python/ dir (holding sglang/); the ported upstream tests are in its sibling "
         "tests/upstream/",
     )
@@ -712,19 +810,24 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     if cst is None:
-        raise Refusal(f"libcst is not installed; install it with `{sys.executable} -m pip install libcst`")
+        raise Refusal(
+            f"libcst is not installed; install it with `{sys.executable} -m pip install libcst`"
+        )
     target = find_target(args.target.resolve())
     pkg = target.pkg
     repo_sglang = (args.repo_python / "sglang").resolve()
     if not repo_sglang.is_dir():
-        raise Refusal(f"{repo_sglang} is not a directory (--repo-python must contain sglang/)")
+        raise Refusal(
+            f"{repo_sglang} is not a directory (--repo-python must contain sglang/)"
+        )
     if repo_sglang == pkg:
         raise Refusal(f"{pkg} is the repo's own sglang dir, not an installed package")
     changes, manifest = plan(pkg, repo_sglang, _load_manifest(pkg))
     if target.tests is not None:
         changes = [dataclasses.replace(c, area=target.pkg_label) for c in changes]
-        test_changes, manifest = plan_tests(target.tests, args.repo_python.resolve().parent / UPSTREAM_TESTS,
-                                            manifest)
+        test_changes, manifest = plan_tests(
+            target.tests, args.repo_python.resolve().parent / UPSTREAM_TESTS, manifest
+        )
         changes += test_changes
     if args.diff:
         print(print_diff(changes), file=sys.stderr)

@@ -22,7 +22,11 @@ MEMORY_LIMIT = 1 << 30
 
 
 def clean_env(extra=None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_") and k != "CUDA_VISIBLE_DEVICES"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SGLANG_") and k != "CUDA_VISIBLE_DEVICES"
+    }
     env.update(extra or {})
     return env
 
@@ -36,8 +40,14 @@ def run_cli(*args, env=None, timeout=15, file_size=None):
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
 
     start = time.monotonic()
-    done = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=clean_env(env),
-                          timeout=timeout, preexec_fn=limit)
+    done = subprocess.run(
+        [*CLI, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=clean_env(env),
+        timeout=timeout,
+        preexec_fn=limit,
+    )
     done.seconds = time.monotonic() - start
     return done
 
@@ -65,7 +75,9 @@ def memory_cap(extra: int = MEMORY_LIMIT) -> Iterator[None]:
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     with open("/proc/self/statm") as f:
         mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    cap = mapped + extra if hard == resource.RLIM_INFINITY else min(mapped + extra, hard)
+    cap = (
+        mapped + extra if hard == resource.RLIM_INFINITY else min(mapped + extra, hard)
+    )
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
     try:
         yield
@@ -93,7 +105,9 @@ def deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def in_child(fn: Callable[..., Any], *args: Any, seconds: float = 20.0) -> tuple[str, Any]:
+def in_child(
+    fn: Callable[..., Any], *args: Any, seconds: float = 20.0
+) -> tuple[str, Any]:
     """Call ``fn(*args)`` in a forked child under ``memory_cap`` and ``deadline``, so that whatever it holds is
     gone with it; return ``("ok", result)`` or ``(exception type name, message)``."""
     read_end, write_end = os.pipe()

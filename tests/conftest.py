@@ -15,13 +15,17 @@ HARNESS = str(Path(__file__).resolve().parent / "harness")
 sys.path.insert(0, HARNESS)
 import sglang_light  # noqa: E402,F401
 
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HARNESS, os.environ.get("PYTHONPATH")) if p)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (HARNESS, os.environ.get("PYTHONPATH")) if p
+)
 
 
 def full_import_env() -> dict[str, str]:
     """The environment for an interpreter that imports sglang exactly as users do (no test harness)."""
     env = dict(os.environ)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != HARNESS]
+    paths = [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != HARNESS
+    ]
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(paths)
     else:

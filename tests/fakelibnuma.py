@@ -22,7 +22,9 @@ from typing import Any, Iterable, Mapping, Optional
 
 @dataclass
 class FakeLibNuma:
-    node_cpus: Mapping[int, Iterable[int]] = field(default_factory=lambda: {0: (0,), 1: (1,)})
+    node_cpus: Mapping[int, Iterable[int]] = field(
+        default_factory=lambda: {0: (0,), 1: (1,)}
+    )
     """CPUs of each node; node ids may be sparse."""
     memory_nodes: Optional[Iterable[int]] = None
     """Nodes with memory; None means every node has memory."""
@@ -41,7 +43,9 @@ class FakeLibNuma:
     def __post_init__(self) -> None:
         self.node_cpus = {int(n): frozenset(cpus) for n, cpus in self.node_cpus.items()}
         self.memory_nodes = (
-            frozenset(self.node_cpus) if self.memory_nodes is None else frozenset(self.memory_nodes)
+            frozenset(self.node_cpus)
+            if self.memory_nodes is None
+            else frozenset(self.memory_nodes)
         )
 
     # -- the LibNumaApi surface --------------------------------------------------------------
@@ -74,7 +78,9 @@ class FakeLibNuma:
         self.policy_nodes = self._memory_mask("numa_set_preferred", frozenset([node]))
         self.policy = "preferred"
 
-    def migrate_pages(self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]) -> int:
+    def migrate_pages(
+        self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]
+    ) -> int:
         src, dst = frozenset(from_nodes), frozenset(to_nodes)
         self._call("migrate_pages", pid, src, dst)
         if not dst or not dst <= self.memory_nodes:

@@ -114,7 +114,13 @@ def gpu_address(index: int) -> str:
 
 
 def host_bridge(numa_node: int = 0) -> PciSpec:
-    return PciSpec("0000:00:00.0", numa_node, vendor="0x8086", device="0x09a2", pci_class=HOST_BRIDGE_CLASS)
+    return PciSpec(
+        "0000:00:00.0",
+        numa_node,
+        vendor="0x8086",
+        device="0x09a2",
+        pci_class=HOST_BRIDGE_CLASS,
+    )
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,11 @@ class Shape:
 
     @property
     def gpu_addresses(self) -> tuple[str, ...]:
-        return tuple(addr for node_id in range(self.num_nodes) for addr in self.gpus_of_node(node_id))
+        return tuple(
+            addr
+            for node_id in range(self.num_nodes)
+            for addr in self.gpus_of_node(node_id)
+        )
 
     def host(self) -> Host:
         cores_per_package = self.nodes_per_socket * self.cores_per_node
@@ -163,19 +173,28 @@ class Shape:
         for core in range(self.num_cores):
             package = core // cores_per_package
             for thread in range(self.threads_per_core):
-                cores[thread * self.num_cores + core] = (package, core % cores_per_package)
+                cores[thread * self.num_cores + core] = (
+                    package,
+                    core % cores_per_package,
+                )
         distances = {}
         for a in range(self.num_nodes):
             for b in range(self.num_nodes):
                 if a != b:
                     same = a // self.nodes_per_socket == b // self.nodes_per_socket
-                    distances[(a, b)] = self.same_socket_distance if same else self.remote_distance
+                    distances[(a, b)] = (
+                        self.same_socket_distance if same else self.remote_distance
+                    )
         pci = [host_bridge(0)] + [
-            PciSpec(addr, node_id) for node_id in range(self.num_nodes) for addr in self.gpus_of_node(node_id)
+            PciSpec(addr, node_id)
+            for node_id in range(self.num_nodes)
+            for addr in self.gpus_of_node(node_id)
         ]
         return Host(
             nodes={
-                n: NodeSpec(cpus=self.cpus_of_node(n), memory_kb=self.memory_kb_per_node)
+                n: NodeSpec(
+                    cpus=self.cpus_of_node(n), memory_kb=self.memory_kb_per_node
+                )
                 for n in range(self.num_nodes)
             },
             pci=pci,
@@ -203,7 +222,9 @@ def write_sysfs(root: Union[str, os.PathLike], spec: Union[Shape, Host]) -> Path
     return root
 
 
-def write_proc_status(path: Union[str, os.PathLike], *, cpus: Iterable[int], mems: Iterable[int]) -> Path:
+def write_proc_status(
+    path: Union[str, os.PathLike], *, cpus: Iterable[int], mems: Iterable[int]
+) -> Path:
     """A ``/proc/PID/status`` file whose allowed CPUs and memory nodes are ``cpus`` and ``mems``."""
     path = Path(path)
     cpus, mems = frozenset(cpus), frozenset(mems)
@@ -256,7 +277,11 @@ def sparse_nodes(root: Union[str, os.PathLike]) -> Path:
         root,
         Host(
             nodes={0: NodeSpec(cpus=range(0, 4)), 2: NodeSpec(cpus=range(4, 8))},
-            pci=[host_bridge(0), PciSpec(gpu_address(0), 0), PciSpec(gpu_address(1), 2)],
+            pci=[
+                host_bridge(0),
+                PciSpec(gpu_address(0), 0),
+                PciSpec(gpu_address(1), 2),
+            ],
             distances={(0, 2): 21},
         ),
     )
@@ -265,7 +290,8 @@ def sparse_nodes(root: Union[str, os.PathLike]) -> Path:
 def cpuless_memory_nodes(root: Union[str, os.PathLike]) -> Path:
     """CPU nodes 0 (CPUs 0-3) and 1 (CPUs 4-7), 32 GiB each, plus memory-only nodes 2 and 3
     (96 GiB each, as GPU or CXL memory shows up); GPU 0000:18:00.0 on node 0, 0000:28:00.0 on
-    node 1. Distances: 0-1 21, a CPU node to its memory node (0-2, 1-3) 40, others 80."""
+    node 1. Distances: 0-1 21, a CPU node to its memory node (0-2, 1-3) 40, others 80.
+    """
     return write_sysfs(
         root,
         Host(
@@ -275,32 +301,61 @@ def cpuless_memory_nodes(root: Union[str, os.PathLike]) -> Path:
                 2: NodeSpec(memory_kb=96 * GIB_KB),
                 3: NodeSpec(memory_kb=96 * GIB_KB),
             },
-            pci=[host_bridge(0), PciSpec(gpu_address(0), 0), PciSpec(gpu_address(1), 1)],
-            distances={(0, 1): 21, (0, 2): 40, (1, 3): 40, (0, 3): 80, (1, 2): 80, (2, 3): 80},
+            pci=[
+                host_bridge(0),
+                PciSpec(gpu_address(0), 0),
+                PciSpec(gpu_address(1), 1),
+            ],
+            distances={
+                (0, 1): 21,
+                (0, 2): 40,
+                (1, 3): 40,
+                (0, 3): 80,
+                (1, 2): 80,
+                (2, 3): 80,
+            },
         ),
     )
 
 
-def gpu_unknown_node(root: Union[str, os.PathLike], *, nodes: int = 2, gpus: int = 2) -> Path:
+def gpu_unknown_node(
+    root: Union[str, os.PathLike], *, nodes: int = 2, gpus: int = 2
+) -> Path:
     """``nodes`` nodes of 4 CPUs (one socket each) and ``gpus`` GPUs whose ``numa_node`` is -1
     (a VM or firmware that does not report it). The host bridge stays on node 0."""
     host = Shape(sockets=nodes, cores_per_node=4).host()
     return write_sysfs(
         root,
-        dataclasses.replace(host, pci=[host_bridge(0)] + [PciSpec(gpu_address(i), -1) for i in range(gpus)]),
+        dataclasses.replace(
+            host,
+            pci=[host_bridge(0)] + [PciSpec(gpu_address(i), -1) for i in range(gpus)],
+        ),
     )
 
 
-def no_numa_kernel(root: Union[str, os.PathLike], *, cpus: int = 2, memory_kb: int = 4 * GIB_KB) -> Path:
+def no_numa_kernel(
+    root: Union[str, os.PathLike], *, cpus: int = 2, memory_kb: int = 4 * GIB_KB
+) -> Path:
     """A kernel built without NUMA: no devices/system/node; memory in 128 MiB blocks."""
     return write_sysfs(
-        root, Host(nodes={0: NodeSpec(cpus=range(cpus), memory_kb=memory_kb)}, pci=[host_bridge(-1)], numa=False)
+        root,
+        Host(
+            nodes={0: NodeSpec(cpus=range(cpus), memory_kb=memory_kb)},
+            pci=[host_bridge(-1)],
+            numa=False,
+        ),
     )
 
 
-TWO_SOCKETS_FOUR_GPUS = Shape(sockets=2, cores_per_node=8, threads_per_core=2, gpus_per_node=2)
-SUB_NUMA_CLUSTERING = Shape(sockets=2, nodes_per_socket=2, cores_per_node=4, threads_per_core=2, gpus_per_node=2)
-EIGHT_NODES = Shape(sockets=2, nodes_per_socket=4, cores_per_node=4, threads_per_core=2, gpus_per_node=1)
+TWO_SOCKETS_FOUR_GPUS = Shape(
+    sockets=2, cores_per_node=8, threads_per_core=2, gpus_per_node=2
+)
+SUB_NUMA_CLUSTERING = Shape(
+    sockets=2, nodes_per_socket=2, cores_per_node=4, threads_per_core=2, gpus_per_node=2
+)
+EIGHT_NODES = Shape(
+    sockets=2, nodes_per_socket=4, cores_per_node=4, threads_per_core=2, gpus_per_node=1
+)
 
 
 # Writing.
@@ -310,7 +365,9 @@ def _mask(ids: frozenset[int], width: int) -> str:
     """A Linux bitmap: hex in comma-separated 32-bit groups, as in ``cpumap`` or ``Cpus_allowed``."""
     groups = max(1, (width + 31) // 32)
     value = sum(1 << i for i in ids)
-    return ",".join(f"{(value >> (32 * g)) & 0xFFFFFFFF:08x}" for g in reversed(range(groups)))
+    return ",".join(
+        f"{(value >> (32 * g)) & 0xFFFFFFFF:08x}" for g in reversed(range(groups))
+    )
 
 
 def _write(path: Path, text: str) -> None:
@@ -336,8 +393,12 @@ def _write_cpus(root: Path, host: Host) -> None:
         if cpu not in online:
             continue
         package, core = host.package_core(cpu)
-        siblings = frozenset(c for c in online if host.package_core(c) == (package, core))
-        package_cpus = frozenset(c for c in online if host.package_core(c)[0] == package)
+        siblings = frozenset(
+            c for c in online if host.package_core(c) == (package, core)
+        )
+        package_cpus = frozenset(
+            c for c in online if host.package_core(c)[0] == package
+        )
         topo = cpu_dir / "topology"
         _write(topo / "physical_package_id", str(package))
         _write(topo / "core_id", str(core))
@@ -356,9 +417,18 @@ def _write_nodes(root: Path, host: Host) -> None:
     nr_cpu_ids = max(host.all_cpus) + 1
     _write(base / "online", format_cpulist(node_ids))
     _write(base / "possible", format_cpulist(node_ids))
-    _write(base / "has_cpu", format_cpulist(n for n in node_ids if host.nodes[n].cpus & online))
-    _write(base / "has_memory", format_cpulist(n for n in node_ids if host.nodes[n].memory_kb > 0))
-    _write(base / "has_normal_memory", format_cpulist(n for n in node_ids if host.nodes[n].memory_kb > 0))
+    _write(
+        base / "has_cpu",
+        format_cpulist(n for n in node_ids if host.nodes[n].cpus & online),
+    )
+    _write(
+        base / "has_memory",
+        format_cpulist(n for n in node_ids if host.nodes[n].memory_kb > 0),
+    )
+    _write(
+        base / "has_normal_memory",
+        format_cpulist(n for n in node_ids if host.nodes[n].memory_kb > 0),
+    )
     for node_id in node_ids:
         spec = host.nodes[node_id]
         node_dir = base / f"node{node_id}"
@@ -374,12 +444,17 @@ def _write_nodes(root: Path, host: Host) -> None:
             f"Node {node_id} HugePages_Total:     0\n"
             f"Node {node_id} HugePages_Free:      0",
         )
-        _write(node_dir / "distance", " ".join(str(host.distance(node_id, other)) for other in node_ids))
+        _write(
+            node_dir / "distance",
+            " ".join(str(host.distance(node_id, other)) for other in node_ids),
+        )
 
 
 def _write_memory_blocks(root: Path, memory_kb: int) -> None:
     if memory_kb <= 0 or memory_kb % MEMORY_BLOCK_KB:
-        raise ValueError(f"memory_kb={memory_kb} must be a positive multiple of {MEMORY_BLOCK_KB} (128 MiB)")
+        raise ValueError(
+            f"memory_kb={memory_kb} must be a positive multiple of {MEMORY_BLOCK_KB} (128 MiB)"
+        )
     base = root / "devices/system/memory"
     _write(base / "block_size_bytes", f"{MEMORY_BLOCK_KB * 1024:x}")
     _write(base / "auto_online_blocks", "online")
@@ -397,7 +472,9 @@ def _write_pci(root: Path, host: Host) -> None:
         domain, bus, _ = dev.address.split(":", 2)
         rel = Path("devices") / f"pci{domain}:{bus}" / dev.address
         dev_dir = root / rel
-        node: Optional[NodeSpec] = host.nodes.get(dev.numa_node) if dev.numa_node >= 0 else None
+        node: Optional[NodeSpec] = (
+            host.nodes.get(dev.numa_node) if dev.numa_node >= 0 else None
+        )
         local = node.cpus & all_cpus if node is not None and node.cpus else all_cpus
         if host.numa:
             _write(dev_dir / "numa_node", str(dev.numa_node))

@@ -11,6 +11,7 @@ import traceback
 from typing import Optional
 
 from bootstrap_children import _capture_logs
+
 from sglang.srt.distributed.shm_namespace import ShmNamespace
 from sglang.srt.distributed.shm_segments import claim_segment, release_shm_collective
 
@@ -28,7 +29,14 @@ def run_as(uid: Optional[int], gid: Optional[int], conn, body: str, *args) -> No
         result = globals()[body](conn, *args)
         conn.send(("ok", result, lines.lines))
     except BaseException as exc:
-        conn.send(("error", type(exc).__name__, f"{exc}\n{traceback.format_exc()}", lines.lines))
+        conn.send(
+            (
+                "error",
+                type(exc).__name__,
+                f"{exc}\n{traceback.format_exc()}",
+                lines.lines,
+            )
+        )
 
 
 def segment_content(rank: int) -> bytes:

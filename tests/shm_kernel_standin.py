@@ -90,7 +90,9 @@ def _open_peer(path: str, deadline: float) -> int:
         time.sleep(0.01)
 
 
-def _shm_initialize(size: int, rank: int, prefix: str, *, peer_timeout_s: float = 60.0) -> None:
+def _shm_initialize(
+    size: int, rank: int, prefix: str, *, peer_timeout_s: float = 60.0
+) -> None:
     own = os.path.join(SHM_DIR, f"{prefix}_{rank}")
     fd = os.open(own, os.O_CREAT | os.O_RDWR, 0o600)
     workspace = bytearray(WORKSPACE_BYTES)
@@ -115,11 +117,21 @@ def _record(entry: dict) -> None:
 
 
 def _initialize_released(size: int, rank: int) -> None:
-    seen = {name: c_getenv(name) for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
+    seen = {
+        name: c_getenv(name) for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")
+    }
     addr, port = seen["MASTER_ADDR"] or "", seen["MASTER_PORT"] or ""
     prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}"
-    _record({"op": "initialize", "schema": "released", "size": size, "rank": rank,
-             "segment": f"{prefix}_{rank}", "env": seen})
+    _record(
+        {
+            "op": "initialize",
+            "schema": "released",
+            "size": size,
+            "rank": rank,
+            "segment": f"{prefix}_{rank}",
+            "env": seen,
+        }
+    )
     if _state["prefix"] is not None:
         return
     local_size = int(seen["LOCAL_SIZE"]) if seen["LOCAL_SIZE"] else 0
@@ -128,9 +140,19 @@ def _initialize_released(size: int, rank: int) -> None:
 
 
 def _initialize_namespaced(size: int, rank: int, namespace: str) -> None:
-    seen = {name: c_getenv(name) for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")}
-    _record({"op": "initialize", "schema": "namespaced", "size": size, "rank": rank,
-             "segment": f"{namespace}_{rank}", "env": seen})
+    seen = {
+        name: c_getenv(name) for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")
+    }
+    _record(
+        {
+            "op": "initialize",
+            "schema": "namespaced",
+            "size": size,
+            "rank": rank,
+            "segment": f"{namespace}_{rank}",
+            "env": seen,
+        }
+    )
     if _state["prefix"] is None:
         _shm_initialize(size, rank, namespace)
 
@@ -208,14 +230,20 @@ def register(
     import torch
 
     if _state["lib"] is not None:
-        raise RuntimeError(f"stand-in already registered ({_state['schema']}); unregister first")
+        raise RuntimeError(
+            f"stand-in already registered ({_state['schema']}); unregister first"
+        )
     lib = torch.library.Library("sgl_kernel", "DEF")
     lib.define(SCHEMAS[schema])
-    impl: Callable = _initialize_released if schema == "released" else _initialize_namespaced
+    impl: Callable = (
+        _initialize_released if schema == "released" else _initialize_namespaced
+    )
     lib.impl("initialize", impl, "CompositeExplicitAutograd")
     if threads_env:
         lib.define("init_cpu_threads_env(str cpu_ids) -> str")
-        lib.impl("init_cpu_threads_env", _init_cpu_threads_env, "CompositeExplicitAutograd")
+        lib.impl(
+            "init_cpu_threads_env", _init_cpu_threads_env, "CompositeExplicitAutograd"
+        )
     if all_reduce:
         lib.define("shm_allreduce(Tensor(a!) data, int reduce_op) -> ()")
         lib.impl("shm_allreduce", _shm_allreduce, "CompositeExplicitAutograd")

@@ -28,14 +28,29 @@ def report_binding(queue: Any) -> None:
     from sglang.srt.placement.observe import read_mempolicy
 
     policy, nodes = read_mempolicy()
-    queue.put({"pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)), "policy": policy,
-               "nodes": sorted(nodes)})
+    queue.put(
+        {
+            "pid": os.getpid(),
+            "cpus": sorted(os.sched_getaffinity(0)),
+            "policy": policy,
+            "nodes": sorted(nodes),
+        }
+    )
 
 
 def args(**fields: Any) -> types.SimpleNamespace:
     """The ServerArgs fields placement reads, with upstream's defaults."""
-    base = dict(tp_size=1, pp_size=1, dp_size=1, nnodes=1, node_rank=0, base_gpu_id=0, gpu_id_step=1,
-                numa_node=None, device="cuda")
+    base = dict(
+        tp_size=1,
+        pp_size=1,
+        dp_size=1,
+        nnodes=1,
+        node_rank=0,
+        base_gpu_id=0,
+        gpu_id_step=1,
+        numa_node=None,
+        device="cuda",
+    )
     base.update(fields)
     return types.SimpleNamespace(**base)
 
@@ -99,7 +114,12 @@ def _report_or_none(queue: Any, proc: Any, *, timeout_s: float) -> Optional[dict
 # --------------------------------------------------------------------------- hosts and numactl stand-ins
 
 
-def fake_host(root: Path, *, node_cpus: Optional[dict[int, set[int]]] = None, gpus_per_node: int = 2) -> Path:
+def fake_host(
+    root: Path,
+    *,
+    node_cpus: Optional[dict[int, set[int]]] = None,
+    gpus_per_node: int = 2,
+) -> Path:
     """A two-node tree with ``gpus_per_node`` GPUs on each node (GPU i at fakesys.gpu_address(i)).
 
     Default: node 0 is this host's real CPUs, node 1 two CPUs that exist only in the tree.
@@ -112,8 +132,16 @@ def fake_host(root: Path, *, node_cpus: Optional[dict[int, set[int]]] = None, gp
         for _ in range(gpus_per_node):
             pci.append(fakesys.PciSpec(fakesys.gpu_address(index), node))
             index += 1
-    return fakesys.write_sysfs(root, fakesys.Host(
-        nodes={node: fakesys.NodeSpec(cpus=frozenset(cpus)) for node, cpus in node_cpus.items()}, pci=pci))
+    return fakesys.write_sysfs(
+        root,
+        fakesys.Host(
+            nodes={
+                node: fakesys.NodeSpec(cpus=frozenset(cpus))
+                for node, cpus in node_cpus.items()
+            },
+            pci=pci,
+        ),
+    )
 
 
 _STANDIN = r'''#!{python}
@@ -155,8 +183,14 @@ def numactl_standin(directory: Path, mode: str) -> tuple[Path, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     log = directory / "numactl-calls.jsonl"
     path = directory / "numactl"
-    path.write_text(_STANDIN.format(python=sys.executable, mode=mode, log=str(log),
-                                    marker=str(directory / "probe-passed")))
+    path.write_text(
+        _STANDIN.format(
+            python=sys.executable,
+            mode=mode,
+            log=str(log),
+            marker=str(directory / "probe-passed"),
+        )
+    )
     path.chmod(stat.S_IRWXU)
     return directory, log
 

@@ -16,6 +16,7 @@ import textwrap
 import threading
 
 import pytest
+from fakelibnuma import FakeLibNuma
 
 from sglang.srt.environ import envs
 from sglang.srt.placement import apply as apply_mod
@@ -26,9 +27,13 @@ from sglang.srt.placement.apply import (
     bind_in_process,
     set_all_threads_affinity,
 )
-from sglang.srt.placement.types import Cpu, HostTopology, NumaNode, PlacementError, ProcessPlacement
-
-from fakelibnuma import FakeLibNuma
+from sglang.srt.placement.types import (
+    Cpu,
+    HostTopology,
+    NumaNode,
+    PlacementError,
+    ProcessPlacement,
+)
 
 HOST_CPUS = sorted(os.sched_getaffinity(0))
 TARGET_CPUS = frozenset({HOST_CPUS[-1]})
@@ -146,7 +151,9 @@ def test_preferred_placement_sets_preferred_on_the_rank_node():
 
 def test_mem_policy_none_leaves_memory_alone():
     fake = two_node_fake()
-    outcome = bind_in_process(placement(mem_policy="none", mem_nodes=frozenset()), libnuma=fake)
+    outcome = bind_in_process(
+        placement(mem_policy="none", mem_nodes=frozenset()), libnuma=fake
+    )
     assert fake.calls == []
     assert outcome.cpus == TARGET_CPUS and outcome.mem_policy == "none"
     assert outcome.pages_not_migrated is None and not outcome.degraded
@@ -162,7 +169,9 @@ def test_migration_can_be_skipped():
 def test_strategy_none_binds_nothing():
     fake = two_node_fake()
     before = os.sched_getaffinity(0)
-    outcome = bind_in_process(placement(strategy="none", reasons=("single NUMA node",)), libnuma=fake)
+    outcome = bind_in_process(
+        placement(strategy="none", reasons=("single NUMA node",)), libnuma=fake
+    )
     assert fake.calls == []
     assert os.sched_getaffinity(0) == before
     assert outcome.cpus == frozenset() and "single NUMA node" in outcome.summary
@@ -175,7 +184,10 @@ def test_missing_libnuma_still_binds_cpus(no_libnuma, caplog):
     assert os.sched_getaffinity(0) == TARGET_CPUS
     assert outcome.mem_policy == "none" and outcome.pages_not_migrated is None
     assert "libnuma.so.1 is not available" in outcome.notes[0]
-    assert any("DP0 PP0 TP1" in r.getMessage() and "libnuma" in r.getMessage() for r in caplog.records)
+    assert any(
+        "DP0 PP0 TP1" in r.getMessage() and "libnuma" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_crash_flag_turns_missing_libnuma_into_placement_error(no_libnuma):
@@ -193,7 +205,9 @@ def test_crash_flag_turns_missing_libnuma_into_placement_error(no_libnuma):
 def test_crash_flag_turns_rejected_membind_into_placement_error():
     fake = two_node_fake(fail={"set_membind": errno.EINVAL})
     with envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.override(True):
-        with pytest.raises(PlacementError, match=r"DP0 PP0 TP1: membind to node 1 rejected"):
+        with pytest.raises(
+            PlacementError, match=r"DP0 PP0 TP1: membind to node 1 rejected"
+        ):
             bind_in_process(placement(), libnuma=fake)
     assert fake.called("set_preferred") == []
 
@@ -209,7 +223,10 @@ def test_threads_that_exit_during_the_walk_are_skipped(tmp_path):
             raise ProcessLookupError(errno.ESRCH, "No such process")
 
     outcome = bind_in_process(
-        placement(mem_policy="none"), libnuma=two_node_fake(), tasks_dir=str(tmp_path), setaffinity=setaffinity
+        placement(mem_policy="none"),
+        libnuma=two_node_fake(),
+        tasks_dir=str(tmp_path),
+        setaffinity=setaffinity,
     )
     assert seen == [101, 102, 103]
     assert outcome.threads == 2 and outcome.cpus == TARGET_CPUS and not outcome.degraded
@@ -225,7 +242,10 @@ def test_threads_started_during_the_walk_are_bound_too(tmp_path):
             (tmp_path / "2").mkdir()
 
     outcome = bind_in_process(
-        placement(mem_policy="none"), libnuma=two_node_fake(), tasks_dir=str(tmp_path), setaffinity=setaffinity
+        placement(mem_policy="none"),
+        libnuma=two_node_fake(),
+        tasks_dir=str(tmp_path),
+        setaffinity=setaffinity,
     )
     assert seen == [1, 2] and outcome.threads == 2
 
@@ -252,7 +272,9 @@ def test_set_all_threads_affinity_refusal_names_the_thread_and_the_count(tmp_pat
             raise OSError(errno.EINVAL, "Invalid argument")
 
     with pytest.raises(ThreadAffinityError) as info:
-        set_all_threads_affinity(TARGET_CPUS, tasks_dir=str(tmp_path), setaffinity=setaffinity)
+        set_all_threads_affinity(
+            TARGET_CPUS, tasks_dir=str(tmp_path), setaffinity=setaffinity
+        )
     assert isinstance(info.value, OSError) and info.value.errno == errno.EINVAL
     assert info.value.tid == 2 and info.value.threads_set == 1
     assert info.value.strerror == "thread 2: Invalid argument"
@@ -297,11 +319,18 @@ def test_real_libnuma_bind_in_a_child_matches_its_placement():
                           "not_moved": outcome.pages_not_migrated, "thread_cpus": thread_cpus,
                           "diffs": compare_binding(p, observed), "observed": observed.to_dict()}}))
     """
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["policy"] == "bind"
     assert out["not_moved"] == 0
     assert out["thread_cpus"] == [cpu]
     assert out["diffs"] == [], out
-    assert out["observed"]["policy"] == "bind" and out["observed"]["policy_nodes"] == "0"
+    assert (
+        out["observed"]["policy"] == "bind" and out["observed"]["policy_nodes"] == "0"
+    )

@@ -16,9 +16,9 @@ import subprocess
 import sys
 
 import pytest
+import shm_kernel_standin as kernel
 import torch
 
-import shm_kernel_standin as kernel
 from sglang.srt.distributed.shm_collective import (
     NAME_MAX,
     ShmCollectiveError,
@@ -153,7 +153,9 @@ def test_env_init_method_reads_master_variables_without_writing_them(monkeypatch
     with pytest.raises(ShmNamespaceError, match="MASTER_PORT=''"):
         ShmNamespace.from_init_method("env://")
     with pytest.raises(ShmNamespaceError, match="MASTER_PORT"):
-        ShmNamespace.from_init_method("env://", environ={"MASTER_ADDR": "h", "MASTER_PORT": "x"})
+        ShmNamespace.from_init_method(
+            "env://", environ={"MASTER_ADDR": "h", "MASTER_PORT": "x"}
+        )
 
 
 def test_file_init_method_falls_back_to_a_path_digest(tmp_path):
@@ -253,7 +255,9 @@ def test_released_schema_sees_namespace_only_during_the_call(namespace, master_e
         assert call["segment"] == namespace.segment_name(0)
         assert stat.S_IMODE(os.stat(segment).st_mode) == 0o600
         assert kernel.peer_prefixes() == {0: namespace.prefix}
-        record = os.path.join(SHM, f"sglang_shm_owners_{UID}", namespace.segment_name(0) + ".owner")
+        record = os.path.join(
+            SHM, f"sglang_shm_owners_{UID}", namespace.segment_name(0) + ".owner"
+        )
         owner_dir = os.path.dirname(record)
         assert stat.S_IMODE(os.stat(owner_dir).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(record).st_mode) == 0o600
@@ -270,7 +274,9 @@ def test_released_schema_restores_absent_variables(namespace, monkeypatch):
         assert init_shm_collective(namespace, tp_size=1, tp_rank=0)
         assert calls[0]["env"]["MASTER_PORT"] == str(namespace.port)
     assert dict(os.environ) == before
-    assert all(kernel.c_getenv(n) is None for n in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"))
+    assert all(
+        kernel.c_getenv(n) is None for n in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")
+    )
 
 
 def test_released_schema_restores_environment_on_error(namespace, master_env):
@@ -323,11 +329,23 @@ def test_bad_ranks_are_refused(namespace, tp_size, tp_rank):
 class _Holder:
     """A real process that initialises one rank and keeps its segment."""
 
-    def __init__(self, schema: str, ns: ShmNamespace, tp_size: int, tp_rank: int) -> None:
+    def __init__(
+        self, schema: str, ns: ShmNamespace, tp_size: int, tp_rank: int
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "bootstrap_children.py"), "hold", schema,
-             ns.addr, str(ns.port), str(tp_size), str(tp_rank)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                os.path.join(HERE, "bootstrap_children.py"),
+                "hold",
+                schema,
+                ns.addr,
+                str(ns.port),
+                str(tp_size),
+                str(tp_rank),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         line = self.proc.stdout.readline().strip()
         assert line == "ready", f"holder said {line!r}"
@@ -375,7 +393,9 @@ def test_killed_engines_segment_is_cleaned_and_a_live_one_elsewhere_untouched(
     assert live_ns.segment_name(0) not in sweep.removed
     assert not os.path.exists(stale)
     assert not os.path.exists(
-        os.path.join(SHM, f"sglang_shm_owners_{UID}", namespace.segment_name(1) + ".owner")
+        os.path.join(
+            SHM, f"sglang_shm_owners_{UID}", namespace.segment_name(1) + ".owner"
+        )
     )
     assert os.path.exists(live_segment)
     assert remove_stale_segments(live_ns).live == (live_ns.segment_name(0),)
@@ -393,7 +413,8 @@ def test_restarted_rank_replaces_a_dead_owners_segment(namespace, caplog):
         assert init_shm_collective(namespace, tp_size=1, tp_rank=0)
         assert os.stat(segment).st_ino != old_inode
         assert any(
-            "rank 0: removed stale shared-memory segment" in r.getMessage() for r in caplog.records
+            "rank 0: removed stale shared-memory segment" in r.getMessage()
+            for r in caplog.records
         )
 
 
@@ -401,7 +422,9 @@ def test_same_namespace_with_a_live_owner_is_refused(live_engine):
     live_ns, live = live_engine
     segment = os.path.join(SHM, live_ns.segment_name(0))
     with kernel.registered("released") as calls:
-        with pytest.raises(ShmCollectiveError, match=f"pid {live.proc.pid}.*same address"):
+        with pytest.raises(
+            ShmCollectiveError, match=f"pid {live.proc.pid}.*same address"
+        ):
             init_shm_collective(live_ns, tp_size=1, tp_rank=0, owner_wait_s=0.2)
         assert calls == []
     assert os.path.exists(segment)
@@ -418,14 +441,20 @@ def test_segment_without_owner_record_is_left_alone(namespace, caplog):
     assert any("no owner record" in r.getMessage() for r in caplog.records)
 
 
-def test_owner_directory_that_is_not_private_is_passed_over(tmp_path, namespace, caplog):
+def test_owner_directory_that_is_not_private_is_passed_over(
+    tmp_path, namespace, caplog
+):
     caplog.set_level(logging.WARNING, logger="sglang.srt.distributed")
     owner_dir = tmp_path / f"sglang_shm_owners_{namespace.uid}"
     owner_dir.mkdir(mode=0o770)
     owner_dir.chmod(0o770)
     with kernel.registered("released"):
-        assert init_shm_collective(namespace, tp_size=1, tp_rank=0, shm_dir=str(tmp_path))
-    [private] = [p for p in tmp_path.iterdir() if p.name.startswith(owner_dir.name + ".")]
+        assert init_shm_collective(
+            namespace, tp_size=1, tp_rank=0, shm_dir=str(tmp_path)
+        )
+    [private] = [
+        p for p in tmp_path.iterdir() if p.name.startswith(owner_dir.name + ".")
+    ]
     assert stat.S_IMODE(private.stat().st_mode) == 0o700
     assert (private / (namespace.segment_name(0) + ".owner")).exists()
     assert not list(owner_dir.iterdir())

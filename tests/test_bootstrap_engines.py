@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import HARNESS
+
 from sglang.srt.distributed.shm_namespace import ShmNamespace
 
 HERE = Path(__file__).resolve().parent

@@ -9,9 +9,9 @@ import os
 import shutil
 import stat
 
+import fakesys
 import pytest
 
-import fakesys
 from sglang.srt.placement.capture import CaptureError, capture_sysfs
 from sglang.srt.placement.topology import SNAPSHOT_MARKER, read_topology
 from sglang.srt.placement.types import TopologyError
@@ -52,8 +52,13 @@ def test_capture_of_this_hosts_sysfs_round_trips(tmp_path):
     assert SNAPSHOT_MARKER in files
     assert not any(stat.S_ISLNK(st.st_mode) for st in entries.values())
     for rel, st in entries.items():
-        assert stat.S_IMODE(st.st_mode) & 0o022 == 0, f"{rel} is group- or world-writable"
-        assert stat.S_IMODE(st.st_mode) & ~(0o755 if stat.S_ISDIR(st.st_mode) else 0o644) == 0
+        assert (
+            stat.S_IMODE(st.st_mode) & 0o022 == 0
+        ), f"{rel} is group- or world-writable"
+        assert (
+            stat.S_IMODE(st.st_mode) & ~(0o755 if stat.S_ISDIR(st.st_mode) else 0o644)
+            == 0
+        )
     pci_dirs = os.listdir(dest / "bus/pci/devices")
     assert sorted(pci_dirs) == sorted(os.listdir("/sys/bus/pci/devices"))
 
@@ -64,7 +69,9 @@ def test_marker_names_the_kernel_and_time(tmp_path):
     assert marker["format"] == 1
     assert marker["kernel_release"] == os.uname().release
     captured = datetime.datetime.fromisoformat(marker["captured_at"])
-    assert abs(datetime.datetime.now(datetime.timezone.utc) - captured) < datetime.timedelta(hours=1)
+    assert abs(
+        datetime.datetime.now(datetime.timezone.utc) - captured
+    ) < datetime.timedelta(hours=1)
     assert marker["source_root"] == str(tmp_path / "sys")
 
 
@@ -90,7 +97,11 @@ def test_capture_copies_exactly_the_files_read(tmp_path):
     )
     # cpu1 is offline: its files are not read; nor are cpumap, has_cpu, local_cpulist and the like.
     assert capture_sysfs(tmp_path / "snap", root=root) == 11
-    files = {rel for rel, st in files_under(tmp_path / "snap").items() if stat.S_ISREG(st.st_mode)}
+    files = {
+        rel
+        for rel, st in files_under(tmp_path / "snap").items()
+        if stat.S_ISREG(st.st_mode)
+    }
     assert files == {
         SNAPSHOT_MARKER,
         "devices/system/cpu/online",
@@ -111,7 +122,9 @@ def test_capture_copies_exactly_the_files_read(tmp_path):
 def test_modes_do_not_depend_on_a_permissive_umask(tmp_path):
     old = os.umask(0)
     try:
-        capture_sysfs(tmp_path / "snap", root=fakesys.two_sockets_four_gpus(tmp_path / "sys"))
+        capture_sysfs(
+            tmp_path / "snap", root=fakesys.two_sockets_four_gpus(tmp_path / "sys")
+        )
     finally:
         os.umask(old)
     for rel, st in files_under(tmp_path / "snap").items():
@@ -132,16 +145,23 @@ def test_capture_into_a_non_empty_directory(tmp_path):
     (dest / "notes.txt").write_text("keep me")
     with pytest.raises(CaptureError) as err:
         capture_sysfs(dest, root=fakesys.one_node(tmp_path / "sys"))
-    assert str(err.value).startswith(f"{dest}: is not empty; choose a new or empty directory")
+    assert str(err.value).startswith(
+        f"{dest}: is not empty; choose a new or empty directory"
+    )
     assert os.listdir(dest) == ["notes.txt"]
 
 
 def test_capture_onto_a_file_or_under_a_missing_parent(tmp_path):
     root = fakesys.one_node(tmp_path / "sys")
     (tmp_path / "file").write_text("")
-    with pytest.raises(CaptureError, match=f"{tmp_path}/file: exists and is not a directory"):
+    with pytest.raises(
+        CaptureError, match=f"{tmp_path}/file: exists and is not a directory"
+    ):
         capture_sysfs(tmp_path / "file", root=root)
-    with pytest.raises(CaptureError, match=f"{tmp_path}/no/snap: its parent {tmp_path}/no does not exist"):
+    with pytest.raises(
+        CaptureError,
+        match=f"{tmp_path}/no/snap: its parent {tmp_path}/no does not exist",
+    ):
         capture_sysfs(tmp_path / "no" / "snap", root=root)
 
 
@@ -159,12 +179,16 @@ def test_truncated_snapshot_names_the_capture_command(tmp_path):
     with pytest.raises(TopologyError) as err:
         read_topology(tmp_path / "snap")
     message = str(err.value)
-    assert message.startswith(f"{tmp_path}/snap/devices/system/node/node2/meminfo: missing; ")
+    assert message.startswith(
+        f"{tmp_path}/snap/devices/system/node/node2/meminfo: missing; "
+    )
     assert f"captured from kernel {os.uname().release}" in message
     assert "re-capture it with `python -m sglang.srt.placement capture DIR`" in message
 
 
-def test_kernel_without_numa_or_memory_blocks_carries_memory_in_the_marker(tmp_path, monkeypatch):
+def test_kernel_without_numa_or_memory_blocks_carries_memory_in_the_marker(
+    tmp_path, monkeypatch
+):
     root = fakesys.no_numa_kernel(tmp_path / "sys")
     shutil.rmtree(root / "devices/system/memory")
     # Stands for the live /sys of such a kernel: only there does sysconf tell the memory size.

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 import fakesys
+import pytest
 from cli_limits import assert_one_line, deadline, memory_cap, run_cli
+
 from sglang.srt.placement.__main__ import main
 from sglang.srt.placement.capture import capture_sysfs
 from sglang.srt.placement.cpulist import shown
@@ -34,12 +34,43 @@ from sglang.srt.placement.topology import SNAPSHOT_MARKER
 SEED = 20240611
 SECONDS_PER_RUN = 5.0
 SUBPROCESS_SAMPLE = 20
-BOOL_VARIABLES = ("SGLANG_NUMA_BIND_V2", "SGLANG_AUTO_NUMA_BIND", "SGLANG_CRASH_ON_NUMA_BIND_FAILURE")
+BOOL_VARIABLES = (
+    "SGLANG_NUMA_BIND_V2",
+    "SGLANG_AUTO_NUMA_BIND",
+    "SGLANG_CRASH_ON_NUMA_BIND_FAILURE",
+)
 
-HUGE = ["4294967296", "4294967295", "18446744073709551616", "9" * 30, "1" + "0" * 400, "9" * 5000]
+HUGE = [
+    "4294967296",
+    "4294967295",
+    "18446744073709551616",
+    "9" * 30,
+    "1" + "0" * 400,
+    "9" * 5000,
+]
 UNICODE_DIGITS = ["²", "٣", "٣٣", "¹-³", "0-٣", "１", "߃", "৩"]
 CONTROL = ["\x1b[2J", "\x07", "\r", "\n", "\t", "\x7f", "\u202e", "\udcff"]
-TOKENS = ["0", "1", "7", "-", ",", ":", "|", " ", "x", "-1", "٣", "²", "\x1b", "\n", "0x", "e", ".", "+", "_"]
+TOKENS = [
+    "0",
+    "1",
+    "7",
+    "-",
+    ",",
+    ":",
+    "|",
+    " ",
+    "x",
+    "-1",
+    "٣",
+    "²",
+    "\x1b",
+    "\n",
+    "0x",
+    "e",
+    ".",
+    "+",
+    "_",
+]
 
 
 @dataclass
@@ -65,16 +96,53 @@ def garbage(rng: random.Random) -> str:
 
 
 def number_values(rng: random.Random) -> list[str]:
-    values = HUGE + UNICODE_DIGITS[:4] + ["-1", "-0", "0", "1.5", "nan", "inf", "1e9", "0x10", "1_0", "", " ",
-                                          "+", "3\x00"]
+    values = (
+        HUGE
+        + UNICODE_DIGITS[:4]
+        + [
+            "-1",
+            "-0",
+            "0",
+            "1.5",
+            "nan",
+            "inf",
+            "1e9",
+            "0x10",
+            "1_0",
+            "",
+            " ",
+            "+",
+            "3\x00",
+        ]
+    )
     return values + [garbage(rng) for _ in range(4)] + [rng.choice(CONTROL) + "2"]
 
 
 def cpulist_values(rng: random.Random, *, nul: bool) -> list[str]:
-    values = [f"0-{n}" for n in HUGE[:4]] + [HUGE[0], "0-8192", "8191-8192", "0-3:0", "0-3:" + HUGE[2], "3-1",
-                                              "-1", "-5-3", "0--1", ",", "0,,1", "1e3", "0x10", "1_0", "+3",
-                                              ",".join(["0-8191"] * 9000), "0," * 40000]
-    values += UNICODE_DIGITS[:5] + [c + "0" for c in CONTROL[:4]] + [garbage(rng) for _ in range(6)]
+    values = [f"0-{n}" for n in HUGE[:4]] + [
+        HUGE[0],
+        "0-8192",
+        "8191-8192",
+        "0-3:0",
+        "0-3:" + HUGE[2],
+        "3-1",
+        "-1",
+        "-5-3",
+        "0--1",
+        ",",
+        "0,,1",
+        "1e3",
+        "0x10",
+        "1_0",
+        "+3",
+        ",".join(["0-8191"] * 9000),
+        "0," * 40000,
+    ]
+    values += (
+        UNICODE_DIGITS[:5]
+        + [c + "0" for c in CONTROL[:4]]
+        + [garbage(rng) for _ in range(6)]
+    )
     if nul:
         values += ["0\x00", "\x00"]
     return values
@@ -85,18 +153,38 @@ def flag_case(argv: list[str], flag: str, value: str) -> Case:
 
 
 def env_case(argv: list[str], name: str, value: str) -> Case:
-    return Case(f"{name}={shown(value, limit=40)}", argv, env={name: value}, names=(name,))
+    return Case(
+        f"{name}={shown(value, limit=40)}", argv, env={name: value}, names=(name,)
+    )
 
 
 def plan_cases(rng: random.Random, tree: Path) -> list[Case]:
     base = ["plan", "--sysfs-root", str(tree)]
     cases = []
-    for flag in ("--tp-size", "--pp-size", "--dp-size", "--nnodes", "--node-rank", "--base-gpu-id",
-                 "--gpu-id-step", "--numa-node", "--port"):
-        cases += [flag_case(base, flag, value) for value in rng.sample(number_values(rng), 12)]
-    cases += [flag_case(base, "--allowed-cpus", value) for value in rng.sample(cpulist_values(rng, nul=True), 16)]
+    for flag in (
+        "--tp-size",
+        "--pp-size",
+        "--dp-size",
+        "--nnodes",
+        "--node-rank",
+        "--base-gpu-id",
+        "--gpu-id-step",
+        "--numa-node",
+        "--port",
+    ):
+        cases += [
+            flag_case(base, flag, value) for value in rng.sample(number_values(rng), 12)
+        ]
+    cases += [
+        flag_case(base, "--allowed-cpus", value)
+        for value in rng.sample(cpulist_values(rng, nul=True), 16)
+    ]
     for flag in ("--gpus", "--numa-affinity-mode", "--launcher", "--device"):
-        for value in [garbage(rng) for _ in range(4)] + ["\x00", "0000:18:00.0," * 5000, rng.choice(CONTROL)]:
+        for value in [garbage(rng) for _ in range(4)] + [
+            "\x00",
+            "0000:18:00.0," * 5000,
+            rng.choice(CONTROL),
+        ]:
             cases.append(flag_case(base, flag, value))
     return cases
 
@@ -110,10 +198,18 @@ def path_values(tmp: Path) -> dict[str, str]:
     (tmp / "full").mkdir()
     (tmp / "full" / "x").write_text("")
     return {
-        "fifo": str(tmp / "fifo"), "loop": str(tmp / "loop"), "link to /dev/zero": str(tmp / "zero"),
-        "/dev/zero": "/dev/zero", "/dev/urandom": "/dev/urandom", "file": str(tmp / "file"),
-        "non-empty dir": str(tmp / "full"), "missing parent": str(tmp / "no" / "such" / "dir"),
-        "NUL": f"{tmp}/nul\x00", "controls": f"{tmp}/no\x1b[2J\n\r/x", "empty": "", "root": "/",
+        "fifo": str(tmp / "fifo"),
+        "loop": str(tmp / "loop"),
+        "link to /dev/zero": str(tmp / "zero"),
+        "/dev/zero": "/dev/zero",
+        "/dev/urandom": "/dev/urandom",
+        "file": str(tmp / "file"),
+        "non-empty dir": str(tmp / "full"),
+        "missing parent": str(tmp / "no" / "such" / "dir"),
+        "NUL": f"{tmp}/nul\x00",
+        "controls": f"{tmp}/no\x1b[2J\n\r/x",
+        "empty": "",
+        "root": "/",
         "unicode": f"{tmp}/no/٣²\u202e",
     }
 
@@ -121,31 +217,74 @@ def path_values(tmp: Path) -> dict[str, str]:
 def capture_cases(tmp: Path, tree: Path, snapshots: dict[str, Path]) -> list[Case]:
     cases = []
     for label, path in path_values(tmp).items():
-        cases.append(Case(f"capture DIR {label}", ["capture", path, "--sysfs-root", str(tree)],
-                          names=("DIR", path, "/dev/zero", "/dev/urandom", str(tmp))))
-        cases.append(Case(f"capture --sysfs-root {label}", ["capture", str(tmp / f"out-{len(cases)}"),
-                                                             "--sysfs-root", path],
-                          names=("--sysfs-root", path, str(tmp))))
+        cases.append(
+            Case(
+                f"capture DIR {label}",
+                ["capture", path, "--sysfs-root", str(tree)],
+                names=("DIR", path, "/dev/zero", "/dev/urandom", str(tmp)),
+            )
+        )
+        cases.append(
+            Case(
+                f"capture --sysfs-root {label}",
+                ["capture", str(tmp / f"out-{len(cases)}"), "--sysfs-root", path],
+                names=("--sysfs-root", path, str(tmp)),
+            )
+        )
         if "\0" not in path:
-            cases.append(Case(f"SGLANG_SYSFS_ROOT {label}", ["plan"], env={"SGLANG_SYSFS_ROOT": path},
-                              names=("SGLANG_SYSFS_ROOT", path)))
+            cases.append(
+                Case(
+                    f"SGLANG_SYSFS_ROOT {label}",
+                    ["plan"],
+                    env={"SGLANG_SYSFS_ROOT": path},
+                    names=("SGLANG_SYSFS_ROOT", path),
+                )
+            )
     for label, snap in snapshots.items():
         rel = label.split(" <- ")[0]
-        cases.append(Case(f"plan, snapshot {label}", ["plan", "--sysfs-root", str(snap)], names=(rel,)))
-        cases.append(Case(f"capture, snapshot {label}", ["capture", str(tmp / f"out-{len(cases)}"),
-                                                         "--sysfs-root", str(snap)], names=(rel,)))
+        cases.append(
+            Case(
+                f"plan, snapshot {label}",
+                ["plan", "--sysfs-root", str(snap)],
+                names=(rel,),
+            )
+        )
+        cases.append(
+            Case(
+                f"capture, snapshot {label}",
+                ["capture", str(tmp / f"out-{len(cases)}"), "--sysfs-root", str(snap)],
+                names=(rel,),
+            )
+        )
     return cases
 
 
 def env_cases(rng: random.Random, tree: Path) -> list[Case]:
     cpu_plan = ["plan", "--device", "cpu", "--sysfs-root", str(tree)]
-    cases = [env_case(cpu_plan, "SGLANG_CPU_OMP_THREADS_BIND", value)
-             for value in rng.sample(cpulist_values(rng, nul=False), 20) + ["0|1", "0-3|" * 3000, "|", " "]]
-    words = ["", " ", "maybe", "TRUE\x1b", "1\n", "２", "yes please", "-1", "nodes", "exclusive\r", "\udcff",
-             HUGE[-1]]
+    cases = [
+        env_case(cpu_plan, "SGLANG_CPU_OMP_THREADS_BIND", value)
+        for value in rng.sample(cpulist_values(rng, nul=False), 20)
+        + ["0|1", "0-3|" * 3000, "|", " "]
+    ]
+    words = [
+        "",
+        " ",
+        "maybe",
+        "TRUE\x1b",
+        "1\n",
+        "２",
+        "yes please",
+        "-1",
+        "nodes",
+        "exclusive\r",
+        "\udcff",
+        HUGE[-1],
+    ]
     for name in ("SGLANG_NUMA_AFFINITY_MODE", *BOOL_VARIABLES):
-        cases += [env_case(["plan", "--sysfs-root", str(tree)], name, value)
-                  for value in words + [garbage(rng) for _ in range(3)]]
+        cases += [
+            env_case(["plan", "--sysfs-root", str(tree)], name, value)
+            for value in words + [garbage(rng) for _ in range(3)]
+        ]
     return cases
 
 
@@ -205,7 +344,9 @@ def mutated_snapshots(rng: random.Random, snapshot: Path, tmp: Path) -> dict[str
     for rel in SNAPSHOT_FILES:
         for label in rng.sample(sorted(mutations), 9):
             copy = tmp / f"snap-{len(made)}"
-            shutil.copytree(snapshot, copy, symlinks=True, copy_function=os.link)  # mutate() unlinks first
+            shutil.copytree(
+                snapshot, copy, symlinks=True, copy_function=os.link
+            )  # mutate() unlinks first
             mutate(copy / rel, mutations[label])
             made[f"{rel} <- {label}"] = copy
     return made
@@ -217,8 +358,9 @@ def run_in_process(case: Case, monkeypatch) -> tuple[int, str, float]:
     with monkeypatch.context() as env:
         for name, value in case.env.items():
             env.setenv(name, value)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), memory_cap(), \
-                deadline(SECONDS_PER_RUN):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(
+            err
+        ), memory_cap(), deadline(SECONDS_PER_RUN):
             code = main(case.argv)
     return code, err.getvalue(), time.monotonic() - start
 
@@ -246,7 +388,11 @@ def cases(tmp_path_factory) -> list[Case]:
     tree = fakesys.two_sockets_four_gpus(tmp / "sys")
     capture_sysfs(tmp / "snap", root=tree)
     snapshots = mutated_snapshots(rng, tmp / "snap", tmp)
-    return plan_cases(rng, tree) + env_cases(rng, tree) + capture_cases(tmp, tree, snapshots)
+    return (
+        plan_cases(rng, tree)
+        + env_cases(rng, tree)
+        + capture_cases(tmp, tree, snapshots)
+    )
 
 
 def test_malformed_input_is_exit_2_with_one_line_naming_it(cases, monkeypatch):
@@ -257,8 +403,10 @@ def test_malformed_input_is_exit_2_with_one_line_naming_it(cases, monkeypatch):
         check(case, code, stderr)
         counts[code] += 1
         slowest = max(slowest, (seconds, case.what))
-    print(f"\nfuzz: {len(cases)} values in-process: exit 2 {counts[2]}, exit 0 {counts[0]}, "
-          f"slowest {slowest[0]:.2f} s ({slowest[1]})")
+    print(
+        f"\nfuzz: {len(cases)} values in-process: exit 2 {counts[2]}, exit 0 {counts[0]}, "
+        f"slowest {slowest[0]:.2f} s ({slowest[1]})"
+    )
     assert len(cases) >= 300
     assert counts[2] >= 0.8 * len(cases), counts
     assert slowest[0] < SECONDS_PER_RUN

@@ -32,7 +32,9 @@ UUIDS = (
 )
 
 
-def make_topology(pci: tuple[PciDevice, ...] | None = None, root: str = "/fake/sys") -> HostTopology:
+def make_topology(
+    pci: tuple[PciDevice, ...] | None = None, root: str = "/fake/sys"
+) -> HostTopology:
     if pci is None:
         pci = (
             PciDevice("0000:81:00.0", 1, "0x10de", "0x2335", "0x030200"),
@@ -47,7 +49,13 @@ def make_topology(pci: tuple[PciDevice, ...] | None = None, root: str = "/fake/s
         NumaNode(node_id=0, cpus=frozenset(range(0, 8)), memory_kb=1 << 20),
         NumaNode(node_id=1, cpus=frozenset(range(8, 16)), memory_kb=1 << 20),
     )
-    return HostTopology(root=root, nodes=nodes, cpus=(), online_cpus=frozenset(range(16)), pci_devices=pci)
+    return HostTopology(
+        root=root,
+        nodes=nodes,
+        cpus=(),
+        online_cpus=frozenset(range(16)),
+        pci_devices=pci,
+    )
 
 
 TOPO = make_topology()
@@ -55,7 +63,9 @@ PCI_ORDER = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def cuda(gpu_ids, env, **kw) -> tuple[Accelerator, ...]:
-    return identify_accelerators(device="cuda", topology=kw.pop("topology", TOPO), gpu_ids=gpu_ids, env=env, **kw)
+    return identify_accelerators(
+        device="cuda", topology=kw.pop("topology", TOPO), gpu_ids=gpu_ids, env=env, **kw
+    )
 
 
 # --- a pynvml stand-in with the real module's calling conventions -------------------------
@@ -66,7 +76,12 @@ class FakeNVMLError(Exception):
 
 
 def fake_pynvml(
-    addrs=GPU_ADDRS, uuids=UUIDS, *, bytes_ids: bool = False, mig: dict[str, int] | None = None, calls=None
+    addrs=GPU_ADDRS,
+    uuids=UUIDS,
+    *,
+    bytes_ids: bool = False,
+    mig: dict[str, int] | None = None,
+    calls=None,
 ):
     """A module object shaped like pynvml: ctypes handles, 8-digit upper-case bus ids."""
     mig = mig or {}
@@ -126,10 +141,14 @@ def fake_pynvml(
     def nvmlDeviceGetPciInfo(handle):
         need_init()
         if handle.value >= 0x2000:
-            raise FakeNVMLError("Not Supported")  # MIG handles have no PCI info of their own
+            raise FakeNVMLError(
+                "Not Supported"
+            )  # MIG handles have no PCI info of their own
         return PciInfo(handle.value - 0x1000)
 
-    module = types.SimpleNamespace(**{name: obj for name, obj in locals().items() if name.startswith("nvml")})
+    module = types.SimpleNamespace(
+        **{name: obj for name, obj in locals().items() if name.startswith("nvml")}
+    )
     module.NVMLError = FakeNVMLError
     module.state = state
     return module
@@ -188,12 +207,20 @@ def test_gpus_option_maps_index_to_address_in_order():
 
 
 def test_gpus_option_wins_over_cuda_visible_devices_and_ray():
-    (acc,) = cuda([1], {"CUDA_VISIBLE_DEVICES": "3,2"}, gpus="0000:17:00.0,0000:2a:00.0", ray_accelerator_ids=["0"])
+    (acc,) = cuda(
+        [1],
+        {"CUDA_VISIBLE_DEVICES": "3,2"},
+        gpus="0000:17:00.0,0000:2a:00.0",
+        ray_accelerator_ids=["0"],
+    )
     assert acc.pci == "0000:2a:00.0" and acc.source == "--gpus"
 
 
 def test_gpus_option_as_comma_string():
-    assert parse_gpus_option("81:00.0, 0000:17:00.0") == ("0000:81:00.0", "0000:17:00.0")
+    assert parse_gpus_option("81:00.0, 0000:17:00.0") == (
+        "0000:81:00.0",
+        "0000:17:00.0",
+    )
 
 
 @pytest.mark.parametrize(
@@ -214,17 +241,25 @@ def test_gpus_option_malformed(value, bad):
 
 
 def test_gpus_option_duplicate_after_canonicalisation():
-    with pytest.raises(ValueError, match=r"--gpus=.*0000:81:00\.0 is listed twice \(entries 0 and 1\).*e\.g\. --gpus"):
+    with pytest.raises(
+        ValueError,
+        match=r"--gpus=.*0000:81:00\.0 is listed twice \(entries 0 and 1\).*e\.g\. --gpus",
+    ):
         cuda([0], {}, gpus=["0000:81:00.0", "81:00.0"])
 
 
 def test_gpus_option_too_short_for_the_gpu_id():
-    with pytest.raises(ValueError, match=r"--gpus lists 2 address\(es\).*GPU id 2.*e\.g\. --gpus"):
+    with pytest.raises(
+        ValueError, match=r"--gpus lists 2 address\(es\).*GPU id 2.*e\.g\. --gpus"
+    ):
         cuda([0, 2], {}, gpus=["0000:81:00.0", "0000:17:00.0"])
 
 
 def test_gpus_option_address_not_on_this_host_names_sysfs_root():
-    with pytest.raises(ValueError, match=r"--gpus: 0000:82:00\.0 \(device index 0\) is not among the 7 PCI devices read from /fake/sys"):
+    with pytest.raises(
+        ValueError,
+        match=r"--gpus: 0000:82:00\.0 \(device index 0\) is not among the 7 PCI devices read from /fake/sys",
+    ):
         cuda([0], {}, gpus=["0000:82:00.0"])
 
 
@@ -232,19 +267,30 @@ def test_gpus_option_address_not_on_this_host_names_sysfs_root():
 
 
 def test_sysfs_order_lists_nvidia_gpus_only_sorted_by_address():
-    assert tuple(d.address for d in accelerator_pci_devices(TOPO, device="cuda")) == GPU_ADDRS
+    assert (
+        tuple(d.address for d in accelerator_pci_devices(TOPO, device="cuda"))
+        == GPU_ADDRS
+    )
     assert accelerator_pci_devices(TOPO, device="cpu") == ()
 
 
 def test_no_visible_devices_variable_uses_index_itself():
     accs = cuda([0, 3], PCI_ORDER)
-    assert [(a.physical_id, a.pci) for a in accs] == [("0", GPU_ADDRS[0]), ("3", GPU_ADDRS[3])]
-    assert accs[1].source.startswith("sysfs: NVIDIA GPU 3 in PCI bus order (no CUDA_VISIBLE_DEVICES)")
+    assert [(a.physical_id, a.pci) for a in accs] == [
+        ("0", GPU_ADDRS[0]),
+        ("3", GPU_ADDRS[3]),
+    ]
+    assert accs[1].source.startswith(
+        "sysfs: NVIDIA GPU 3 in PCI bus order (no CUDA_VISIBLE_DEVICES)"
+    )
 
 
 def test_reordered_visible_devices_map_to_the_right_pci():
     accs = cuda([0, 1], {"CUDA_VISIBLE_DEVICES": "3,1", **PCI_ORDER})
-    assert [(a.gpu_id, a.physical_id, a.pci) for a in accs] == [(0, "3", GPU_ADDRS[3]), (1, "1", GPU_ADDRS[1])]
+    assert [(a.gpu_id, a.physical_id, a.pci) for a in accs] == [
+        (0, "3", GPU_ADDRS[3]),
+        (1, "1", GPU_ADDRS[1]),
+    ]
     assert "CUDA_VISIBLE_DEVICES='3,1' entry 1" in accs[1].source
 
 
@@ -252,19 +298,28 @@ def test_reordered_visible_devices_through_nvml():
     runtime = NvmlRuntime(module=fake_pynvml())
     accs = cuda([0, 1], {"CUDA_VISIBLE_DEVICES": "3,1", **PCI_ORDER}, runtime=runtime)
     assert [a.pci for a in accs] == [GPU_ADDRS[3], GPU_ADDRS[1]]
-    assert accs[0].source == "nvml: physical device 3 (CUDA_VISIBLE_DEVICES='3,1' entry 0)"
+    assert (
+        accs[0].source == "nvml: physical device 3 (CUDA_VISIBLE_DEVICES='3,1' entry 0)"
+    )
 
 
 def test_index_order_without_pci_bus_id_order_says_so():
     (acc,) = cuda([0], {"CUDA_VISIBLE_DEVICES": "2"})
     assert acc.pci == GPU_ADDRS[2]
     assert "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in acc.source
-    (acc,) = cuda([0], {"CUDA_VISIBLE_DEVICES": "2"}, runtime=NvmlRuntime(module=fake_pynvml()))
-    assert acc.source.startswith("nvml:") and "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in acc.source
+    (acc,) = cuda(
+        [0], {"CUDA_VISIBLE_DEVICES": "2"}, runtime=NvmlRuntime(module=fake_pynvml())
+    )
+    assert (
+        acc.source.startswith("nvml:")
+        and "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in acc.source
+    )
 
 
 def test_single_gpu_host_needs_no_order_note():
-    one = make_topology((PciDevice("0000:18:00.0", None, "0x10de", "0x2335", "0x030200"),))
+    one = make_topology(
+        (PciDevice("0000:18:00.0", None, "0x10de", "0x2335", "0x030200"),)
+    )
     (acc,) = cuda([0], {}, topology=one)
     assert acc.pci == "0000:18:00.0" and "CUDA_DEVICE_ORDER" not in acc.source
 
@@ -273,7 +328,10 @@ def test_uuid_through_nvml_full_and_prefix():
     runtime = NvmlRuntime(module=fake_pynvml())
     env = {"CUDA_VISIBLE_DEVICES": f"{UUIDS[2]},GPU-8932f937"}
     accs = cuda([0, 1], env, runtime=runtime)
-    assert [(a.physical_id, a.pci) for a in accs] == [(UUIDS[2], GPU_ADDRS[2]), ("GPU-8932f937", GPU_ADDRS[0])]
+    assert [(a.physical_id, a.pci) for a in accs] == [
+        (UUIDS[2], GPU_ADDRS[2]),
+        ("GPU-8932f937", GPU_ADDRS[0]),
+    ]
     assert accs[1].source.startswith("nvml: GPU-8932f937 (CUDA_VISIBLE_DEVICES=")
 
 
@@ -307,42 +365,65 @@ def test_mig_entry_through_nvml_maps_to_parent_gpu():
 
 @pytest.mark.parametrize("value", ["", "-1", " -1 ", "-1,0"])
 def test_visible_devices_hiding_everything_is_an_error(value):
-    with pytest.raises(ValueError, match=rf"CUDA_VISIBLE_DEVICES={value!r} hides every GPU.*GPU id 0"):
+    with pytest.raises(
+        ValueError, match=rf"CUDA_VISIBLE_DEVICES={value!r} hides every GPU.*GPU id 0"
+    ):
         cuda([0], {"CUDA_VISIBLE_DEVICES": value})
 
 
 def test_visible_devices_stop_at_first_invalid_entry_like_cuda():
     assert parse_cuda_visible_devices("0,2,-1,1") == ("0", "2")
     assert parse_cuda_visible_devices(" 1 , GPU-abc,x,3") == ("1", "GPU-abc")
-    with pytest.raises(ValueError, match=r"CUDA_VISIBLE_DEVICES='0,2,-1,1' makes 2 GPU\(s\) visible \(CUDA ignores"):
+    with pytest.raises(
+        ValueError,
+        match=r"CUDA_VISIBLE_DEVICES='0,2,-1,1' makes 2 GPU\(s\) visible \(CUDA ignores",
+    ):
         cuda([2], {"CUDA_VISIBLE_DEVICES": "0,2,-1,1"})
 
 
 def test_gpu_id_out_of_range_names_variable_value_and_id():
-    with pytest.raises(ValueError, match=r"CUDA_VISIBLE_DEVICES='3,1' makes 2 GPU\(s\) visible, but a rank uses GPU id 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"CUDA_VISIBLE_DEVICES='3,1' makes 2 GPU\(s\) visible, but a rank uses GPU id 2",
+    ):
         cuda([0, 2], {"CUDA_VISIBLE_DEVICES": "3,1"})
 
 
 def test_physical_index_missing_from_sysfs_gives_reason():
     (acc,) = cuda([0], {"CUDA_VISIBLE_DEVICES": "7"})
     assert acc.pci is None
-    assert acc.source.startswith("unknown: sysfs under /fake/sys lists 4 NVIDIA GPU(s), none at index 7")
+    assert acc.source.startswith(
+        "unknown: sysfs under /fake/sys lists 4 NVIDIA GPU(s), none at index 7"
+    )
 
 
 def test_ray_ids_take_precedence_over_visible_devices():
     env = {"CUDA_VISIBLE_DEVICES": "0,1", **PCI_ORDER}
-    accs = cuda([0, 1], env, ray_accelerator_ids=["2", UUIDS[3]], runtime=NvmlRuntime(module=fake_pynvml()))
-    assert [(a.physical_id, a.pci) for a in accs] == [("2", GPU_ADDRS[2]), (UUIDS[3], GPU_ADDRS[3])]
+    accs = cuda(
+        [0, 1],
+        env,
+        ray_accelerator_ids=["2", UUIDS[3]],
+        runtime=NvmlRuntime(module=fake_pynvml()),
+    )
+    assert [(a.physical_id, a.pci) for a in accs] == [
+        ("2", GPU_ADDRS[2]),
+        (UUIDS[3], GPU_ADDRS[3]),
+    ]
     assert "Ray GPU id '2'" in accs[0].source
 
 
 def test_ray_ids_too_few_for_the_gpu_id():
-    with pytest.raises(ValueError, match=r"Ray assigned this actor GPU ids \['2'\] but the rank uses GPU id 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"Ray assigned this actor GPU ids \['2'\] but the rank uses GPU id 1",
+    ):
         cuda([1], {}, ray_accelerator_ids=["2"])
 
 
 def test_empty_ray_ids_fall_back_to_visible_devices():
-    (acc,) = cuda([0], {"CUDA_VISIBLE_DEVICES": "1", **PCI_ORDER}, ray_accelerator_ids=[])
+    (acc,) = cuda(
+        [0], {"CUDA_VISIBLE_DEVICES": "1", **PCI_ORDER}, ray_accelerator_ids=[]
+    )
     assert acc.pci == GPU_ADDRS[1]
 
 
@@ -353,7 +434,9 @@ def test_torch_runtime_uses_this_process_logical_index():
     assert [a.pci for a in accs] == [GPU_ADDRS[3], GPU_ADDRS[1]]
     assert accs[0].source.startswith("torch: device 0 of this process")
     assert runtime.uuid_by_index(0) == UUIDS[3]
-    assert runtime.pci_by_uuid("GPU-8932") is None  # physical 0 is not visible to this process
+    assert (
+        runtime.pci_by_uuid("GPU-8932") is None
+    )  # physical 0 is not visible to this process
     assert runtime.pci_by_uuid(UUIDS[1][:12]) == GPU_ADDRS[1]
 
 
@@ -370,7 +453,12 @@ def test_bad_gpu_ids_and_device():
 
 
 def test_cpu_device_has_no_accelerators():
-    assert identify_accelerators(device="cpu", topology=TOPO, gpu_ids=[0, 1], env={}, gpus=["bogus"]) == ()
+    assert (
+        identify_accelerators(
+            device="cpu", topology=TOPO, gpu_ids=[0, 1], env={}, gpus=["bogus"]
+        )
+        == ()
+    )
 
 
 # --- NvmlRuntime -------------------------------------------------------------------------------
@@ -378,7 +466,9 @@ def test_cpu_device_has_no_accelerators():
 
 @pytest.mark.parametrize("bytes_ids", [False, True])
 def test_nvml_bus_id_canonicalised(bytes_ids):
-    module = fake_pynvml(addrs=("0000:81:00.0", "0001:C1:1F.0"), uuids=UUIDS[:2], bytes_ids=bytes_ids)
+    module = fake_pynvml(
+        addrs=("0000:81:00.0", "0001:C1:1F.0"), uuids=UUIDS[:2], bytes_ids=bytes_ids
+    )
     with NvmlRuntime(module=module) as runtime:
         assert module.state["init"] == 1
         assert runtime.pci_by_index(0) == "0000:81:00.0"
@@ -395,6 +485,7 @@ def test_default_runtime_uses_nvml_only_when_it_initialises(monkeypatch):
     assert default_runtime("xpu") is None
     # This machine has nvidia-ml-py but no driver: nvmlInit fails and there is no runtime.
     import pynvml  # installed with the test dependencies (nvidia-ml-py)
+
     with pytest.raises(pynvml.NVMLError):
         pynvml.nvmlInit()
     assert default_runtime("cuda") is None
@@ -419,7 +510,9 @@ XPU_TOPO = make_topology(
 
 
 def xpu(gpu_ids, env, **kw):
-    return identify_accelerators(device="xpu", topology=XPU_TOPO, gpu_ids=gpu_ids, env=env, **kw)
+    return identify_accelerators(
+        device="xpu", topology=XPU_TOPO, gpu_ids=gpu_ids, env=env, **kw
+    )
 
 
 def test_xpu_level_zero_order_puts_the_integrated_gpu_last():
@@ -427,9 +520,18 @@ def test_xpu_level_zero_order_puts_the_integrated_gpu_last():
     order = [d.address for d in accelerator_pci_devices(XPU_TOPO, device="xpu")]
     assert order == ["0000:00:02.0", "0000:29:00.0", "0000:4d:00.0", "0000:9a:00.0"]
     # ... and Level Zero numbers it last unless ZE_ENABLE_PCI_ID_DEVICE_ORDER asks for plain PCI order.
-    for env in ({}, {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "0"}, {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": " "}):
+    for env in (
+        {},
+        {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "0"},
+        {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": " "},
+    ):
         accs = xpu([0, 1, 2, 3], env)
-        assert [a.pci for a in accs] == ["0000:29:00.0", "0000:4d:00.0", "0000:9a:00.0", "0000:00:02.0"]
+        assert [a.pci for a in accs] == [
+            "0000:29:00.0",
+            "0000:4d:00.0",
+            "0000:9a:00.0",
+            "0000:00:02.0",
+        ]
         assert accs[0].source == (
             "sysfs: Intel GPU 0 in Level Zero order (PCI bus order, integrated GPUs last) (no ZE_AFFINITY_MASK)"
         )
@@ -454,8 +556,13 @@ def test_level_zero_order_of_discrete_gpus_only_is_pci_order():
 def test_ze_affinity_mask_filters_and_does_not_permute():
     # Unlike CUDA_VISIBLE_DEVICES, the mask only chooses devices; they keep Level Zero's order.
     accs = xpu([0, 1], {"ZE_AFFINITY_MASK": "2,0"})
-    assert [(a.physical_id, a.pci) for a in accs] == [("0", "0000:29:00.0"), ("2", "0000:9a:00.0")]
-    assert accs[0].source.endswith("(ZE_AFFINITY_MASK='2,0' shows devices 0,2 in index order, device 0 is 0)")
+    assert [(a.physical_id, a.pci) for a in accs] == [
+        ("0", "0000:29:00.0"),
+        ("2", "0000:9a:00.0"),
+    ]
+    assert accs[0].source.endswith(
+        "(ZE_AFFINITY_MASK='2,0' shows devices 0,2 in index order, device 0 is 0)"
+    )
     # The integrated GPU is device 3 here, so masking it in makes it the last visible device.
     accs = xpu([0, 1], {"ZE_AFFINITY_MASK": "3,1"})
     assert [a.pci for a in accs] == ["0000:4d:00.0", "0000:00:02.0"]
@@ -465,8 +572,14 @@ def test_ze_affinity_mask_subdevices_name_their_card():
     env = {"ZE_AFFINITY_MASK": "3,1.1,1.0", "ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1"}
     accs = xpu([0, 1], env)
     # Both tiles of card 1 make card 1 visible once; card 3 follows it.
-    assert [(a.physical_id, a.pci) for a in accs] == [("1", "0000:29:00.0"), ("3", "0000:9a:00.0")]
-    with pytest.raises(ValueError, match=r"ZE_AFFINITY_MASK='3,1.1,1.0' makes 2 device\(s\) visible, but a rank"):
+    assert [(a.physical_id, a.pci) for a in accs] == [
+        ("1", "0000:29:00.0"),
+        ("3", "0000:9a:00.0"),
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"ZE_AFFINITY_MASK='3,1.1,1.0' makes 2 device\(s\) visible, but a rank",
+    ):
         xpu([2], env)
 
 
@@ -474,8 +587,14 @@ def test_ze_affinity_mask_skips_entries_it_cannot_use():
     # As Level Zero does: an entry that is no index, or names a device beyond the four here, is skipped.
     (acc,) = xpu([1], {"ZE_AFFINITY_MASK": "gpu1, 2 ,7,,1.x,0"})
     assert acc.pci == "0000:9a:00.0"
-    assert "shows devices 0,2 in index order, device 1 is 2; entries 'gpu1', '7', '', '1.x' skipped" in acc.source
-    with pytest.raises(ValueError, match=r"ZE_AFFINITY_MASK='0,1' makes 2 device\(s\) visible, but a rank uses GPU id 2"):
+    assert (
+        "shows devices 0,2 in index order, device 1 is 2; entries 'gpu1', '7', '', '1.x' skipped"
+        in acc.source
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"ZE_AFFINITY_MASK='0,1' makes 2 device\(s\) visible, but a rank uses GPU id 2",
+    ):
         xpu([2], {"ZE_AFFINITY_MASK": "0,1"})
     with pytest.raises(ValueError, match=r"ZE_AFFINITY_MASK='gpu1' makes 0 device\(s\) visible; entries 'gpu1' "
                                          r"skipped, but a rank uses GPU id 0"):  # fmt: skip
@@ -511,12 +630,19 @@ def test_read_topology_tree_gives_gpus_in_bus_order(tmp_path):
 
     topo = read_topology(two_sockets_four_gpus(tmp_path / "four"))
     accs = identify_accelerators(
-        device="cuda", topology=topo, gpu_ids=[0, 1], env={"CUDA_VISIBLE_DEVICES": "3,0", **PCI_ORDER}
+        device="cuda",
+        topology=topo,
+        gpu_ids=[0, 1],
+        env={"CUDA_VISIBLE_DEVICES": "3,0", **PCI_ORDER},
     )
     assert [a.pci for a in accs] == ["0000:48:00.0", "0000:18:00.0"]
     assert [topo.pci_device(a.pci).numa_node for a in accs] == [1, 0]
-    with pytest.raises(ValueError, match=f"not among the 5 PCI devices read from {tmp_path / 'four'}"):
-        identify_accelerators(device="cuda", topology=topo, gpu_ids=[0], env={}, gpus="0000:19:00.0")
+    with pytest.raises(
+        ValueError, match=f"not among the 5 PCI devices read from {tmp_path / 'four'}"
+    ):
+        identify_accelerators(
+            device="cuda", topology=topo, gpu_ids=[0], env={}, gpus="0000:19:00.0"
+        )
 
     # A GPU whose numa_node is -1 (the one-GPU cloud VM) is still identified; its node is unknown.
     topo = read_topology(gpu_unknown_node(tmp_path / "unknown", gpus=1))

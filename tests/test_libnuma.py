@@ -14,12 +14,11 @@ import sys
 import textwrap
 
 import pytest
+from fakelibnuma import FakeLibNuma
 
 from sglang.srt.placement import libnuma as libnuma_mod
 from sglang.srt.placement.cpulist import parse_cpulist
 from sglang.srt.placement.libnuma import LibNuma, LibNumaApi, load_libnuma
-
-from fakelibnuma import FakeLibNuma
 
 
 def _sys_nodes() -> frozenset[int]:
@@ -106,7 +105,10 @@ def test_policies_and_migration_through_the_real_library():
     assert out["bind"] == ["bind", node]
     assert out["not_moved"] == 0
     assert out["bind_absent"][0] == 22 and "numa_set_membind" in out["bind_absent"][1]
-    assert out["migrate_absent"][0] in (22, 1) and "numa_migrate_pages" in out["migrate_absent"][1]
+    assert (
+        out["migrate_absent"][0] in (22, 1)
+        and "numa_migrate_pages" in out["migrate_absent"][1]
+    )
 
 
 def test_nodemask_rejects_node_ids_the_kernel_cannot_hold():
@@ -131,7 +133,13 @@ def test_fake_follows_the_kernel_where_memory_is_missing():
     assert fake.pages == {0: 3, 1: 102, 2: 0}
     with pytest.raises(OSError):
         fake.migrate_pages(0, [0], [2])
-    assert [name for name, _ in fake.calls] == ["node_of_cpu", "set_membind", "set_membind", "migrate_pages", "migrate_pages"]
+    assert [name for name, _ in fake.calls] == [
+        "node_of_cpu",
+        "set_membind",
+        "set_membind",
+        "migrate_pages",
+        "migrate_pages",
+    ]
 
 
 def test_real_binding_is_a_libnuma_class():

@@ -25,6 +25,8 @@ def test_placement_and_the_spawn_path_load_without_heavy_modules():
         "import sglang.srt.utils.numa_utils\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout

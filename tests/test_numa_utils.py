@@ -10,10 +10,10 @@ import os
 import sys
 from typing import Iterator
 
-import pytest
-
 import fakesys
+import pytest
 from spawn_support import args
+
 from sglang.srt.placement.types import PlacementError
 from sglang.srt.scheduler_placement.spawn_hook import armed_prefix
 from sglang.srt.utils import numa_utils
@@ -23,6 +23,7 @@ from sglang.srt.utils.numa_utils import (
     get_numa_node_if_available,
     init_threads_binding,
 )
+
 
 @contextlib.contextmanager
 def setting(name: str, value) -> Iterator[None]:
@@ -73,7 +74,10 @@ def _groups_and_nothing_left_armed(monkeypatch):
 
 def test_configure_subprocess_arms_the_spawn_of_its_rank_only():
     with configure_subprocess(CPU_RANK, 1):
-        assert armed_prefix()[1:] == ("--physcpubind=" + str(ALL_CPUS[-1]), "--membind=0")
+        assert armed_prefix()[1:] == (
+            "--physcpubind=" + str(ALL_CPUS[-1]),
+            "--membind=0",
+        )
         assert spawn_and_read_cpus() == [ALL_CPUS[-1]]
     assert spawn_and_read_cpus() == ALL_CPUS
 
@@ -91,7 +95,9 @@ def test_configure_subprocess_warns_when_nothing_was_spawned(caplog):
     with caplog.at_level(logging.WARNING):
         with configure_subprocess(CPU_RANK, 1):
             assert spawn_and_read_cpus("fork") == ALL_CPUS
-    assert "CPU rank 1: no process was started with the spawn start method" in caplog.text
+    assert (
+        "CPU rank 1: no process was started with the spawn start method" in caplog.text
+    )
 
 
 def test_configure_subprocess_notices_a_changed_spawn_executable(caplog):
@@ -100,13 +106,19 @@ def test_configure_subprocess_notices_a_changed_spawn_executable(caplog):
         with caplog.at_level(logging.WARNING):
             with configure_subprocess(CPU_RANK, 1):
                 spawn_and_read_cpus()
-                multiprocessing.set_executable(os.path.realpath(sys.executable) + "-other")
+                multiprocessing.set_executable(
+                    os.path.realpath(sys.executable) + "-other"
+                )
         assert "spawn executable changed" in caplog.text
         multiprocessing.set_executable(os.fsdecode(original))
-        with setting("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", True), pytest.raises(PlacementError, match="changed"):
+        with setting("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", True), pytest.raises(
+            PlacementError, match="changed"
+        ):
             with configure_subprocess(CPU_RANK, 1):
                 spawn_and_read_cpus()
-                multiprocessing.set_executable(os.path.realpath(sys.executable) + "-other")
+                multiprocessing.set_executable(
+                    os.path.realpath(sys.executable) + "-other"
+                )
     finally:
         multiprocessing.set_executable(os.fsdecode(original))
 
@@ -132,7 +144,9 @@ def test_numa_node_from_the_explicit_list_first():
         get_numa_node_if_available(args(numa_node=[1, 0]), 2)
 
 
-def test_numa_node_discovery_on_a_two_socket_host_answers_for_the_gpu_given(tmp_path, monkeypatch):
+def test_numa_node_discovery_on_a_two_socket_host_answers_for_the_gpu_given(
+    tmp_path, monkeypatch
+):
     """GPU 2 of a two-socket host is on node 1, whichever rank asks; one GPU identified per call."""
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
     monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(root))
@@ -158,12 +172,16 @@ def test_get_libnuma_returns_the_loaded_cdll_as_upstream():
     assert lib.numa_available() >= 0
 
 
-def test_numa_bind_to_node_without_libnuma_follows_the_failure_policy(monkeypatch, caplog):
+def test_numa_bind_to_node_without_libnuma_follows_the_failure_policy(
+    monkeypatch, caplog
+):
     monkeypatch.setattr(numa_utils, "get_libnuma", lambda: None)
     with caplog.at_level(logging.WARNING, logger=numa_utils.__name__):
         numa_utils.numa_bind_to_node(0)
     assert "numa not available on this system, skip bind action" in caplog.text
-    with setting("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", True), pytest.raises(RuntimeError, match="numa not"):
+    with setting("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", True), pytest.raises(
+        RuntimeError, match="numa not"
+    ):
         numa_utils.numa_bind_to_node(0)
 
 
@@ -171,17 +189,24 @@ def test_numa_bind_to_node_without_libnuma_follows_the_failure_policy(monkeypatc
 
 
 def test_init_threads_binding_from_groups(caplog):
-    with setting("SGLANG_CPU_OMP_THREADS_BIND", "0|1"), caplog.at_level(logging.INFO, logger=numa_utils.__name__):
+    with setting("SGLANG_CPU_OMP_THREADS_BIND", "0|1"), caplog.at_level(
+        logging.INFO, logger=numa_utils.__name__
+    ):
         assert init_threads_binding(numa_index=1, world_size=2) == "1"
         # A router runs each DP worker as its own one-rank engine: the index still counts across the groups.
         assert init_threads_binding(numa_index=1, world_size=1) == "1"
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert lines[0] == "init_threads_binding: numa_index=1, world_size=2, local_omp_cpuid=1"
+    assert (
+        lines[0]
+        == "init_threads_binding: numa_index=1, world_size=2, local_omp_cpuid=1"
+    )
 
 
 def test_init_threads_binding_from_nodes():
     with setting("SGLANG_CPU_OMP_THREADS_BIND", "all"):
-        assert init_threads_binding(numa_index=0, world_size=1) == ",".join(map(str, ALL_CPUS))
+        assert init_threads_binding(numa_index=0, world_size=1) == ",".join(
+            map(str, ALL_CPUS)
+        )
         with pytest.raises(ValueError, match="rank index 1 has none"):
             init_threads_binding(numa_index=1, world_size=2)
 
@@ -218,48 +243,71 @@ class RecordingLibnuma:
 @pytest.fixture
 def legacy_host(tmp_path, monkeypatch):
     """Node 0 is this host's first CPU, node 1 all of its CPUs plus one only the tree has."""
-    root = fakesys.write_sysfs(tmp_path / "sys", fakesys.Host(nodes={
-        0: fakesys.NodeSpec(cpus=frozenset({ALL_CPUS[0]})), 1: fakesys.NodeSpec(cpus=frozenset(ALL_CPUS) | {64}),
-        2: fakesys.NodeSpec(cpus=frozenset())}))
+    root = fakesys.write_sysfs(
+        tmp_path / "sys",
+        fakesys.Host(
+            nodes={
+                0: fakesys.NodeSpec(cpus=frozenset({ALL_CPUS[0]})),
+                1: fakesys.NodeSpec(cpus=frozenset(ALL_CPUS) | {64}),
+                2: fakesys.NodeSpec(cpus=frozenset()),
+            }
+        ),
+    )
     monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(root))
     lib = RecordingLibnuma()
     monkeypatch.setattr(numa_utils, "get_libnuma", lambda: lib)
     return lib
 
 
-def test_legacy_bind_takes_the_nodes_allowed_cpus_for_every_thread_then_prefers_its_memory(legacy_host,
-                                                                                          monkeypatch):
+def test_legacy_bind_takes_the_nodes_allowed_cpus_for_every_thread_then_prefers_its_memory(
+    legacy_host, monkeypatch
+):
     # As sglang 0.5.23 (the node's CPUs intersected with the current affinity, then preferred memory), but
     # every thread of the process is moved, not only the calling one.
     moved = []
-    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cpus: moved.append((tid, frozenset(cpus))))
+    monkeypatch.setattr(
+        os, "sched_setaffinity", lambda tid, cpus: moved.append((tid, frozenset(cpus)))
+    )
     monkeypatch.setattr(numa_utils, "_can_set_mempolicy", lambda: True)
     numa_utils.numa_bind_to_node(1)
     threads = {int(t) for t in os.listdir("/proc/self/task")}
-    assert {tid for tid, _ in moved} >= threads and {cpus for _, cpus in moved} == {frozenset(ALL_CPUS)}
+    assert {tid for tid, _ in moved} >= threads and {cpus for _, cpus in moved} == {
+        frozenset(ALL_CPUS)
+    }
     assert legacy_host.calls == [("numa_set_preferred", 1)]
 
 
-def test_legacy_bind_of_a_node_without_cpus_runs_on_it(legacy_host, monkeypatch, caplog):
+def test_legacy_bind_of_a_node_without_cpus_runs_on_it(
+    legacy_host, monkeypatch, caplog
+):
     monkeypatch.setattr(numa_utils, "_can_set_mempolicy", lambda: False)
     with caplog.at_level(logging.INFO, logger=numa_utils.__name__):
         numa_utils.numa_bind_to_node(2)
     assert legacy_host.calls == [("numa_run_on_node", 2)]
-    assert "NUMA memory policy not permitted; binding CPUs only to NUMA node 2" in caplog.text
+    assert (
+        "NUMA memory policy not permitted; binding CPUs only to NUMA node 2"
+        in caplog.text
+    )
 
 
-@pytest.mark.parametrize("node, allowed, needle", [
-    (0, {64}, "NUMA node 0 has no CPU cores allowed by the current affinity [64]"),
-    (7, None, "NUMA node 7 does not exist on this host"),
-])
-def test_legacy_bind_failure_warns_or_raises_under_the_crash_setting(legacy_host, monkeypatch, caplog, node,
-                                                                     allowed, needle):
+@pytest.mark.parametrize(
+    "node, allowed, needle",
+    [
+        (0, {64}, "NUMA node 0 has no CPU cores allowed by the current affinity [64]"),
+        (7, None, "NUMA node 7 does not exist on this host"),
+    ],
+)
+def test_legacy_bind_failure_warns_or_raises_under_the_crash_setting(
+    legacy_host, monkeypatch, caplog, node, allowed, needle
+):
     if allowed is not None:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(allowed))
     before = os.sched_getaffinity(0)
     with caplog.at_level(logging.WARNING, logger=numa_utils.__name__):
         numa_utils.numa_bind_to_node(node)
     assert needle in caplog.text and legacy_host.calls == []
-    with setting("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", "1"), pytest.raises(RuntimeError) as raised:
+    with setting("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", "1"), pytest.raises(
+        RuntimeError
+    ) as raised:
         numa_utils.numa_bind_to_node(node)
     assert needle in str(raised.value) and os.sched_getaffinity(0) == before

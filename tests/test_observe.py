@@ -53,7 +53,12 @@ def placement(**changes) -> ProcessPlacement:
 
 
 def observed(**changes) -> ObservedBinding:
-    fields = dict(cpus=frozenset({2, 3}), mems=frozenset({0, 1}), policy="bind", policy_nodes=frozenset({1}))
+    fields = dict(
+        cpus=frozenset({2, 3}),
+        mems=frozenset({0, 1}),
+        policy="bind",
+        policy_nodes=frozenset({1}),
+    )
     fields.update(changes)
     return ObservedBinding(**fields)
 
@@ -68,7 +73,12 @@ def _mems_allowed_of_self() -> frozenset[int]:
 
 def _observe_in_child(*prefix: str) -> dict:
     code = "from sglang.srt.placement.observe import observe_self; print(observe_self().to_json())"
-    proc = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -88,7 +98,9 @@ def test_this_process_matches_the_kernel():
 
 def test_child_under_numactl_membind_reads_back_bind():
     assert NUMACTL, "numactl must be installed (Debian package numactl)"
-    out = ObservedBinding.from_dict(_observe_in_child(NUMACTL, "--physcpubind=0", "--membind=0"))
+    out = ObservedBinding.from_dict(
+        _observe_in_child(NUMACTL, "--physcpubind=0", "--membind=0")
+    )
     assert out.cpus == {0}
     assert (out.policy, out.policy_nodes) == ("bind", {0})
     assert out.local_page_ratio([0]) == 1.0
@@ -99,7 +111,9 @@ def test_child_under_numactl_membind_reads_back_bind():
 def test_child_under_numactl_preferred_reads_back_preferred():
     out = ObservedBinding.from_dict(_observe_in_child(NUMACTL, "--preferred=0"))
     assert (out.policy, out.policy_nodes) == ("preferred", {0})
-    plan = placement(numa_node=0, cpus=out.cpus, mem_nodes=frozenset({0}), mem_policy="preferred")
+    plan = placement(
+        numa_node=0, cpus=out.cpus, mem_nodes=frozenset({0}), mem_policy="preferred"
+    )
     assert compare_binding(plan, out) == []
 
 
@@ -109,7 +123,10 @@ def test_another_process_policy_comes_from_its_numa_maps():
         # numactl binds itself, then execs sleep in the same pid: wait for the exec.
         cmdline = Path(f"/proc/{child.pid}/cmdline")
         deadline = time.monotonic() + 30
-        while not cmdline.read_bytes().startswith(b"sleep") and time.monotonic() < deadline:
+        while (
+            not cmdline.read_bytes().startswith(b"sleep")
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         obs = observe_self(pid=str(child.pid))
         assert (obs.policy, obs.policy_nodes) == ("bind", {0})
@@ -126,7 +143,9 @@ def test_observe_module_does_not_import_torch():
         "import sglang.srt.placement.observe, sglang.srt.placement.apply, sglang.srt.placement.libnuma\n"
         "print('torch' in sys.modules)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
 
@@ -136,7 +155,11 @@ def test_observe_module_does_not_import_torch():
 
 def test_numa_maps_sums_pages_per_node_in_kb():
     totals = parse_numa_maps(NUMA_MAPS)
-    assert totals.resident_kb == {0: (6 + 100 + 5) * 4, 1: (4 + 200) * 4 + 2 * 2048, 3: 8 * 4}
+    assert totals.resident_kb == {
+        0: (6 + 100 + 5) * 4,
+        1: (4 + 200) * 4 + 2 * 2048,
+        3: 8 * 4,
+    }
     assert totals.anon_kb == {0: (100 + 5) * 4, 1: 200 * 4 + 2 * 2048}
 
 
@@ -147,12 +170,18 @@ def test_observe_from_a_crafted_proc_tree(tmp_path):
         "Name:\tpython\nCpus_allowed:\t0c\nCpus_allowed_list:\t2-3\nMems_allowed:\t3\nMems_allowed_list:\t0-1\n"
     )
     (pid_dir / "numa_maps").write_text(NUMA_MAPS)
-    obs = observe_self(proc_root=str(tmp_path), pid="4242", mempolicy=lambda: ("bind", frozenset({1})))
+    obs = observe_self(
+        proc_root=str(tmp_path), pid="4242", mempolicy=lambda: ("bind", frozenset({1}))
+    )
     assert obs.cpus == {2, 3} and obs.mems == {0, 1}
     assert (obs.policy, obs.policy_nodes) == ("bind", {1})
     total = sum(obs.resident_kb_by_node.values())
-    assert obs.local_page_ratio([1]) == pytest.approx(((4 + 200) * 4 + 2 * 2048) / total)
-    assert obs.local_page_ratio([1], anon_only=True) == pytest.approx((200 * 4 + 2 * 2048) / ((305) * 4 + 2 * 2048))
+    assert obs.local_page_ratio([1]) == pytest.approx(
+        ((4 + 200) * 4 + 2 * 2048) / total
+    )
+    assert obs.local_page_ratio([1], anon_only=True) == pytest.approx(
+        (200 * 4 + 2 * 2048) / ((305) * 4 + 2 * 2048)
+    )
     assert ObservedBinding.from_json(obs.to_json()) == obs
 
 
@@ -172,7 +201,10 @@ def test_crafted_tree_without_numa_maps_or_seam_reads_policy_from_nothing(tmp_pa
         ("7f00 bind=static:0-1 anon=1 N0=1", ("bind", frozenset({0, 1}))),
         ("7f00 interleave:0,2 anon=1 N0=1", ("interleave", frozenset({0, 2}))),
         ("7f00 prefer (many):1-2 anon=1 N1=1", ("preferred_many", frozenset({1, 2}))),
-        ("7f00 weighted interleave:0-3 anon=1", ("weighted_interleave", frozenset({0, 1, 2, 3}))),
+        (
+            "7f00 weighted interleave:0-3 anon=1",
+            ("weighted_interleave", frozenset({0, 1, 2, 3})),
+        ),
         ("7f00 local anon=1 N0=1", ("local", frozenset())),
     ],
 )
@@ -188,7 +220,12 @@ def test_compare_matching_binding_is_empty():
 
 
 def test_compare_reports_each_difference_on_one_line():
-    diffs = compare_binding(placement(), observed(cpus=frozenset({0, 1, 2, 3}), policy="default", policy_nodes=frozenset()))
+    diffs = compare_binding(
+        placement(),
+        observed(
+            cpus=frozenset({0, 1, 2, 3}), policy="default", policy_nodes=frozenset()
+        ),
+    )
     assert diffs == [
         "cpus 0-3 observed, 2-3 planned",
         "memory policy default observed, bind on node(s) 1 planned",
@@ -197,11 +234,15 @@ def test_compare_reports_each_difference_on_one_line():
 
 def test_compare_reports_bind_where_preferred_was_planned():
     diffs = compare_binding(placement(mem_policy="preferred"), observed())
-    assert diffs == ["memory policy bind on node(s) 1 observed, preferred on node(s) 1 planned"]
+    assert diffs == [
+        "memory policy bind on node(s) 1 observed, preferred on node(s) 1 planned"
+    ]
 
 
 def test_compare_reports_wrong_bind_nodes_and_missing_mems():
-    diffs = compare_binding(placement(), observed(mems=frozenset({0}), policy_nodes=frozenset({0})))
+    diffs = compare_binding(
+        placement(), observed(mems=frozenset({0}), policy_nodes=frozenset({0}))
+    )
     assert diffs == [
         "mems allowed 0 observed, must include 1 (a cpuset or an outer numactl restricts this process)",
         "memory policy bind on node(s) 0 observed, bind on node(s) 1 planned",
@@ -210,10 +251,21 @@ def test_compare_reports_wrong_bind_nodes_and_missing_mems():
 
 def test_compare_checks_only_cpus_when_memory_is_not_planned():
     plan = placement(mem_policy="none", mem_nodes=frozenset())
-    assert compare_binding(plan, observed(policy="default", policy_nodes=frozenset())) == []
-    assert compare_binding(plan, observed(cpus=frozenset({0}))) == ["cpus 0 observed, 2-3 planned"]
+    assert (
+        compare_binding(plan, observed(policy="default", policy_nodes=frozenset()))
+        == []
+    )
+    assert compare_binding(plan, observed(cpus=frozenset({0}))) == [
+        "cpus 0 observed, 2-3 planned"
+    ]
 
 
 def test_compare_checks_nothing_for_an_unbound_placement():
     plan = placement(strategy="none")
-    assert compare_binding(plan, observed(cpus=frozenset({0}), policy="default", policy_nodes=frozenset())) == []
+    assert (
+        compare_binding(
+            plan,
+            observed(cpus=frozenset({0}), policy="default", policy_nodes=frozenset()),
+        )
+        == []
+    )

@@ -18,15 +18,16 @@ from typing import Dict, List, Tuple
 
 import libcst  # noqa: F401  (the overlay needs it: a missing libcst must fail here, not skip)
 import pytest
-
 from conftest import full_import_env
 
 OVERLAY = Path(__file__).resolve().parent.parent / "scripts" / "overlay.py"
-BOOTSTRAP, ENGINE, ENVIRON = "srt/distributed/bootstrap.py", "srt/ray/engine.py", "srt/environ.py"
-NUMA = "srt/utils/numa_utils.py"
-SHM_IMPORT = (
-    "from sglang.srt.distributed.shm_collective import ShmNamespace, init_shm_collective, start_shm_collective"
+BOOTSTRAP, ENGINE, ENVIRON = (
+    "srt/distributed/bootstrap.py",
+    "srt/ray/engine.py",
+    "srt/environ.py",
 )
+NUMA = "srt/utils/numa_utils.py"
+SHM_IMPORT = "from sglang.srt.distributed.shm_collective import ShmNamespace, init_shm_collective, start_shm_collective"
 SHM_NEW = ("start_shm_collective(dist_init_method=dist_init_method, tp_size=parallel.tp_size, "
            "tp_rank=parallel.tp_rank, pp_rank=parallel.pp_rank)")  # fmt: skip
 SHM_KEEP = 'os.environ["LOCAL_SIZE"] = str(parallel.tp_size)'
@@ -76,9 +77,15 @@ def pristine() -> Path:
     else:
         candidates = [OVERLAY.parent.parent / ".venv" / "pristine" / "sglang"]
         spec = importlib.util.find_spec("sglang")
-        candidates += [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+        candidates += (
+            [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+        )
         try:
-            candidates.append(Path(str(importlib.metadata.distribution("sglang").locate_file("sglang"))))
+            candidates.append(
+                Path(
+                    str(importlib.metadata.distribution("sglang").locate_file("sglang"))
+                )
+            )
         except importlib.metadata.PackageNotFoundError:
             pass
     for pkg in candidates:
@@ -98,24 +105,38 @@ def link_source(pristine: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
         os.link(pristine / "version.py", probe)
         return pristine
     except OSError:
-        return Path(shutil.copytree(pristine, tmp_path_factory.mktemp("orig") / "sglang"))
+        return Path(
+            shutil.copytree(pristine, tmp_path_factory.mktemp("orig") / "sglang")
+        )
 
 
 @pytest.fixture
 def pkg(link_source: Path, tmp_path: Path):
     """A `cp -al` copy of the pristine package; afterwards the pristine files must be unchanged."""
-    before = {rel: (link_source / rel).read_bytes() for rel in (BOOTSTRAP, ENGINE, ENVIRON, NUMA)}
+    before = {
+        rel: (link_source / rel).read_bytes()
+        for rel in (BOOTSTRAP, ENGINE, ENVIRON, NUMA)
+    }
     dest = tmp_path / "site" / "sglang"
-    shutil.copytree(link_source, dest, copy_function=os.link, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        link_source,
+        dest,
+        copy_function=os.link,
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     yield dest
-    assert {rel: (link_source / rel).read_bytes() for rel in before} == before, "the pristine package changed"
+    assert {
+        rel: (link_source / rel).read_bytes() for rel in before
+    } == before, "the pristine package changed"
 
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
     """A fake repo python/ dir: new modules, a new package and an owned-whole numa_utils.py."""
     for rel, text in REPO_FILES.items():
-        (tmp_path / "repo" / "python" / "sglang" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "repo" / "python" / "sglang" / rel).parent.mkdir(
+            parents=True, exist_ok=True
+        )
         (tmp_path / "repo" / "python" / "sglang" / rel).write_text(text)
     return tmp_path / "repo" / "python"
 
@@ -130,7 +151,12 @@ def snapshot(root: Path) -> Dict[str, Tuple[int, int, int, int]]:
     out = {}
     for p in sorted(root.rglob("*")):
         st = p.lstat()
-        out[p.relative_to(root).as_posix()] = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_mode)
+        out[p.relative_to(root).as_posix()] = (
+            st.st_ino,
+            st.st_mtime_ns,
+            st.st_size,
+            st.st_mode,
+        )
     return out
 
 
@@ -144,12 +170,18 @@ def edit(path: Path, old: str, new: str) -> None:
 
 def assert_only_changed(old: str, new: str, spans: List[Tuple[int, int]]) -> None:
     """Every differing line of ``old`` (0-based, end exclusive) lies in one of ``spans``; each span changed."""
-    matcher = difflib.SequenceMatcher(None, old.splitlines(True), new.splitlines(True), autojunk=False)
+    matcher = difflib.SequenceMatcher(
+        None, old.splitlines(True), new.splitlines(True), autojunk=False
+    )
     ops = [op for op in matcher.get_opcodes() if op[0] != "equal"]
     for _, i1, i2, _, _ in ops:
-        assert any(s <= i1 and i2 <= e for s, e in spans), f"unexpected change at old lines {i1 + 1}-{i2}"
+        assert any(
+            s <= i1 and i2 <= e for s, e in spans
+        ), f"unexpected change at old lines {i1 + 1}-{i2}"
     for s, e in spans:
-        assert any(s <= i1 and i2 <= e for _, i1, i2, _, _ in ops), f"no change in old lines {s + 1}-{e}"
+        assert any(
+            s <= i1 and i2 <= e for _, i1, i2, _, _ in ops
+        ), f"no change in old lines {s + 1}-{e}"
 
 
 def _unparsed(code: str) -> str:
@@ -160,15 +192,28 @@ def bootstrap_spans(text: str) -> List[Tuple[int, int]]:
     tree = ast.parse(text)
     # The import goes where isort puts it: right before `from sglang.srt.environ import envs`
     # (difflib may align its closing parenthesis with the one of the import above).
-    environ = next(n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "sglang.srt.environ")
-    branch = next(n for n in _top(tree, "_init_cpu_threads_env").body if isinstance(n, ast.If))
-    stmts = [s for s in branch.body if ast.unparse(s) in {_unparsed(c) for c in SHM_OLD}]
+    environ = next(
+        n
+        for n in tree.body
+        if isinstance(n, ast.ImportFrom) and n.module == "sglang.srt.environ"
+    )
+    branch = next(
+        n for n in _top(tree, "_init_cpu_threads_env").body if isinstance(n, ast.If)
+    )
+    stmts = [
+        s for s in branch.body if ast.unparse(s) in {_unparsed(c) for c in SHM_OLD}
+    ]
     # The comment block right above the first statement (4 lines) is replaced too.
-    return [(environ.lineno - 2, environ.lineno - 1), (stmts[0].lineno - 5, stmts[-1].end_lineno)]
+    return [
+        (environ.lineno - 2, environ.lineno - 1),
+        (stmts[0].lineno - 5, stmts[-1].end_lineno),
+    ]
 
 
 def _imports(text: str) -> List[str]:
-    return [ast.unparse(n) for n in ast.parse(text).body if isinstance(n, ast.ImportFrom)]
+    return [
+        ast.unparse(n) for n in ast.parse(text).body if isinstance(n, ast.ImportFrom)
+    ]
 
 
 def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
@@ -180,31 +225,65 @@ def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
     assert SHM_IMPORT in _imports(new[BOOTSTRAP])
     fn = _top(ast.parse(new[BOOTSTRAP]), "_init_cpu_threads_env")
     calls = {ast.unparse(c.func): c for c in ast.walk(fn) if isinstance(c, ast.Call)}
-    assert "_set_shm_master_env" not in calls and "torch.ops.sgl_kernel.initialize" not in calls
-    assert "torch.ops.sgl_kernel.init_cpu_threads_env" in calls and "logger.warning" in calls
+    assert (
+        "_set_shm_master_env" not in calls
+        and "torch.ops.sgl_kernel.initialize" not in calls
+    )
+    assert (
+        "torch.ops.sgl_kernel.init_cpu_threads_env" in calls
+        and "logger.warning" in calls
+    )
     branch = next(n for n in fn.body if isinstance(n, ast.If))
     # Upstream's LOCAL_SIZE statement stays, right before the one new call.
-    assert [ast.unparse(s) for s in branch.body[-2:]] == [_unparsed(SHM_KEEP), _unparsed(SHM_NEW)]
-    assert "        # Set local size to hint SGLang to use shared memory based AllReduce\n" in new[BOOTSTRAP]
-    assert "MASTER_ADDR/MASTER_PORT in the" in new[BOOTSTRAP].split("def _init_cpu_threads_env")[1]
+    assert [ast.unparse(s) for s in branch.body[-2:]] == [
+        _unparsed(SHM_KEEP),
+        _unparsed(SHM_NEW),
+    ]
+    assert (
+        "        # Set local size to hint SGLang to use shared memory based AllReduce\n"
+        in new[BOOTSTRAP]
+    )
+    assert (
+        "MASTER_ADDR/MASTER_PORT in the"
+        in new[BOOTSTRAP].split("def _init_cpu_threads_env")[1]
+    )
     assert_only_changed(old[BOOTSTRAP], new[BOOTSTRAP], bootstrap_spans(old[BOOTSTRAP]))
 
-    up_fn, fn = (_top(ast.parse(t[ENGINE]), "_create_scheduler_actor") for t in (old, new))
-    for part in (lambda f: f.args, lambda f: f.returns, lambda f: f.body[0]):  # signature and docstring kept
+    up_fn, fn = (
+        _top(ast.parse(t[ENGINE]), "_create_scheduler_actor") for t in (old, new)
+    )
+    for part in (
+        lambda f: f.args,
+        lambda f: f.returns,
+        lambda f: f.body[0],
+    ):  # signature and docstring kept
         assert ast.dump(part(fn)) == ast.dump(part(up_fn))
     imp, ret = fn.body[1:]
     assert ast.unparse(imp) == ACTOR_IMPORT
-    assert ast.unparse(ret.value.func) == "create_scheduler_actor" and not ret.value.args
+    assert (
+        ast.unparse(ret.value.func) == "create_scheduler_actor" and not ret.value.args
+    )
     keywords = [(k.arg, ast.unparse(k.value)) for k in ret.value.keywords]
-    assert keywords == [("actor_class", "SchedulerActor"), *zip(ACTOR_PARAMS, ACTOR_PARAMS)]
-    assert_only_changed(old[ENGINE], new[ENGINE], [(up_fn.body[0].end_lineno, up_fn.end_lineno)])
+    assert keywords == [
+        ("actor_class", "SchedulerActor"),
+        *zip(ACTOR_PARAMS, ACTOR_PARAMS),
+    ]
+    assert_only_changed(
+        old[ENGINE], new[ENGINE], [(up_fn.body[0].end_lineno, up_fn.end_lineno)]
+    )
 
     envs = _top(ast.parse(new[ENVIRON]), "Envs")
-    fields = {ast.unparse(s.targets[0]): ast.unparse(s.value) for s in envs.body if isinstance(s, ast.Assign)}
+    fields = {
+        ast.unparse(s.targets[0]): ast.unparse(s.value)
+        for s in envs.body
+        if isinstance(s, ast.Assign)
+    }
     assert {k: fields[k] for k in ENV_FIELDS} == ENV_FIELDS
     anchor = next(s for s in _top(ast.parse(old[ENVIRON]), "Envs").body
                   if ast.unparse(s) == "SGLANG_CRASH_ON_NUMA_BIND_FAILURE = EnvBool(False)")  # fmt: skip
-    assert_only_changed(old[ENVIRON], new[ENVIRON], [(anchor.end_lineno, anchor.end_lineno)])
+    assert_only_changed(
+        old[ENVIRON], new[ENVIRON], [(anchor.end_lineno, anchor.end_lineno)]
+    )
 
     for rel, text in REPO_FILES.items():
         assert (pkg / rel).read_text() == text
@@ -259,7 +338,10 @@ def test_second_run_changes_nothing(pkg: Path, repo: Path) -> None:
     r = overlay(pkg, repo)
     assert (r.returncode, r.stderr) == (0, "") and "nothing changed" in r.stdout
     d = overlay(pkg, repo, "--diff")
-    assert (d.returncode, d.stdout) == (0, "") and "0 upstream files changed" in d.stderr
+    assert (d.returncode, d.stdout) == (
+        0,
+        "",
+    ) and "0 upstream files changed" in d.stderr
     assert snapshot(pkg) == before
 
 
@@ -279,7 +361,12 @@ def test_diff_writes_nothing(pkg: Path, repo: Path, pristine: Path) -> None:
     assert overlay(pkg, repo).returncode == 0
     for rel in (BOOTSTRAP, ENGINE, ENVIRON):
         old, new = ((p / rel).read_text().splitlines(True) for p in (pristine, pkg))
-        assert "".join(difflib.unified_diff(old, new, f"a/sglang/{rel}", f"b/sglang/{rel}")) in r.stdout
+        assert (
+            "".join(
+                difflib.unified_diff(old, new, f"a/sglang/{rel}", f"b/sglang/{rel}")
+            )
+            in r.stdout
+        )
 
 
 NUMA_ANCHOR = "    SGLANG_CRASH_ON_NUMA_BIND_FAILURE = EnvBool(False)\n"
@@ -297,18 +384,28 @@ UNKNOWN_SHAPES = {  # upstream edit -> (file, name the refusal must give)
 
 @pytest.mark.parametrize("shape", UNKNOWN_SHAPES)
 @pytest.mark.parametrize("diff", [False, True])
-def test_refuses_unknown_upstream_shape(pkg: Path, repo: Path, shape: str, diff: bool) -> None:
+def test_refuses_unknown_upstream_shape(
+    pkg: Path, repo: Path, shape: str, diff: bool
+) -> None:
     rel, old, new, name = UNKNOWN_SHAPES[shape]
     edit(pkg / rel, old, new)
     before = snapshot(pkg)
     r = overlay(pkg, repo, *(["--diff"] if diff else []))
     assert (r.returncode, r.stdout) == (2, "")
-    assert len(r.stderr.splitlines()) == 1 and rel in r.stderr and name in r.stderr, r.stderr
-    assert snapshot(pkg) == before  # nothing written: no new module, no manifest, no rewrite
+    assert (
+        len(r.stderr.splitlines()) == 1 and rel in r.stderr and name in r.stderr
+    ), r.stderr
+    assert (
+        snapshot(pkg) == before
+    )  # nothing written: no new module, no manifest, no rewrite
 
 
-@pytest.mark.parametrize("stand_in", ["srt/server_args.py", "__init__.py", "srt/__init__.py"])
-def test_refuses_stand_ins_of_upstream_modules(pkg: Path, repo: Path, stand_in: str) -> None:
+@pytest.mark.parametrize(
+    "stand_in", ["srt/server_args.py", "__init__.py", "srt/__init__.py"]
+)
+def test_refuses_stand_ins_of_upstream_modules(
+    pkg: Path, repo: Path, stand_in: str
+) -> None:
     (repo / "sglang" / stand_in).write_text("# a stand-in\n")
     before = snapshot(pkg)
     r = overlay(pkg, repo)
@@ -322,8 +419,13 @@ def test_module_deleted_from_repo_is_removed(pkg: Path, repo: Path) -> None:
     (repo / "sglang/srt/placement/plan.py").unlink()
     r = overlay(pkg, repo)
     assert r.returncode == 0 and "deleted sglang/srt/placement/plan.py" in r.stdout
-    assert not (pkg / "srt/placement/plan.py").exists() and (pkg / "srt/placement/__init__.py").exists()
-    py_compile.compile(str(pkg / "srt/placement/__init__.py"), doraise=True)  # a __pycache__ must not keep it
+    assert (
+        not (pkg / "srt/placement/plan.py").exists()
+        and (pkg / "srt/placement/__init__.py").exists()
+    )
+    py_compile.compile(
+        str(pkg / "srt/placement/__init__.py"), doraise=True
+    )  # a __pycache__ must not keep it
     shutil.rmtree(repo / "sglang/srt/placement")
     assert overlay(pkg, repo).returncode == 0
     assert not (pkg / "srt/placement").exists()
@@ -332,12 +434,20 @@ def test_module_deleted_from_repo_is_removed(pkg: Path, repo: Path) -> None:
     assert "nothing changed" in overlay(pkg, repo).stdout
 
 
-def test_hard_linked_copy_stays_pristine(pkg: Path, repo: Path, link_source: Path) -> None:
+def test_hard_linked_copy_stays_pristine(
+    pkg: Path, repo: Path, link_source: Path
+) -> None:
     touched = (BOOTSTRAP, ENGINE, ENVIRON, NUMA)
-    assert all((pkg / r).stat().st_ino == (link_source / r).stat().st_ino for r in touched)
+    assert all(
+        (pkg / r).stat().st_ino == (link_source / r).stat().st_ino for r in touched
+    )
     assert overlay(pkg, repo).returncode == 0
-    assert all((pkg / r).stat().st_ino != (link_source / r).stat().st_ino for r in touched)
-    assert (pkg / "srt/server_args.py").stat().st_ino == (link_source / "srt/server_args.py").stat().st_ino
+    assert all(
+        (pkg / r).stat().st_ino != (link_source / r).stat().st_ino for r in touched
+    )
+    assert (pkg / "srt/server_args.py").stat().st_ino == (
+        link_source / "srt/server_args.py"
+    ).stat().st_ino
     assert _has_upstream_actor_body(link_source) and not _has_upstream_actor_body(pkg)
     assert not [p for p in pkg.rglob("*overlay-tmp*")]
 
@@ -345,7 +455,11 @@ def test_hard_linked_copy_stays_pristine(pkg: Path, repo: Path, link_source: Pat
 def test_refuses_what_is_not_a_package(tmp_path: Path, repo: Path) -> None:
     (tmp_path / "sglang" / "srt").mkdir(parents=True)  # no __init__.py, no version.py
     r = overlay(tmp_path / "sglang", repo)
-    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "not an sglang package dir" in r.stderr
+    assert (
+        r.returncode == 2
+        and len(r.stderr.splitlines()) == 1
+        and "not an sglang package dir" in r.stderr
+    )
 
 
 def test_libcst_missing_is_a_one_line_refusal(repo: Path, tmp_path: Path) -> None:
@@ -353,7 +467,11 @@ def test_libcst_missing_is_a_one_line_refusal(repo: Path, tmp_path: Path) -> Non
     cmd = [sys.executable, str(OVERLAY), str(tmp_path), "--repo-python", str(repo)]
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
-    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "pip install libcst" in r.stderr
+    assert (
+        r.returncode == 2
+        and len(r.stderr.splitlines()) == 1
+        and "pip install libcst" in r.stderr
+    )
 
 
 # --------------------------------------------------------------------------- a checkout: python/sglang and test/
@@ -388,12 +506,16 @@ def checkout(link_source: Path, tmp_path: Path) -> Path:
 def repo_tests(repo: Path) -> Path:
     """The fake repo with ported upstream tests beside its python/ dir."""
     for rel, text in REPO_TESTS.items():
-        (repo.parent / "tests" / "upstream" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo.parent / "tests" / "upstream" / rel).parent.mkdir(
+            parents=True, exist_ok=True
+        )
         (repo.parent / "tests" / "upstream" / rel).write_text(text)
     return repo
 
 
-def test_checkout_gets_the_package_and_the_ported_tests(checkout: Path, repo_tests: Path, pristine: Path) -> None:
+def test_checkout_gets_the_package_and_the_ported_tests(
+    checkout: Path, repo_tests: Path, pristine: Path
+) -> None:
     other = (checkout / "test/registered/utils/test_other.py").stat()
     r = overlay(checkout, repo_tests)
     assert r.returncode == 0, r.stderr
@@ -410,8 +532,13 @@ def test_checkout_gets_the_package_and_the_ported_tests(checkout: Path, repo_tes
     lines = r.stdout.splitlines()
     assert f"replaced test/{PORTED} (upstream's test, ported)" in lines
     assert f"added test/{PORTED_NEW}" in lines
-    assert f"rewrote python/sglang/{BOOTSTRAP}" in lines and f"added python/sglang/{'srt/placement/plan.py'}" in lines
-    assert lines[-1] == f"overlay: {len(REPO_FILES) + 3 + 2} file(s) changed in {checkout}"
+    assert (
+        f"rewrote python/sglang/{BOOTSTRAP}" in lines
+        and f"added python/sglang/{'srt/placement/plan.py'}" in lines
+    )
+    assert (
+        lines[-1] == f"overlay: {len(REPO_FILES) + 3 + 2} file(s) changed in {checkout}"
+    )
     manifest = json.loads((pkg / ".placement-overlay.json").read_text())
     assert manifest["tests_added"] == [PORTED_NEW]
     assert set(manifest["added"]) == set(REPO_FILES) - {NUMA}
@@ -421,27 +548,40 @@ def test_checkout_second_run_changes_nothing(checkout: Path, repo_tests: Path) -
     assert overlay(checkout, repo_tests).returncode == 0
     before = snapshot(checkout)
     r = overlay(checkout, repo_tests)
-    assert (r.returncode, r.stderr) == (0, "") and r.stdout == f"overlay: nothing changed; {checkout} is up to date\n"
+    assert (r.returncode, r.stderr) == (
+        0,
+        "",
+    ) and r.stdout == f"overlay: nothing changed; {checkout} is up to date\n"
     d = overlay(checkout, repo_tests, "--diff")
-    assert (d.returncode, d.stdout) == (0, "") and "0 upstream files changed" in d.stderr
+    assert (d.returncode, d.stdout) == (
+        0,
+        "",
+    ) and "0 upstream files changed" in d.stderr
     # The package dir on its own is up to date too, and keeps the checkout's record of its tests.
     p = overlay(checkout / "python" / "sglang", repo_tests)
     assert p.returncode == 0 and "nothing changed" in p.stdout
     assert snapshot(checkout) == before
 
 
-def test_checkout_diff_names_checkout_paths_and_writes_nothing(checkout: Path, repo_tests: Path) -> None:
+def test_checkout_diff_names_checkout_paths_and_writes_nothing(
+    checkout: Path, repo_tests: Path
+) -> None:
     before = snapshot(checkout)
     r = overlay(checkout, repo_tests, "--diff")
     assert r.returncode == 0, r.stderr
     assert snapshot(checkout) == before
     for rel in (BOOTSTRAP, ENGINE, ENVIRON, NUMA):
         assert f"--- a/python/sglang/{rel}\n+++ b/python/sglang/{rel}\n@@ " in r.stdout
-    assert f"--- a/test/{PORTED}\n+++ b/test/{PORTED}\n@@ -1 +1,4 @@\n-{UPSTREAM_TEST}+import unittest\n" in r.stdout
+    assert (
+        f"--- a/test/{PORTED}\n+++ b/test/{PORTED}\n@@ -1 +1,4 @@\n-{UPSTREAM_TEST}+import unittest\n"
+        in r.stdout
+    )
     assert f"--- /dev/null\n+++ b/test/{PORTED_NEW}\n@@ -0,0 +1,4 @@\n" in r.stdout
     assert not re.search(r"^\+\+\+ b/test/.*__init__\.py$", r.stdout, re.M)
     assert "a/sglang/" not in r.stdout and "b/sglang/" not in r.stdout
-    n = sum(t.count("\n") for rel, t in REPO_FILES.items() if rel != NUMA) + REPO_TESTS[PORTED_NEW].count("\n")
+    n = sum(t.count("\n") for rel, t in REPO_FILES.items() if rel != NUMA) + REPO_TESTS[
+        PORTED_NEW
+    ].count("\n")
     summary = rf"overlay --diff: 5 upstream files changed \(\+\d+ -\d+ lines\), 4 new files \({n} lines\)\n"
     assert re.fullmatch(summary, r.stderr), r.stderr
     # The diff is the pull request against the checkout: it applies at its root as it is.
@@ -450,7 +590,9 @@ def test_checkout_diff_names_checkout_paths_and_writes_nothing(checkout: Path, r
     assert check.returncode == 0, check.stderr
 
 
-def test_checkout_port_removed_from_the_repo_is_deleted(checkout: Path, repo_tests: Path) -> None:
+def test_checkout_port_removed_from_the_repo_is_deleted(
+    checkout: Path, repo_tests: Path
+) -> None:
     assert overlay(checkout, repo_tests).returncode == 0
     (repo_tests.parent / "tests" / "upstream" / PORTED_NEW).unlink()
     (repo_tests.parent / "tests" / "upstream" / PORTED).write_text("# ported again\n")
@@ -459,13 +601,21 @@ def test_checkout_port_removed_from_the_repo_is_deleted(checkout: Path, repo_tes
     assert f"deleted test/{PORTED_NEW} (no longer in the repo)" in r.stdout.splitlines()
     assert f"replaced test/{PORTED} (upstream's test, ported)" in r.stdout.splitlines()
     assert not (checkout / "test" / PORTED_NEW).exists()
-    assert (checkout / "test" / PORTED).read_text() == "# ported again\n"  # upstream's path is kept
+    assert (
+        checkout / "test" / PORTED
+    ).read_text() == "# ported again\n"  # upstream's path is kept
     assert (checkout / "test/registered/utils/test_other.py").exists()
-    assert "tests_added" not in json.loads((checkout / "python/sglang/.placement-overlay.json").read_text())
+    assert "tests_added" not in json.loads(
+        (checkout / "python/sglang/.placement-overlay.json").read_text()
+    )
 
 
-@pytest.mark.parametrize("problem", ["no test dir", "unknown upstream shape", "dir in the way"])
-def test_checkout_refusals_write_nothing(checkout: Path, repo_tests: Path, problem: str) -> None:
+@pytest.mark.parametrize(
+    "problem", ["no test dir", "unknown upstream shape", "dir in the way"]
+)
+def test_checkout_refusals_write_nothing(
+    checkout: Path, repo_tests: Path, problem: str
+) -> None:
     if problem == "no test dir":
         shutil.rmtree(checkout / "test")
         want = f"{checkout} is not an sglang package dir"
@@ -479,7 +629,9 @@ def test_checkout_refusals_write_nothing(checkout: Path, repo_tests: Path, probl
     before = snapshot(checkout)
     for args in ((), ("--diff",)):
         r = overlay(checkout, repo_tests, *args)
-        assert (r.returncode, r.stdout) == (2, "") and len(r.stderr.splitlines()) == 1, r.stderr
+        assert (r.returncode, r.stdout) == (2, "") and len(
+            r.stderr.splitlines()
+        ) == 1, r.stderr
         assert want in r.stderr, r.stderr
     assert snapshot(checkout) == before
 
@@ -488,7 +640,9 @@ def test_package_dir_leaves_the_ported_tests_alone(pkg: Path, repo_tests: Path) 
     r = overlay(pkg, repo_tests)
     assert r.returncode == 0, r.stderr
     assert "test/" not in r.stdout and not (pkg.parent / "test").exists()
-    assert "tests_added" not in json.loads((pkg / ".placement-overlay.json").read_text())
+    assert "tests_added" not in json.loads(
+        (pkg / ".placement-overlay.json").read_text()
+    )
 
 
 def test_real_ported_tests_run_in_an_overlaid_checkout(checkout: Path) -> None:
@@ -499,17 +653,40 @@ def test_real_ported_tests_run_in_an_overlaid_checkout(checkout: Path) -> None:
     r = overlay(checkout, REAL_REPO / "python")
     assert r.returncode == 0, r.stderr
     ported = sorted((REAL_REPO / "tests" / "upstream").rglob("test_*.py"))
-    copied = [checkout / "test" / p.relative_to(REAL_REPO / "tests" / "upstream") for p in ported]
-    assert [c.read_bytes() for c in copied] == [p.read_bytes() for p in ported] and len(copied) == 2
+    copied = [
+        checkout / "test" / p.relative_to(REAL_REPO / "tests" / "upstream")
+        for p in ported
+    ]
+    assert [c.read_bytes() for c in copied] == [p.read_bytes() for p in ported] and len(
+        copied
+    ) == 2
     for path in copied:
         registry, _ = ut_parse_one_file(str(path))
-        assert [(e.backend, e.suite) for e in registry] == [(HWBackend.CPU, "base-a-test-cpu")]
+        assert [(e.backend, e.suite) for e in registry] == [
+            (HWBackend.CPU, "base-a-test-cpu")
+        ]
     env = full_import_env()
     env["PYTHONPATH"] = str(checkout / "python")
     where = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('sglang').origin)"],
                            capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
-    assert where.stdout.strip() == str(checkout / "python" / "sglang" / "__init__.py"), where
-    cmd = [sys.executable, "-m", "pytest", *map(str, copied), "-q", "-p", "no:cacheprovider", "-W", "ignore"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=checkout / "test", env=env)
+    assert where.stdout.strip() == str(
+        checkout / "python" / "sglang" / "__init__.py"
+    ), where
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *map(str, copied),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore",
+    ]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=checkout / "test", env=env
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert re.search(r"\d+ passed, 2 skipped", out.stdout.splitlines()[-1]), out.stdout[-2000:]
+    assert re.search(r"\d+ passed, 2 skipped", out.stdout.splitlines()[-1]), out.stdout[
+        -2000:
+    ]

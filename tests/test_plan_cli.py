@@ -7,18 +7,28 @@ import os
 import subprocess
 import sys
 
+import fakesys
 import pytest
 
-import fakesys
 from sglang.srt.placement.__main__ import main
 
 PLAN = [sys.executable, "-m", "sglang.srt.placement", "plan"]
 
 
 def run_plan(*args, env=None):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_") and k != "CUDA_VISIBLE_DEVICES"}
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SGLANG_") and k != "CUDA_VISIBLE_DEVICES"
+    }
     full_env.update(env or {})
-    return subprocess.run([*PLAN, *map(str, args)], capture_output=True, text=True, env=full_env, timeout=120)
+    return subprocess.run(
+        [*PLAN, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=120,
+    )
 
 
 def plan_json(capsys, *args, env=None, monkeypatch=None):
@@ -39,17 +49,37 @@ def test_plan_json_two_sockets_four_gpus(tmp_path, capsys):
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
     ranks = plan_json(capsys, "--tp-size", 4, "--sysfs-root", root)
     assert [r["numa_node"] for r in ranks] == [0, 0, 1, 1]
-    assert [r["pci"] for r in ranks] == ["0000:18:00.0", "0000:28:00.0", "0000:38:00.0", "0000:48:00.0"]
+    assert [r["pci"] for r in ranks] == [
+        "0000:18:00.0",
+        "0000:28:00.0",
+        "0000:38:00.0",
+        "0000:48:00.0",
+    ]
     assert ranks[0]["cpus"] == "0-7,16-23" and ranks[3]["cpus"] == "8-15,24-31"
     assert all(r["strategy"] == "exec" and r["mem_policy"] == "bind" for r in ranks)
-    assert set(ranks[0]) >= {"dp_rank", "pp_rank", "tp_rank", "gpu_id", "pci", "numa_node", "cpus", "mem_policy",
-                             "strategy", "reasons"}
-    assert any("planned from the snapshot" in r and "not probed" in r for r in ranks[0]["reasons"])
+    assert set(ranks[0]) >= {
+        "dp_rank",
+        "pp_rank",
+        "tp_rank",
+        "gpu_id",
+        "pci",
+        "numa_node",
+        "cpus",
+        "mem_policy",
+        "strategy",
+        "reasons",
+    }
+    assert any(
+        "planned from the snapshot" in r and "not probed" in r
+        for r in ranks[0]["reasons"]
+    )
 
 
 def test_plan_json_sub_numa_clustering_socket_mode(tmp_path, capsys):
     root = fakesys.sub_numa_clustering(tmp_path / "sys")
-    ranks = plan_json(capsys, "--tp-size", 8, "--sysfs-root", root, "--numa-affinity-mode", "socket")
+    ranks = plan_json(
+        capsys, "--tp-size", 8, "--sysfs-root", root, "--numa-affinity-mode", "socket"
+    )
     assert [r["numa_node"] for r in ranks] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert ranks[0]["cpus"] == "0-7,16-23" and ranks[7]["cpus"] == "8-15,24-31"
     node = plan_json(capsys, "--tp-size", 8, "--sysfs-root", root)
@@ -58,14 +88,31 @@ def test_plan_json_sub_numa_clustering_socket_mode(tmp_path, capsys):
 
 def test_plan_json_exclusive_mode_on_fake_tree(tmp_path, capsys):
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
-    ranks = plan_json(capsys, "--tp-size", 4, "--sysfs-root", root, "--numa-affinity-mode", "exclusive")
-    assert [r["cpus"] for r in ranks] == ["0-3,16-19", "4-7,20-23", "8-11,24-27", "12-15,28-31"]
+    ranks = plan_json(
+        capsys,
+        "--tp-size",
+        4,
+        "--sysfs-root",
+        root,
+        "--numa-affinity-mode",
+        "exclusive",
+    )
+    assert [r["cpus"] for r in ranks] == [
+        "0-3,16-19",
+        "4-7,20-23",
+        "8-11,24-27",
+        "12-15,28-31",
+    ]
 
 
 def test_plan_json_sparse_and_cpuless_and_unknown(tmp_path, capsys):
-    sparse = plan_json(capsys, "--tp-size", 2, "--sysfs-root", fakesys.sparse_nodes(tmp_path / "a"))
+    sparse = plan_json(
+        capsys, "--tp-size", 2, "--sysfs-root", fakesys.sparse_nodes(tmp_path / "a")
+    )
     assert [r["numa_node"] for r in sparse] == [0, 2] and sparse[1]["cpus"] == "4-7"
-    unknown = plan_json(capsys, "--tp-size", 1, "--sysfs-root", fakesys.gpu_unknown_node(tmp_path / "b"))
+    unknown = plan_json(
+        capsys, "--tp-size", 1, "--sysfs-root", fakesys.gpu_unknown_node(tmp_path / "b")
+    )
     assert unknown[0]["numa_node"] is None and unknown[0]["strategy"] == "none"
     assert any("numa_node -1" in r for r in unknown[0]["reasons"])
 
@@ -73,15 +120,22 @@ def test_plan_json_sparse_and_cpuless_and_unknown(tmp_path, capsys):
 def test_plan_with_allowed_cpus_and_reordered_devices(tmp_path, capsys, monkeypatch):
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,0,1")
-    ranks = plan_json(capsys, "--tp-size", 4, "--sysfs-root", root, "--allowed-cpus", "0-3,8-9")
+    ranks = plan_json(
+        capsys, "--tp-size", 4, "--sysfs-root", root, "--allowed-cpus", "0-3,8-9"
+    )
     assert [r["numa_node"] for r in ranks] == [1, 1, 0, 0]
     assert ranks[0]["cpus"] == "8-9" and ranks[2]["cpus"] == "0-3"
 
 
 def test_plan_with_explicit_gpus(tmp_path, capsys):
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
-    ranks = plan_json(capsys, "--tp-size", 2, "--sysfs-root", root, "--gpus", "38:00.0,0000:18:00.0")
-    assert [(r["pci"], r["numa_node"]) for r in ranks] == [("0000:38:00.0", 1), ("0000:18:00.0", 0)]
+    ranks = plan_json(
+        capsys, "--tp-size", 2, "--sysfs-root", root, "--gpus", "38:00.0,0000:18:00.0"
+    )
+    assert [(r["pci"], r["numa_node"]) for r in ranks] == [
+        ("0000:38:00.0", 1),
+        ("0000:18:00.0", 0),
+    ]
 
 
 def test_plan_human_output_one_line_per_rank(tmp_path):
@@ -90,22 +144,51 @@ def test_plan_human_output_one_line_per_rank(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 4
-    assert lines[0].startswith("[DP0 PP0 TP0] GPU 0 (0000:18:00.0): node 0 CPUs 0-7,16-23 membind 0 via exec")
+    assert lines[0].startswith(
+        "[DP0 PP0 TP0] GPU 0 (0000:18:00.0): node 0 CPUs 0-7,16-23 membind 0 via exec"
+    )
     assert lines[3].startswith("[DP1 PP0 TP1] GPU 3 (0000:48:00.0): node 1")
 
 
-@pytest.mark.parametrize("args, env, message", [
-    (["--tp-size", "0"], {}, "--tp-size=0 is not valid"),
-    (["--tp-size", "x"], {}, "argument --tensor-parallel-size/--tp-size/--tp: invalid int value: 'x'"),
-    (["--numa-affinity-mode", "cores"], {}, "invalid choice: 'cores'"),
-    (["--allowed-cpus", "0-3,a"], {}, "--allowed-cpus: 'a' in '0-3,a' is not a CPU number or range"),
-    (["--allowed-cpus", "64-65"], {}, "--allowed-cpus='64-65' names CPU(s) 64-65 that are not online"),
-    (["--gpus", "0000:18:00.0,"], {}, "--gpus='0000:18:00.0,' is not valid"),
-    (["--gpus", "zz:00.0"], {}, "--gpus"),
-    (["--numa-node", "0"], {}, "--numa-node has 1 entry (0) but DP0 PP0 TP1 uses GPU 1"),
-    ([], {"SGLANG_NUMA_AFFINITY_MODE": "perhaps"}, "SGLANG_NUMA_AFFINITY_MODE='perhaps' is not valid"),
-    (["--device", "cpu"], {"SGLANG_CPU_OMP_THREADS_BIND": "0-3"}, "SGLANG_CPU_OMP_THREADS_BIND='0-3' has 1 group(s)"),
-])
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--tp-size", "0"], {}, "--tp-size=0 is not valid"),
+        (
+            ["--tp-size", "x"],
+            {},
+            "argument --tensor-parallel-size/--tp-size/--tp: invalid int value: 'x'",
+        ),
+        (["--numa-affinity-mode", "cores"], {}, "invalid choice: 'cores'"),
+        (
+            ["--allowed-cpus", "0-3,a"],
+            {},
+            "--allowed-cpus: 'a' in '0-3,a' is not a CPU number or range",
+        ),
+        (
+            ["--allowed-cpus", "64-65"],
+            {},
+            "--allowed-cpus='64-65' names CPU(s) 64-65 that are not online",
+        ),
+        (["--gpus", "0000:18:00.0,"], {}, "--gpus='0000:18:00.0,' is not valid"),
+        (["--gpus", "zz:00.0"], {}, "--gpus"),
+        (
+            ["--numa-node", "0"],
+            {},
+            "--numa-node has 1 entry (0) but DP0 PP0 TP1 uses GPU 1",
+        ),
+        (
+            [],
+            {"SGLANG_NUMA_AFFINITY_MODE": "perhaps"},
+            "SGLANG_NUMA_AFFINITY_MODE='perhaps' is not valid",
+        ),
+        (
+            ["--device", "cpu"],
+            {"SGLANG_CPU_OMP_THREADS_BIND": "0-3"},
+            "SGLANG_CPU_OMP_THREADS_BIND='0-3' has 1 group(s)",
+        ),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(tmp_path, args, env, message):
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
     done = run_plan("--tp-size", 2, "--sysfs-root", root, *args, env=env)
@@ -128,25 +211,48 @@ def test_corrupt_snapshot_is_a_clear_error(tmp_path):
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
     (root / "devices/system/node/node1/cpulist").write_text("8-x\n")
     done = run_plan("--sysfs-root", root)
-    assert done.returncode == 2 and "node1/cpulist" in done.stderr and "Traceback" not in done.stderr
+    assert (
+        done.returncode == 2
+        and "node1/cpulist" in done.stderr
+        and "Traceback" not in done.stderr
+    )
 
 
 def test_capture_then_plan_from_the_snapshot_round_trip(tmp_path):
     snapshot = tmp_path / "snap"
-    done = subprocess.run([sys.executable, "-m", "sglang.srt.placement", "capture", str(snapshot)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "sglang.srt.placement", "capture", str(snapshot)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "plan --sysfs-root" in done.stdout
     env = {"SGLANG_CPU_OMP_THREADS_BIND": "0"}
     live = run_plan("--device", "cpu", "--json", "--allowed-cpus", "0", env=env)
-    planned = run_plan("--device", "cpu", "--json", "--allowed-cpus", "0", "--sysfs-root", snapshot, env=env)
-    assert live.returncode == 0 and planned.returncode == 0, live.stderr + planned.stderr
-    live_rank, = json.loads(live.stdout)["ranks"]
-    snap_rank, = json.loads(planned.stdout)["ranks"]
+    planned = run_plan(
+        "--device",
+        "cpu",
+        "--json",
+        "--allowed-cpus",
+        "0",
+        "--sysfs-root",
+        snapshot,
+        env=env,
+    )
+    assert live.returncode == 0 and planned.returncode == 0, (
+        live.stderr + planned.stderr
+    )
+    (live_rank,) = json.loads(live.stdout)["ranks"]
+    (snap_rank,) = json.loads(planned.stdout)["ranks"]
     for key in ("numa_node", "cpus", "mem_policy", "strategy"):
         assert live_rank[key] == snap_rank[key], key
-    again = subprocess.run([sys.executable, "-m", "sglang.srt.placement", "capture", str(snapshot)],
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "sglang.srt.placement", "capture", str(snapshot)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 2 and str(snapshot) in again.stderr
 
 
@@ -165,13 +271,39 @@ def test_real_h200_host_snapshot_binds_nothing_and_says_why(capsys):
     # One node: sglang's own precondition says there is nothing to bind, before any device is asked about.
     assert rank["strategy"] == "none" and rank["numa_node"] is None and not rank["cpus"]
     assert any("this host has one NUMA node with CPUs" in r for r in rank["reasons"])
-    (rank,) = plan_json(capsys, "--tp-size", 1, "--sysfs-root", H200_SNAPSHOT, "--numa-affinity-mode", "exclusive")
-    assert rank["numa_node"] == 0 and rank["cpus"] == "0-15" and rank["strategy"] == "exec"
+    (rank,) = plan_json(
+        capsys,
+        "--tp-size",
+        1,
+        "--sysfs-root",
+        H200_SNAPSHOT,
+        "--numa-affinity-mode",
+        "exclusive",
+    )
+    assert (
+        rank["numa_node"] == 0 and rank["cpus"] == "0-15" and rank["strategy"] == "exec"
+    )
 
 
 def test_verify_refuses_a_snapshot_since_it_runs_ranks_on_this_host(tmp_path):
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
-    done = subprocess.run([sys.executable, "-m", "sglang.srt.placement", "verify", "--tp-size", "2",
-                           "--sysfs-root", str(root)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang.srt.placement",
+            "verify",
+            "--tp-size",
+            "2",
+            "--sysfs-root",
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "--sysfs-root is a planning input that sglang's launch path does not take" in done.stderr
+    assert (
+        "--sysfs-root is a planning input that sglang's launch path does not take"
+        in done.stderr
+    )

@@ -23,13 +23,13 @@ import shutil
 import time
 from typing import Any, Iterator
 
+import fakesys
 import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-import fakesys
 from ray_gpu_cluster import GPU_NODE, NO_CPU_NODE
+
 from sglang.srt.environ import envs
 from sglang.srt.placement.cpulist import parse_cpulist
 from sglang.srt.placement.plan_args import PlanArgs

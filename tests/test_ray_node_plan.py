@@ -6,9 +6,9 @@ NUMA nodes this host does not have.
 
 from __future__ import annotations
 
+import fakesys
 import pytest
 
-import fakesys
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
 from sglang.srt.placement.plan import HostFacts
 from sglang.srt.placement.plan_args import PlanArgs

@@ -13,8 +13,8 @@ import time
 
 import pytest
 import ray
-
 from ray_gpu_cluster import GPU_NODE
+
 from sglang.srt.placement.plan_args import PlanArgs
 from sglang.srt.placement.verify import VerifyError
 from sglang.srt.placement.verify_ray import ray_engine_ranks, verify_ray

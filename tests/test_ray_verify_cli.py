@@ -18,7 +18,6 @@ import tempfile
 import time
 
 import pytest
-
 from ray_gpu_cluster import ray_test_env, run_json, running_cluster
 
 pytestmark = pytest.mark.ray

@@ -9,13 +9,14 @@ import stat
 import pytest
 
 from sglang.srt.environ import envs
-from sglang.srt.placement import settings
-from sglang.srt.placement.settings import SettingError
-from sglang.srt.placement import resolve
+from sglang.srt.placement import resolve, settings
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
 from sglang.srt.placement.plan import HostFacts, plan_engine, plan_node
+from sglang.srt.placement.plan_args import PlanArgs as EngineArgs
+from sglang.srt.placement.plan_args import PlanArgsError as EngineArgsError
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.ranks import local_ranks
+from sglang.srt.placement.settings import SettingError
 from sglang.srt.placement.strategy import HostCapabilities
 from sglang.srt.placement.types import (
     Cpu,
@@ -26,7 +27,6 @@ from sglang.srt.placement.types import (
     ProcessAffinity,
     RankIdentity,
 )
-from sglang.srt.placement.plan_args import PlanArgs as EngineArgs, PlanArgsError as EngineArgsError
 
 
 @contextlib.contextmanager
@@ -45,27 +45,51 @@ def setting(name, value):
 
 def make_topology(nodes, *, pci=(), smt=1, packages=None, root="/fake/sys"):
     """nodes: {node_id: (cpu ids, memory_kb)}; pci: [(address, numa_node or None)]; smt: threads per core
-    (siblings are cpu ids c and c + half of the node's CPUs, like a real x86 numbering within a node)."""
+    (siblings are cpu ids c and c + half of the node's CPUs, like a real x86 numbering within a node).
+    """
     numa_nodes = []
     cpus = []
     for node_id, (cpu_ids, mem) in sorted(nodes.items()):
         cpu_ids = sorted(cpu_ids)
-        numa_nodes.append(NumaNode(node_id=node_id, cpus=frozenset(cpu_ids), memory_kb=mem))
+        numa_nodes.append(
+            NumaNode(node_id=node_id, cpus=frozenset(cpu_ids), memory_kb=mem)
+        )
         half = len(cpu_ids) // smt if smt > 1 else len(cpu_ids)
         for i, c in enumerate(cpu_ids):
             core = i % half
-            siblings = frozenset(cpu_ids[j] for j in range(len(cpu_ids)) if j % half == core)
+            siblings = frozenset(
+                cpu_ids[j] for j in range(len(cpu_ids)) if j % half == core
+            )
             pkg = packages[node_id] if packages else node_id
-            cpus.append(Cpu(cpu_id=c, node_id=node_id, package_id=pkg, core_id=core, thread_siblings=siblings))
-    devices = tuple(PciDevice(address=a, numa_node=n, vendor="0x10de", pci_class="0x030200") for a, n in pci)
+            cpus.append(
+                Cpu(
+                    cpu_id=c,
+                    node_id=node_id,
+                    package_id=pkg,
+                    core_id=core,
+                    thread_siblings=siblings,
+                )
+            )
+    devices = tuple(
+        PciDevice(address=a, numa_node=n, vendor="0x10de", pci_class="0x030200")
+        for a, n in pci
+    )
     online = frozenset(c.cpu_id for c in cpus)
-    return HostTopology(root=root, nodes=tuple(numa_nodes), cpus=tuple(sorted(cpus, key=lambda c: c.cpu_id)),
-                        online_cpus=online, pci_devices=devices)
+    return HostTopology(
+        root=root,
+        nodes=tuple(numa_nodes),
+        cpus=tuple(sorted(cpus, key=lambda c: c.cpu_id)),
+        online_cpus=online,
+        pci_devices=devices,
+    )
 
 
 def everything(topology):
-    return ProcessAffinity(cpus=topology.online_cpus,
-                           mems=frozenset(n.node_id for n in topology.nodes if n.has_memory), source="test")
+    return ProcessAffinity(
+        cpus=topology.online_cpus,
+        mems=frozenset(n.node_id for n in topology.nodes if n.has_memory),
+        source="test",
+    )
 
 
 class AcceptAll:
@@ -84,18 +108,37 @@ def caps(*, libnuma=True):
     return HostCapabilities(numactl=AcceptAll().prober, libnuma=libnuma)
 
 
-GPUS_2x4 = [("0000:17:00.0", 0), ("0000:31:00.0", 0), ("0000:b1:00.0", 1), ("0000:ca:00.0", 1)]
+GPUS_2x4 = [
+    ("0000:17:00.0", 0),
+    ("0000:31:00.0", 0),
+    ("0000:b1:00.0", 1),
+    ("0000:ca:00.0", 1),
+]
 
 
 @pytest.fixture
 def two_sockets():
-    return make_topology({0: (range(0, 16), 1 << 25), 1: (range(16, 32), 1 << 25)}, pci=GPUS_2x4, smt=2)
+    return make_topology(
+        {0: (range(0, 16), 1 << 25), 1: (range(16, 32), 1 << 25)}, pci=GPUS_2x4, smt=2
+    )
 
 
-def plan(topology, *, env=None, affinity=None, capabilities=None, launcher="mp", **server):
+def plan(
+    topology, *, env=None, affinity=None, capabilities=None, launcher="mp", **server
+):
     server.setdefault("tp_size", 4)
-    facts = HostFacts(topology=topology, affinity=affinity or everything(topology), capabilities=capabilities or caps())
-    return plan_engine(EngineArgs(**server), launcher=launcher, facts=facts, env=env or {}, runtime=None)
+    facts = HostFacts(
+        topology=topology,
+        affinity=affinity or everything(topology),
+        capabilities=capabilities or caps(),
+    )
+    return plan_engine(
+        EngineArgs(**server),
+        launcher=launcher,
+        facts=facts,
+        env=env or {},
+        runtime=None,
+    )
 
 
 def test_two_sockets_four_gpus_bind_each_gpu_to_its_node(two_sockets):
@@ -119,14 +162,19 @@ def test_one_node_host_binds_nothing_and_says_why():
 
 
 def test_gpu_with_unknown_node_is_unbound_with_reason():
-    topo = make_topology({0: (range(4), 1 << 20), 1: (range(4, 8), 1 << 20)}, pci=[("0000:01:00.0", None)])
+    topo = make_topology(
+        {0: (range(4), 1 << 20), 1: (range(4, 8), 1 << 20)},
+        pci=[("0000:01:00.0", None)],
+    )
     (p,) = plan(topo, tp_size=1)
     assert p.strategy == "none" and p.numa_node is None
     assert any("numa_node -1" in r for r in p.reasons)
 
 
 def test_unknown_node_on_one_node_host_in_exclusive_mode_uses_that_node():
-    topo = make_topology({0: (range(4), 1 << 20)}, pci=[("0000:01:00.0", None), ("0000:02:00.0", None)])
+    topo = make_topology(
+        {0: (range(4), 1 << 20)}, pci=[("0000:01:00.0", None), ("0000:02:00.0", None)]
+    )
     with envs.SGLANG_NUMA_AFFINITY_MODE.override("exclusive"):
         placements = plan(topo, tp_size=2)
     assert [p.cpus for p in placements] == [frozenset({0, 1}), frozenset({2, 3})]
@@ -134,43 +182,57 @@ def test_unknown_node_on_one_node_host_in_exclusive_mode_uses_that_node():
 
 
 def test_sparse_node_ids():
-    topo = make_topology({0: (range(0, 4), 1 << 20), 2: (range(4, 8), 1 << 20)},
-                         pci=[("0000:01:00.0", 0), ("0000:81:00.0", 2)])
+    topo = make_topology(
+        {0: (range(0, 4), 1 << 20), 2: (range(4, 8), 1 << 20)},
+        pci=[("0000:01:00.0", 0), ("0000:81:00.0", 2)],
+    )
     placements = plan(topo, tp_size=2)
     assert [p.numa_node for p in placements] == [0, 2]
     assert placements[1].numactl_args == ("--cpunodebind=2", "--membind=2")
 
 
 def test_gpu_on_cpuless_memory_node_is_unbound_as_a_fault():
-    topo = make_topology({0: (range(0, 4), 1 << 20), 1: (range(4, 8), 1 << 20), 2: ((), 1 << 22)},
-                         pci=[("0000:01:00.0", 2)])
+    topo = make_topology(
+        {0: (range(0, 4), 1 << 20), 1: (range(4, 8), 1 << 20), 2: ((), 1 << 22)},
+        pci=[("0000:01:00.0", 2)],
+    )
     (p,) = plan(topo, tp_size=1)
     assert p.strategy == "none" and p.warning
     assert "node 2 has memory but no CPUs" in p.reasons
 
 
 def test_node_without_memory_binds_cpus_only():
-    topo = make_topology({0: (range(0, 4), 0), 1: (range(4, 8), 1 << 20)}, pci=[("0000:01:00.0", 0)])
+    topo = make_topology(
+        {0: (range(0, 4), 0), 1: (range(4, 8), 1 << 20)}, pci=[("0000:01:00.0", 0)]
+    )
     (p,) = plan(topo, tp_size=1)
     assert p.strategy == "exec" and p.mem_policy == "none"
     assert p.numactl_args == ("--cpunodebind=0",)
 
 
 def test_cpuset_allowing_part_of_one_node_and_none_of_another(two_sockets):
-    allowed = ProcessAffinity(cpus=frozenset(range(0, 8)), mems=frozenset({0, 1}), source="cpuset")
+    allowed = ProcessAffinity(
+        cpus=frozenset(range(0, 8)), mems=frozenset({0, 1}), source="cpuset"
+    )
     placements = plan(two_sockets, affinity=allowed)
     assert placements[0].cpus == frozenset(range(8))
     assert placements[0].numactl_args == ("--physcpubind=0-7", "--membind=0")
     assert "cpuset allows 8 of 16 CPUs of node(s) 0" in placements[0].reasons
     assert placements[2].strategy == "none" and placements[2].warning
-    assert any("NUMA node 1 has no CPU cores allowed by the current affinity 0-7" in r
-               for r in placements[2].reasons)
+    assert any(
+        "NUMA node 1 has no CPU cores allowed by the current affinity 0-7" in r
+        for r in placements[2].reasons
+    )
 
 
 def test_memory_node_outside_mems_allowed_is_not_membound(two_sockets):
-    allowed = ProcessAffinity(cpus=two_sockets.online_cpus, mems=frozenset({0}), source="cpuset")
+    allowed = ProcessAffinity(
+        cpus=two_sockets.online_cpus, mems=frozenset({0}), source="cpuset"
+    )
     placements = plan(two_sockets, affinity=allowed)
-    assert placements[2].mem_policy == "none" and placements[2].numactl_args == ("--cpunodebind=1",)
+    assert placements[2].mem_policy == "none" and placements[2].numactl_args == (
+        "--cpunodebind=1",
+    )
 
 
 def test_cuda_visible_devices_reordered(two_sockets):
@@ -186,12 +248,18 @@ def test_explicit_numa_node_list_wins_and_is_indexed_by_gpu_id(two_sockets):
 
 
 def test_explicit_numa_node_list_too_short(two_sockets):
-    with pytest.raises(PlacementError, match=r"--numa-node has 2 entries \(0 1\) but DP0 PP0 TP2 uses GPU 2"):
+    with pytest.raises(
+        PlacementError,
+        match=r"--numa-node has 2 entries \(0 1\) but DP0 PP0 TP2 uses GPU 2",
+    ):
         plan(two_sockets, numa_node=[0, 1])
 
 
 def test_explicit_numa_node_that_does_not_exist(two_sockets):
-    with pytest.raises(PlacementError, match="--numa-node gives node 5 for GPU 0, but this host has nodes 0-1"):
+    with pytest.raises(
+        PlacementError,
+        match="--numa-node gives node 5 for GPU 0, but this host has nodes 0-1",
+    ):
         plan(two_sockets, numa_node=[5, 0, 1, 1])
 
 
@@ -235,38 +303,70 @@ def test_socket_mode_binds_every_node_of_the_package():
     topo = make_topology(nodes, pci=pci, packages={0: 0, 1: 0, 2: 1, 3: 1})
     with envs.SGLANG_NUMA_AFFINITY_MODE.override("socket"):
         placements = plan(topo, tp_size=8)
-    assert placements[0].cpus == frozenset(range(8)) and placements[0].mem_nodes == frozenset({0, 1})
+    assert placements[0].cpus == frozenset(range(8)) and placements[
+        0
+    ].mem_nodes == frozenset({0, 1})
     assert placements[0].numactl_args == ("--cpunodebind=0-1", "--membind=0-1")
-    assert placements[7].numa_node == 3 and placements[7].cpus == frozenset(range(8, 16))
+    assert placements[7].numa_node == 3 and placements[7].cpus == frozenset(
+        range(8, 16)
+    )
     with envs.SGLANG_NUMA_AFFINITY_MODE.override("node"):
         node_mode = plan(topo, tp_size=8)
-    assert node_mode[2].cpus == frozenset(range(4, 8)) and node_mode[2].numactl_args[0] == "--cpunodebind=1"
+    assert (
+        node_mode[2].cpus == frozenset(range(4, 8))
+        and node_mode[2].numactl_args[0] == "--cpunodebind=1"
+    )
 
 
 def test_v1_strategy_when_bind_v2_is_off(two_sockets):
     with envs.SGLANG_NUMA_BIND_V2.override(False):
         placements = plan(two_sockets, numa_node=[0, 0, 1, 1])
-    assert all(p.strategy == "v1" and not p.numactl_args and p.mem_policy == "preferred" for p in placements)
+    assert all(
+        p.strategy == "v1" and not p.numactl_args and p.mem_policy == "preferred"
+        for p in placements
+    )
     assert placements[2].numa_node == 1
 
 
-def test_without_numactl_a_spawned_rank_is_unbound_and_a_ray_rank_binds_in_process(two_sockets):
+def test_without_numactl_a_spawned_rank_is_unbound_and_a_ray_rank_binds_in_process(
+    two_sockets,
+):
     # sglang's spawned scheduler runs sglang's own code: only exec can bind it.
     p = plan(two_sockets, capabilities=HostCapabilities(numactl=None, libnuma=True))[0]
-    assert p.strategy == "none" and p.warning and "numactl is not installed" in p.reasons
+    assert (
+        p.strategy == "none" and p.warning and "numactl is not installed" in p.reasons
+    )
     assert "the mp launcher binds only by exec: running unbound" in p.reasons
-    p = plan(two_sockets, launcher="ray", capabilities=HostCapabilities(numactl=None, libnuma=True))[0]
-    assert p.strategy == "in-process" and p.mem_policy == "bind" and "numactl is not installed" in p.reasons
-    p = plan(two_sockets, launcher="ray", capabilities=HostCapabilities(numactl=None, libnuma=False))[0]
+    p = plan(
+        two_sockets,
+        launcher="ray",
+        capabilities=HostCapabilities(numactl=None, libnuma=True),
+    )[0]
+    assert (
+        p.strategy == "in-process"
+        and p.mem_policy == "bind"
+        and "numactl is not installed" in p.reasons
+    )
+    p = plan(
+        two_sockets,
+        launcher="ray",
+        capabilities=HostCapabilities(numactl=None, libnuma=False),
+    )[0]
     assert p.strategy == "in-process" and p.mem_policy == "none" and p.warning
 
 
 def test_launcher_that_cannot_exec_uses_in_process(two_sockets):
     policy = PlacementPolicy(launcher="ray", device="cuda", exec_supported=False)
-    facts = HostFacts(topology=two_sockets, affinity=everything(two_sockets), capabilities=caps())
-    placements = plan_engine(EngineArgs(tp_size=4), facts=facts, env={}, policy=policy, runtime=None)
+    facts = HostFacts(
+        topology=two_sockets, affinity=everything(two_sockets), capabilities=caps()
+    )
+    placements = plan_engine(
+        EngineArgs(tp_size=4), facts=facts, env={}, policy=policy, runtime=None
+    )
     assert all(p.strategy == "in-process" for p in placements)
-    assert "the ray launcher cannot start this rank under numactl" in placements[0].reasons
+    assert (
+        "the ray launcher cannot start this rank under numactl" in placements[0].reasons
+    )
 
 
 def test_placement_json_round_trip(two_sockets):
@@ -275,12 +375,22 @@ def test_placement_json_round_trip(two_sockets):
 
 
 def test_plan_node_uses_ray_accelerator_ids(two_sockets):
-    facts = HostFacts(topology=two_sockets, affinity=everything(two_sockets), capabilities=caps())
+    facts = HostFacts(
+        topology=two_sockets, affinity=everything(two_sockets), capabilities=caps()
+    )
     rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=1, gpu_id=1)
-    (p,) = plan_node(EngineArgs(tp_size=2), ranks_with_ids=[(rank, "3")], facts=facts, runtime=None)
+    (p,) = plan_node(
+        EngineArgs(tp_size=2), ranks_with_ids=[(rank, "3")], facts=facts, runtime=None
+    )
     assert p.tp_rank == 1 and p.pci == "0000:ca:00.0" and p.numa_node == 1
-    (unknown,) = plan_node(EngineArgs(tp_size=2), ranks_with_ids=[(rank, "7")], facts=facts, runtime=None)
-    assert unknown.strategy == "none" and unknown.warning and "none at index 7" in unknown.reasons[0]
+    (unknown,) = plan_node(
+        EngineArgs(tp_size=2), ranks_with_ids=[(rank, "7")], facts=facts, runtime=None
+    )
+    assert (
+        unknown.strategy == "none"
+        and unknown.warning
+        and "none at index 7" in unknown.reasons[0]
+    )
 
 
 # --- the probe ladder -------------------------------------------------------------------------
@@ -290,45 +400,82 @@ def _fake_numactl(tmp_path, *, reject):
     """An executable that behaves like numactl whose kernel refuses the given option prefixes."""
     script = tmp_path / "numactl"
     cases = "\n".join(
-        f'    {opt}=*) echo "set_mempolicy: Operation not permitted ({opt})" >&2; exit 1;;' for opt in reject
+        f'    {opt}=*) echo "set_mempolicy: Operation not permitted ({opt})" >&2; exit 1;;'
+        for opt in reject
     )
-    script.write_text(f'#!/bin/sh\nfor a in "$@"; do\n  case "$a" in\n{cases}\n  esac\ndone\nexit 0\n')
+    script.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do\n  case "$a" in\n{cases}\n  esac\ndone\nexit 0\n'
+    )
     script.chmod(stat.S_IRWXU)
     return str(script)
 
 
 def test_ladder_falls_back_from_bind_to_preferred_to_cpu_only(tmp_path, two_sockets):
     prober = NumactlProber(numactl_path=_fake_numactl(tmp_path, reject=["--membind"]))
-    p = plan(two_sockets, capabilities=HostCapabilities(numactl=prober, libnuma=True))[0]
+    p = plan(two_sockets, capabilities=HostCapabilities(numactl=prober, libnuma=True))[
+        0
+    ]
     assert p.strategy == "exec" and p.mem_policy == "preferred" and p.warning
     assert p.numactl_args == ("--cpunodebind=0", "--preferred=0")
-    assert ("numactl rejected hard memory binding ('--cpunodebind=0 --membind=0'): set_mempolicy: Operation "
-            "not permitted (--membind); falling back to soft preferred policy ('--cpunodebind=0 --preferred=0')"
-            in p.reasons)
+    assert (
+        "numactl rejected hard memory binding ('--cpunodebind=0 --membind=0'): set_mempolicy: Operation "
+        "not permitted (--membind); falling back to soft preferred policy ('--cpunodebind=0 --preferred=0')"
+        in p.reasons
+    )
 
-    prober = NumactlProber(numactl_path=_fake_numactl(tmp_path, reject=["--membind", "--preferred"]))
-    p = plan(two_sockets, capabilities=HostCapabilities(numactl=prober, libnuma=True))[0]
+    prober = NumactlProber(
+        numactl_path=_fake_numactl(tmp_path, reject=["--membind", "--preferred"])
+    )
+    p = plan(two_sockets, capabilities=HostCapabilities(numactl=prober, libnuma=True))[
+        0
+    ]
     assert p.mem_policy == "none" and p.numactl_args == ("--cpunodebind=0",)
-    assert any(r.endswith("falling back to CPU-only binding ('--cpunodebind=0')") for r in p.reasons), p.reasons
+    assert any(
+        r.endswith("falling back to CPU-only binding ('--cpunodebind=0')")
+        for r in p.reasons
+    ), p.reasons
 
 
-def test_ladder_exhausted_leaves_a_spawned_rank_unbound_and_a_ray_rank_in_process(tmp_path, two_sockets):
-    prober = NumactlProber(numactl_path=_fake_numactl(tmp_path, reject=["--membind", "--preferred", "--cpunodebind"]))
-    p = plan(two_sockets, capabilities=HostCapabilities(numactl=prober, libnuma=True))[0]
+def test_ladder_exhausted_leaves_a_spawned_rank_unbound_and_a_ray_rank_in_process(
+    tmp_path, two_sockets
+):
+    prober = NumactlProber(
+        numactl_path=_fake_numactl(
+            tmp_path, reject=["--membind", "--preferred", "--cpunodebind"]
+        )
+    )
+    p = plan(two_sockets, capabilities=HostCapabilities(numactl=prober, libnuma=True))[
+        0
+    ]
     assert p.strategy == "none" and p.warning
-    assert any(r.startswith("numactl could not apply NUMA binding for node 0") and r.endswith(
-        "set_mempolicy: Operation not permitted (--cpunodebind)") for r in p.reasons), p.reasons
-    p = plan(two_sockets, launcher="ray", capabilities=HostCapabilities(numactl=prober, libnuma=True))[0]
+    assert any(
+        r.startswith("numactl could not apply NUMA binding for node 0")
+        and r.endswith("set_mempolicy: Operation not permitted (--cpunodebind)")
+        for r in p.reasons
+    ), p.reasons
+    p = plan(
+        two_sockets,
+        launcher="ray",
+        capabilities=HostCapabilities(numactl=prober, libnuma=True),
+    )[0]
     assert p.strategy == "in-process"
 
 
 def test_each_distinct_option_set_is_probed_once(two_sockets):
     fake = AcceptAll()
     capabilities = HostCapabilities(numactl=fake.prober, libnuma=True)
-    plan(two_sockets, capabilities=capabilities, tp_size=4, dp_size=2, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3,0,1,2,3"})
+    plan(
+        two_sockets,
+        capabilities=capabilities,
+        tp_size=4,
+        dp_size=2,
+        env={"CUDA_VISIBLE_DEVICES": "0,1,2,3,0,1,2,3"},
+    )
     plan(two_sockets, capabilities=capabilities)
-    assert sorted(c[1:-1] for c in fake.calls) == [("--cpunodebind=0", "--membind=0"),
-                                                   ("--cpunodebind=1", "--membind=1")]
+    assert sorted(c[1:-1] for c in fake.calls) == [
+        ("--cpunodebind=0", "--membind=0"),
+        ("--cpunodebind=1", "--membind=1"),
+    ]
 
 
 def test_real_numactl_probe_on_this_host():
@@ -338,8 +485,17 @@ def test_real_numactl_probe_on_this_host():
     assert path, "numactl must be installed (scripts/setup.sh installs it)"
     prober = NumactlProber(numactl_path=path)
     cpu = min(os.sched_getaffinity(0))
-    ok = prober.ladder(cpu_args=(f"--physcpubind={cpu}",), mem_policy="bind", mem_nodes=(0,), preferred_node=0)
-    assert ok.ok and ok.mem_policy == "bind" and ok.args == (f"--physcpubind={cpu}", "--membind=0")
+    ok = prober.ladder(
+        cpu_args=(f"--physcpubind={cpu}",),
+        mem_policy="bind",
+        mem_nodes=(0,),
+        preferred_node=0,
+    )
+    assert (
+        ok.ok
+        and ok.mem_policy == "bind"
+        and ok.args == (f"--physcpubind={cpu}", "--membind=0")
+    )
     bad = prober.probe(("--membind=7",))
     assert not bad.ok and bad.message  # numactl's own words, e.g. "numactl: ... 7 ..."
     assert prober.probe_count == 2
@@ -353,27 +509,44 @@ def test_real_numactl_probe_on_this_host():
 def test_cpu_device_ranks_from_explicit_groups(two_sockets):
     with setting("SGLANG_CPU_OMP_THREADS_BIND", "0-7|16-23"):
         placements = plan(two_sockets, tp_size=2, device="cpu")
-    assert [p.cpus for p in placements] == [frozenset(range(8)), frozenset(range(16, 24))]
+    assert [p.cpus for p in placements] == [
+        frozenset(range(8)),
+        frozenset(range(16, 24)),
+    ]
     assert [p.numa_node for p in placements] == [0, 1]
     assert placements[1].numactl_args == ("--physcpubind=16-23", "--membind=1")
-    assert [p.gpu_id for p in placements] == [0, 1]  # a CPU rank's id is the numa_index bootstrap uses
+    assert [p.gpu_id for p in placements] == [
+        0,
+        1,
+    ]  # a CPU rank's id is the numa_index bootstrap uses
 
 
 def test_cpu_device_all_gives_one_node_per_rank(two_sockets):
     placements = plan(two_sockets, tp_size=2, device="cpu")
-    assert [p.numactl_args for p in placements] == [("--cpunodebind=0", "--membind=0"),
-                                                    ("--cpunodebind=1", "--membind=1")]
+    assert [p.numactl_args for p in placements] == [
+        ("--cpunodebind=0", "--membind=0"),
+        ("--cpunodebind=1", "--membind=1"),
+    ]
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("0-7", r"has 1 group\(s\) but rank index 1 needs one more: give one '\|'-separated cpulist per rank "
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            "0-7",
+            r"has 1 group\(s\) but rank index 1 needs one more: give one '\|'-separated cpulist per rank "
             r"\(dp_size x tp_size x pp_size, across all data-parallel workers\), "
-            r"e\.g\. SGLANG_CPU_OMP_THREADS_BIND='0-15\|16-31'"),
-    ("0-7|x", r"group 1 'x' is not a cpulist; expected ranges such as '0-3,8'"),
-    ("0-7|", r"group 1 is empty"),
-    ("0-7|40-41", r"group 1 '40-41' names CPU\(s\) 40-41 that are not online on this host \(online: 0-31\)"),
-    ("7-3|8", r"group 0 '7-3' is not a cpulist"),
-])
+            r"e\.g\. SGLANG_CPU_OMP_THREADS_BIND='0-15\|16-31'",
+        ),
+        ("0-7|x", r"group 1 'x' is not a cpulist; expected ranges such as '0-3,8'"),
+        ("0-7|", r"group 1 is empty"),
+        (
+            "0-7|40-41",
+            r"group 1 '40-41' names CPU\(s\) 40-41 that are not online on this host \(online: 0-31\)",
+        ),
+        ("7-3|8", r"group 0 '7-3' is not a cpulist"),
+    ],
+)
 def test_cpu_threads_bind_errors(two_sockets, spec, message):
     with setting("SGLANG_CPU_OMP_THREADS_BIND", spec):
         with pytest.raises(ValueError, match=message):
@@ -381,16 +554,24 @@ def test_cpu_threads_bind_errors(two_sockets, spec, message):
 
 
 def test_cpu_threads_bind_all_with_more_ranks_than_nodes(two_sockets):
-    with pytest.raises(ValueError, match=r"=all gives each rank one NUMA node, but rank index 2 has none: this "
-                                         r"host has 2 node\(s\) with CPUs"):
+    with pytest.raises(
+        ValueError,
+        match=r"=all gives each rank one NUMA node, but rank index 2 has none: this "
+        r"host has 2 node\(s\) with CPUs",
+    ):
         plan(two_sockets, tp_size=4, device="cpu")
 
 
 def test_cpu_threads_bind_outside_allowed_cpus(two_sockets):
-    allowed = ProcessAffinity(cpus=frozenset(range(8)), mems=frozenset({0}), source="cpuset")
+    allowed = ProcessAffinity(
+        cpus=frozenset(range(8)), mems=frozenset({0}), source="cpuset"
+    )
     with envs.SGLANG_CPU_OMP_THREADS_BIND.override("0-3|8-11"):
-        with pytest.raises(ValueError, match=r"group 1 '8-11' names CPU\(s\) 8-11 that this process may not use "
-                                             r"\(cpuset allows 0-7\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"group 1 '8-11' names CPU\(s\) 8-11 that this process may not use "
+            r"\(cpuset allows 0-7\)",
+        ):
             plan(two_sockets, tp_size=2, device="cpu", affinity=allowed)
 
 
@@ -399,11 +580,20 @@ def test_cpu_threads_bind_outside_allowed_cpus(two_sockets):
 
 def test_engine_formula_gives_upstreams_gpu_ids():
     """entrypoints/engine.py: base + (pp % pp_per_node) * tp_per_node + (tp % tp_per_node) * step. The step
-    applies to the TP offset only, so with pp > 1 and step > 1 upstream gives two ranks GPU 3."""
+    applies to the TP offset only, so with pp > 1 and step > 1 upstream gives two ranks GPU 3.
+    """
     ranks = local_ranks(EngineArgs(tp_size=2, pp_size=2, base_gpu_id=1, gpu_id_step=2))
-    assert [(r.pp_rank, r.tp_rank, r.gpu_id) for r in ranks] == [(0, 0, 1), (0, 1, 3), (1, 0, 3), (1, 1, 5)]
+    assert [(r.pp_rank, r.tp_rank, r.gpu_id) for r in ranks] == [
+        (0, 0, 1),
+        (0, 1, 3),
+        (1, 0, 3),
+        (1, 1, 5),
+    ]
     node1 = local_ranks(EngineArgs(tp_size=4, nnodes=2, node_rank=1))
-    assert [(r.tp_rank, r.gpu_id, r.global_rank) for r in node1] == [(2, 0, 2), (3, 1, 3)]
+    assert [(r.tp_rank, r.gpu_id, r.global_rank) for r in node1] == [
+        (2, 0, 2),
+        (3, 1, 3),
+    ]
     stages = local_ranks(EngineArgs(tp_size=2, pp_size=2, nnodes=2, node_rank=1))
     assert [(r.pp_rank, r.tp_rank, r.gpu_id) for r in stages] == [(1, 0, 0), (1, 1, 1)]
 
@@ -413,48 +603,82 @@ def test_data_parallel_controller_formula_gives_upstreams_gpu_ids():
     the previous one's, on top of --base-gpu-id."""
     dp = local_ranks(EngineArgs(tp_size=2, dp_size=2))
     assert [(r.dp_rank, r.tp_rank, r.gpu_id, r.global_rank) for r in dp] == [
-        (0, 0, 0, 0), (0, 1, 1, 1), (1, 0, 2, 2), (1, 1, 3, 3)]
-    stepped = local_ranks(EngineArgs(tp_size=2, dp_size=2, gpu_id_step=2, base_gpu_id=1))
+        (0, 0, 0, 0),
+        (0, 1, 1, 1),
+        (1, 0, 2, 2),
+        (1, 1, 3, 3),
+    ]
+    stepped = local_ranks(
+        EngineArgs(tp_size=2, dp_size=2, gpu_id_step=2, base_gpu_id=1)
+    )
     assert [r.gpu_id for r in stepped] == [1, 3, 5, 7]
     staged = local_ranks(EngineArgs(tp_size=2, pp_size=2, dp_size=2, gpu_id_step=2))
     assert [r.gpu_id for r in staged] == [0, 2, 2, 4, 8, 10, 10, 12]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(tp_size=0), r"--tp-size=0 is not valid: it must be a positive integer"),
-    (dict(nnodes=2, node_rank=2), r"--node-rank=2 is not valid with --nnodes=2"),
-    (dict(tp_size=3, nnodes=2), r"cannot be split evenly over --nnodes=2"),
-    (dict(device="npu"), r"--device='npu' is not supported here: choose one of cuda, xpu, cpu"),
-    (dict(numa_node=[0, -1]), r"--numa-node contains -1"),
-    (dict(numa_node=[]), r"--numa-node=\[\] is not valid"),
-    (dict(port=70000), r"--port=70000 is not valid"),
-    (dict(base_gpu_id=-1), r"--base-gpu-id=-1 is not valid"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tp_size=0), r"--tp-size=0 is not valid: it must be a positive integer"),
+        (dict(nnodes=2, node_rank=2), r"--node-rank=2 is not valid with --nnodes=2"),
+        (dict(tp_size=3, nnodes=2), r"cannot be split evenly over --nnodes=2"),
+        (
+            dict(device="npu"),
+            r"--device='npu' is not supported here: choose one of cuda, xpu, cpu",
+        ),
+        (dict(numa_node=[0, -1]), r"--numa-node contains -1"),
+        (dict(numa_node=[]), r"--numa-node=\[\] is not valid"),
+        (dict(port=70000), r"--port=70000 is not valid"),
+        (dict(base_gpu_id=-1), r"--base-gpu-id=-1 is not valid"),
+    ],
+)
 def test_server_args_errors(kwargs, message):
     with pytest.raises(EngineArgsError, match=message):
         EngineArgs(**kwargs)
 
 
-@pytest.mark.parametrize("field, value, reader, message", [
-    ("SGLANG_NUMA_AFFINITY_MODE", "cores", settings.affinity_mode,
-     r"SGLANG_NUMA_AFFINITY_MODE='cores' is not valid: choose one of node, exclusive, socket"),
-    ("SGLANG_CPU_OMP_THREADS_BIND", " ", settings.cpu_threads_bind, r"SGLANG_CPU_OMP_THREADS_BIND is empty"),
-    ("SGLANG_SYSFS_ROOT", "", settings.sysfs_root, r"SGLANG_SYSFS_ROOT='' is not valid"),
-])
+@pytest.mark.parametrize(
+    "field, value, reader, message",
+    [
+        (
+            "SGLANG_NUMA_AFFINITY_MODE",
+            "cores",
+            settings.affinity_mode,
+            r"SGLANG_NUMA_AFFINITY_MODE='cores' is not valid: choose one of node, exclusive, socket",
+        ),
+        (
+            "SGLANG_CPU_OMP_THREADS_BIND",
+            " ",
+            settings.cpu_threads_bind,
+            r"SGLANG_CPU_OMP_THREADS_BIND is empty",
+        ),
+        (
+            "SGLANG_SYSFS_ROOT",
+            "",
+            settings.sysfs_root,
+            r"SGLANG_SYSFS_ROOT='' is not valid",
+        ),
+    ],
+)
 def test_malformed_placement_settings_name_the_variable(field, value, reader, message):
     with getattr(envs, field).override(value):
         with pytest.raises(SettingError, match=message):
             reader()
 
 
-@pytest.mark.parametrize("field, reader", [
-    ("SGLANG_NUMA_BIND_V2", settings.bind_v2),
-    ("SGLANG_AUTO_NUMA_BIND", settings.auto_numa_bind),
-    ("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", settings.bind_failure_is_fatal),
-])
+@pytest.mark.parametrize(
+    "field, reader",
+    [
+        ("SGLANG_NUMA_BIND_V2", settings.bind_v2),
+        ("SGLANG_AUTO_NUMA_BIND", settings.auto_numa_bind),
+        ("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", settings.bind_failure_is_fatal),
+    ],
+)
 def test_a_malformed_boolean_warns_and_keeps_upstreams_default(field, reader):
     default = reader()
-    with getattr(envs, field).override("maybe"), pytest.warns(UserWarning, match=f"Invalid value for {field}"):
+    with getattr(envs, field).override("maybe"), pytest.warns(
+        UserWarning, match=f"Invalid value for {field}"
+    ):
         assert reader() is default
 
 
@@ -462,7 +686,9 @@ def test_settings_defaults_and_override_restores_absence():
     os.environ.pop("SGLANG_NUMA_BIND_V2", None)
     assert settings.bind_v2() is True and not envs.SGLANG_NUMA_BIND_V2.is_set()
     with envs.SGLANG_NUMA_BIND_V2.override(False):
-        assert os.environ["SGLANG_NUMA_BIND_V2"] == "False" and settings.bind_v2() is False
+        assert (
+            os.environ["SGLANG_NUMA_BIND_V2"] == "False" and settings.bind_v2() is False
+        )
     assert "SGLANG_NUMA_BIND_V2" not in os.environ
     assert settings.auto_numa_bind() is True
     assert settings.bind_failure_is_fatal() is False
@@ -479,18 +705,29 @@ def test_policy_rejects_unknown_launcher_and_mode():
 
 
 def test_rank_identity_label():
-    assert RankIdentity(dp_rank=1, pp_rank=0, tp_rank=3, gpu_id=3).label == "DP1 PP0 TP3"
+    assert (
+        RankIdentity(dp_rank=1, pp_rank=0, tp_rank=3, gpu_id=3).label == "DP1 PP0 TP3"
+    )
 
 
 def test_a_gpu_id_probes_only_its_own_options(two_sockets, monkeypatch):
     from sglang.srt.placement.plan import place_gpu_id
 
     fake = AcceptAll()
-    facts = HostFacts(topology=two_sockets, affinity=everything(two_sockets),
-                      capabilities=HostCapabilities(numactl=fake.prober, libnuma=True))
+    facts = HostFacts(
+        topology=two_sockets,
+        affinity=everything(two_sockets),
+        capabilities=HostCapabilities(numactl=fake.prober, libnuma=True),
+    )
     monkeypatch.setenv("SGLANG_NUMA_AFFINITY_MODE", "exclusive")
     args = EngineArgs(tp_size=4)
-    p = place_gpu_id(args, 1, policy=PlacementPolicy.from_env(args, launcher="mp"), facts=facts, env={},
-                     runtime=None)
+    p = place_gpu_id(
+        args,
+        1,
+        policy=PlacementPolicy.from_env(args, launcher="mp"),
+        facts=facts,
+        env={},
+        runtime=None,
+    )
     assert p.cpus == frozenset({4, 5, 6, 7, 12, 13, 14, 15})
     assert [c[1:-1] for c in fake.calls] == [("--physcpubind=4-7,12-15", "--membind=0")]

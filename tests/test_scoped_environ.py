@@ -6,13 +6,15 @@ import os
 
 import pytest
 
-from sglang.srt.placement.scoped_environ import scoped_environ
+from sglang.srt.distributed.shm_collective import scoped_environ
 
 
 def test_values_hold_only_inside_the_block(monkeypatch):
     monkeypatch.setenv("SGLANG_TEST_SCOPED_A", "before")
     monkeypatch.delenv("SGLANG_TEST_SCOPED_B", raising=False)
-    with scoped_environ({"SGLANG_TEST_SCOPED_A": "inside", "SGLANG_TEST_SCOPED_B": "new"}):
+    with scoped_environ(
+        {"SGLANG_TEST_SCOPED_A": "inside", "SGLANG_TEST_SCOPED_B": "new"}
+    ):
         assert os.environ["SGLANG_TEST_SCOPED_A"] == "inside"
         assert os.environ["SGLANG_TEST_SCOPED_B"] == "new"
     assert os.environ["SGLANG_TEST_SCOPED_A"] == "before"
@@ -24,7 +26,9 @@ def test_previous_values_and_absence_come_back_on_error(monkeypatch):
     monkeypatch.delenv("SGLANG_TEST_SCOPED_B", raising=False)
     before = dict(os.environ)
     with pytest.raises(RuntimeError, match="boom"):
-        with scoped_environ({"SGLANG_TEST_SCOPED_A": "inside", "SGLANG_TEST_SCOPED_B": "new"}):
+        with scoped_environ(
+            {"SGLANG_TEST_SCOPED_A": "inside", "SGLANG_TEST_SCOPED_B": "new"}
+        ):
             raise RuntimeError("boom")
     assert dict(os.environ) == before
 

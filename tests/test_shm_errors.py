@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from sglang.srt.distributed.shm_namespace import ShmNamespace
-from sglang.srt.distributed.shm_segments import (
+from sglang.srt.distributed.shm_errors import (
     KERNEL_SEGMENT_BYTES,
     BusyRecord,
     LockHolder,
     describe_busy_owner,
     segment_bytes_missing,
 )
+from sglang.srt.distributed.shm_namespace import ShmNamespace
 
 SCRIPT = Path(__file__).resolve().parent / "shm_mount_children.py"
 PORT = 41100  # shm_mount_children.PORT

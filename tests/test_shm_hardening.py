@@ -16,8 +16,8 @@ import sys
 import tempfile
 
 import pytest
-
 import shm_children
+
 from sglang.srt.distributed.shm_namespace import (
     NAME_MAX,
     ShmNamespace,
@@ -30,7 +30,12 @@ from sglang.srt.distributed.shm_segments import (
     remove_stale_segments,
 )
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(
+    0,
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"
+    ),
+)
 
 import shm_stress  # noqa: E402
 
@@ -73,7 +78,8 @@ def _unused_ids() -> tuple[int, int, int]:
 @pytest.fixture
 def sticky_dir():
     """Like /dev/shm (sticky, writable by the users in it) but only for a fresh group of
-    two fresh uids, so that nothing is world-writable: ``(dir, victim, attacker, gid)``."""
+    two fresh uids, so that nothing is world-writable: ``(dir, victim, attacker, gid)``.
+    """
     if os.geteuid() != 0:
         pytest.fail(
             f"this test runs a victim and an attacker as two other uids, which needs root "
@@ -100,14 +106,18 @@ class _Child:
     def __init__(self, uid, gid, body: str, *args) -> None:
         self.conn, child_end = _SPAWN.Pipe()
         self.proc = _SPAWN.Process(
-            target=shm_children.run_as, args=(uid, gid, child_end, body, *args), daemon=True
+            target=shm_children.run_as,
+            args=(uid, gid, child_end, body, *args),
+            daemon=True,
         )
         self.proc.start()
         child_end.close()
         _Child.running.append(self)
 
     def recv(self, timeout: float = 60.0):
-        assert self.conn.poll(timeout), f"child {self.proc.pid} said nothing in {timeout} s"
+        assert self.conn.poll(
+            timeout
+        ), f"child {self.proc.pid} said nothing in {timeout} s"
         return self.conn.recv()
 
     def claimed(self) -> dict:
@@ -161,7 +171,9 @@ def test_another_users_owner_directory_blocks_no_claim(sticky_dir, kind):
         assert outcome[:2] == ("error", "ShmCollectiveError"), outcome
         assert f"pid {info['pid']}" in outcome[2]
         warnings = [line for line in outcome[3] if line.startswith("WARNING")]
-        assert any(repr(squatted) in line and f"uid {attacker}" in line for line in warnings), warnings
+        assert any(
+            repr(squatted) in line and f"uid {attacker}" in line for line in warnings
+        ), warnings
         [record] = _records(shared, segment)
         private = os.path.dirname(record)
         assert private != squatted and os.path.dirname(private) == shared
@@ -176,10 +188,14 @@ def test_another_users_owner_directory_blocks_no_claim(sticky_dir, kind):
     assert not os.path.exists(info["segment"]) and _records(shared, segment) == []
 
 
-def test_segment_planted_by_another_user_is_refused_naming_file_owner_and_fix(sticky_dir):
+def test_segment_planted_by_another_user_is_refused_naming_file_owner_and_fix(
+    sticky_dir,
+):
     shared, victim, attacker, gid = sticky_dir
     port = 41002
-    planted = os.path.join(shared, ShmNamespace(addr="127.0.0.1", port=port, uid=victim).segment_name(0))
+    planted = os.path.join(
+        shared, ShmNamespace(addr="127.0.0.1", port=port, uid=victim).segment_name(0)
+    )
     assert _run(attacker, gid, "plant", planted, "file")[0] == "ok"
     outcome = _run(victim, gid, "claim", shared, port, 0, False)
     assert outcome[:2] == ("error", "ShmCollectiveError"), outcome
@@ -223,7 +239,9 @@ def test_dead_record_beside_a_live_owner_never_removes_its_segment(shm_dir):
     orphan_dir = tempfile.mkdtemp(prefix=f"sglang_shm_owners_{UID}.", dir=shm_dir)
     orphan = os.path.join(orphan_dir, segment + ".owner")
     os.close(os.open(orphan, os.O_CREAT | os.O_RDWR, 0o600))
-    sweep = remove_stale_segments(ShmNamespace(addr="127.0.0.1", port=41005), shm_dir=shm_dir)
+    sweep = remove_stale_segments(
+        ShmNamespace(addr="127.0.0.1", port=41005), shm_dir=shm_dir
+    )
     assert sweep.live == (segment,) and sweep.removed == ()
     with open(info["segment"], "rb") as f:
         assert f.read() == f"pid {info['pid']} rank 0\n".encode()
@@ -287,7 +305,9 @@ def test_sweep_reports_dead_owners_of_other_namespaces_and_keeps_live_ones(shm_d
     live = _Child(None, None, "claim", shm_dir, 41003, 0, True)
     live_info = live.claimed()
     dead = _killed_tp2_engine(shm_dir, 41001)
-    sweep = remove_stale_segments(ShmNamespace(addr="127.0.0.1", port=41002), shm_dir=shm_dir)
+    sweep = remove_stale_segments(
+        ShmNamespace(addr="127.0.0.1", port=41002), shm_dir=shm_dir
+    )
     assert sorted(sweep.removed) == sorted(os.path.basename(s) for s in dead)
     assert os.path.basename(live_info["segment"]) not in sweep.removed
     assert os.path.exists(live_info["segment"])
@@ -335,7 +355,9 @@ def test_longest_accepted_host_claims_and_one_more_character_is_rejected(shm_dir
 # -------------------------------------------------------------------------------------- port
 
 
-@pytest.mark.parametrize("port_text", ["²", "٨٠", "1²", "\x00", "8\x0b0", "+80", "8_0", "0x50", "-1"])
+@pytest.mark.parametrize(
+    "port_text", ["²", "٨٠", "1²", "\x00", "8\x0b0", "+80", "8_0", "0x50", "-1"]
+)
 def test_port_must_be_ascii_digits_and_the_error_shows_the_value(port_text):
     method = f"tcp://127.0.0.1:{port_text}"
     with pytest.raises(ShmNamespaceError) as info:
@@ -345,7 +367,9 @@ def test_port_must_be_ascii_digits_and_the_error_shows_the_value(port_text):
     assert repr(port_text)[1:-1] in message.partition(": ")[2]
     assert message.isprintable()
     with pytest.raises(ShmNamespaceError) as info:
-        ShmNamespace.from_init_method("env://", environ={"MASTER_ADDR": "h", "MASTER_PORT": port_text})
+        ShmNamespace.from_init_method(
+            "env://", environ={"MASTER_ADDR": "h", "MASTER_PORT": port_text}
+        )
     assert "MASTER_PORT" in str(info.value) and repr(port_text) in str(info.value)
 
 
@@ -358,7 +382,9 @@ def test_port_digit_count_is_bounded_before_conversion():
 # ---------------------------------------------------------------------------------- file://
 
 
-def test_file_init_method_uses_torchs_path_whatever_the_working_directory(tmp_path, monkeypatch):
+def test_file_init_method_uses_torchs_path_whatever_the_working_directory(
+    tmp_path, monkeypatch
+):
     import torch.distributed as dist
 
     method = f"file://ignored{tmp_path}/store"
@@ -371,10 +397,15 @@ def test_file_init_method_uses_torchs_path_whatever_the_working_directory(tmp_pa
         (tmp_path / cwd).mkdir()
         monkeypatch.chdir(tmp_path / cwd)
         seen.append(
-            (ShmNamespace.from_init_method(method), ShmNamespace.from_init_method("file://tmp/x"))
+            (
+                ShmNamespace.from_init_method(method),
+                ShmNamespace.from_init_method("file://tmp/x"),
+            )
         )
     assert seen[0] == seen[1]
-    assert seen[0][0] == ShmNamespace.from_init_method(f"file://{tmp_path}/store?rank=1&world_size=2")
+    assert seen[0][0] == ShmNamespace.from_init_method(
+        f"file://{tmp_path}/store?rank=1&world_size=2"
+    )
     assert seen[0][1] == ShmNamespace.from_init_method("file:///x")
     assert seen[0][0] != seen[0][1]
     with pytest.raises(ShmNamespaceError, match="names no file"):
@@ -395,8 +426,12 @@ def test_file_init_method_uses_torchs_path_whatever_the_working_directory(tmp_pa
         lambda: ShmNamespace.from_init_method("tcp://h:" + "9" * 250),
         lambda: ShmNamespace.from_init_method("tcp://h\x00:1"),
         lambda: ShmNamespace.from_init_method("bad\x00://x"),
-        lambda: ShmNamespace.from_init_method("env://", environ={"MASTER_ADDR": "a\u2028b", "MASTER_PORT": "1"}),
-        lambda: ShmNamespace.from_init_method("env://", environ={"MASTER_ADDR": "", "MASTER_PORT": "\x00"}),
+        lambda: ShmNamespace.from_init_method(
+            "env://", environ={"MASTER_ADDR": "a\u2028b", "MASTER_PORT": "1"}
+        ),
+        lambda: ShmNamespace.from_init_method(
+            "env://", environ={"MASTER_ADDR": "", "MASTER_PORT": "\x00"}
+        ),
         lambda: ShmNamespace(addr="\n", port=1),
     ],
 )

@@ -18,7 +18,10 @@ import threading
 import pytest
 
 from sglang.srt.scheduler_placement import spawn_hook
-from sglang.srt.scheduler_placement.spawn_hook import is_spawned_child, spawn_with_prefix
+from sglang.srt.scheduler_placement.spawn_hook import (
+    is_spawned_child,
+    spawn_with_prefix,
+)
 
 ENV = shutil.which("env")
 EXE = sys.executable
@@ -27,7 +30,9 @@ EXE = sys.executable
 def report_argv(queue) -> None:
     with open("/proc/self/cmdline", "rb") as f:
         cmdline = [part.decode() for part in f.read().split(b"\0") if part]
-    queue.put({"marker": os.environ.get("SPAWN_HOOK_MARKER"), "argv0": cmdline[0]})  # env has exec'd python
+    queue.put(
+        {"marker": os.environ.get("SPAWN_HOOK_MARKER"), "argv0": cmdline[0]}
+    )  # env has exec'd python
 
 
 def marked_prefix(value: str) -> list[str]:
@@ -63,13 +68,25 @@ def saved_spawnv():
 
 
 def test_the_structure_of_a_spawned_childs_command_line_is_recognised():
-    spawn_cmd = [EXE, "-B", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, "
-                 "pipe_handle=7)", "--multiprocessing-fork"]
+    spawn_cmd = [
+        EXE,
+        "-B",
+        "-c",
+        "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, "
+        "pipe_handle=7)",
+        "--multiprocessing-fork",
+    ]
     assert is_spawned_child(spawn_cmd)
-    assert is_spawned_child([b"/x/frozen", b"--multiprocessing-fork", b"tracker_fd=5", b"pipe_handle=7"])
+    assert is_spawned_child(
+        [b"/x/frozen", b"--multiprocessing-fork", b"tracker_fd=5", b"pipe_handle=7"]
+    )
     # A forkserver's command line names spawn_main only through its sys_path argument.
-    forkserver = [EXE, "-c", "from multiprocessing.forkserver import main; main(3, 5, ['m'], **{'sys_path': "
-                  "['/opt/spawn_main'], 'main_path': None})"]
+    forkserver = [
+        EXE,
+        "-c",
+        "from multiprocessing.forkserver import main; main(3, 5, ['m'], **{'sys_path': "
+        "['/opt/spawn_main'], 'main_path': None})",
+    ]
     tracker = [EXE, "-c", "from multiprocessing.resource_tracker import main;main(9)"]
     extra = [*spawn_cmd[:-1], "--multiprocessing-fork", "--and-more"]
     assert not any(map(is_spawned_child, (forkserver, tracker, extra)))
@@ -90,7 +107,9 @@ def test_prefixes_nest_and_an_empty_one_is_refused():
             pass
 
 
-def test_a_library_that_wraps_and_later_restores_spawnv_passfds_loses_nothing(saved_spawnv):
+def test_a_library_that_wraps_and_later_restores_spawnv_passfds_loses_nothing(
+    saved_spawnv,
+):
     """It wraps before the first block and puts back what it saved afterwards: later blocks re-arm."""
     spawn_one(marked_prefix("first"))  # our layer is in place
     saved = multiprocessing.util.spawnv_passfds
@@ -100,9 +119,13 @@ def test_a_library_that_wraps_and_later_restores_spawnv_passfds_loses_nothing(sa
         calls.append(args[0])
         return saved(path, args, passfds)
 
-    multiprocessing.util.spawnv_passfds = library_wrapper  # no __wrapped__: cannot be seen through
+    multiprocessing.util.spawnv_passfds = (
+        library_wrapper  # no __wrapped__: cannot be seen through
+    )
     assert spawn_one(marked_prefix("wrapped"))["marker"] == "wrapped"
-    multiprocessing.util.spawnv_passfds = saved_spawnv  # the library puts back what it found first
+    multiprocessing.util.spawnv_passfds = (
+        saved_spawnv  # the library puts back what it found first
+    )
     assert not spawn_hook.hook_reachable()
     assert spawn_one(marked_prefix("restored"))["marker"] == "restored"
     assert calls, "the library's wrapper saw the spawn"
@@ -113,7 +136,9 @@ def test_layers_on_both_sides_of_a_hiding_wrapper_apply_the_prefix_once(saved_sp
     below = multiprocessing.util.spawnv_passfds
     seen = []
 
-    def hiding(path, args, passfds):  # wraps our layer without saying so (no __wrapped__)
+    def hiding(
+        path, args, passfds
+    ):  # wraps our layer without saying so (no __wrapped__)
         seen.append(list(args))
         return below(path, args, passfds)
 
@@ -143,7 +168,9 @@ def test_wrappers_from_many_threads_each_spawn_keeps_its_prefix(saved_spawnv):
         thread.start()
     for thread in threads:
         thread.join()
-    assert {i: r["marker"] for i, r in results.items()} == {i: f"thread-{i}" for i in range(4)}
+    assert {i: r["marker"] for i, r in results.items()} == {
+        i: f"thread-{i}" for i in range(4)
+    }
 
 
 FORKSERVER_CHILD = r"""
@@ -169,7 +196,11 @@ def test_a_forkserver_started_inside_a_block_is_not_wrapped(tmp_path):
 
     script = tmp_path / "forkserver_child.py"
     script.write_text(FORKSERVER_CHILD)
-    done = subprocess.run([EXE, str(script), os.path.dirname(os.path.abspath(__file__))], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [EXE, str(script), os.path.dirname(os.path.abspath(__file__))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["0", "None"], done.stdout

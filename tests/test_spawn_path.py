@@ -20,7 +20,6 @@ import types
 from pathlib import Path
 
 import pytest
-
 from spawn_support import args, fake_host, numactl_calls, numactl_standin, start_rank
 
 TESTS = Path(__file__).resolve().parent
@@ -82,7 +81,10 @@ def test_ranks_spawned_from_several_threads_keep_their_own_binding(monkeypatch):
         thread.start()
     for thread in threads:
         thread.join()
-    assert [results[g]["report"]["cpus"] for g in (0, 1)] == [[REAL_CPUS[0]], [REAL_CPUS[1]]]
+    assert [results[g]["report"]["cpus"] for g in (0, 1)] == [
+        [REAL_CPUS[0]],
+        [REAL_CPUS[1]],
+    ]
     assert all(results[g]["report"]["policy"] == "bind" for g in (0, 1))
 
 
@@ -90,32 +92,43 @@ def test_router_mode_cpu_rank_gets_the_group_of_its_gpu_id(monkeypatch):
     """sglang-router's data parallelism: each worker is a tp=1 engine whose --base-gpu-id is its index."""
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", f"{REAL_CPUS[0]}|{REAL_CPUS[-1]}")
     out = start_rank(args(device="cpu", base_gpu_id=1), 1)
-    assert out["report"]["cpus"] == [REAL_CPUS[-1]] and out["report"]["policy"] == "bind", out
+    assert (
+        out["report"]["cpus"] == [REAL_CPUS[-1]] and out["report"]["policy"] == "bind"
+    ), out
 
 
 def test_cpu_ranks_are_left_as_upstream_leaves_them_with_bind_v2_off(monkeypatch):
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", f"{REAL_CPUS[0]}|{REAL_CPUS[-1]}")
     monkeypatch.setenv("SGLANG_NUMA_BIND_V2", "0")
     out = start_rank(args(device="cpu", tp_size=2), 1)
-    assert out["report"]["cpus"] == REAL_CPUS and out["report"]["policy"] == "default", out
+    assert (
+        out["report"]["cpus"] == REAL_CPUS and out["report"]["policy"] == "default"
+    ), out
 
 
 # --------------------------------------------------------------------------- the GPU it is given
 
 
 @pytest.mark.parametrize("dp_size", [1, 2])
-def test_one_visible_device_per_process_binds_each_gpus_node_and_never_raises(split_host, monkeypatch, tmp_path,
-                                                                              dp_size):
+def test_one_visible_device_per_process_binds_each_gpus_node_and_never_raises(
+    split_host, monkeypatch, tmp_path, dp_size
+):
     """SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1: upstream's maybe_reindex_device_id narrows
-    CUDA_VISIBLE_DEVICES to one GPU and hands configure_subprocess gpu_id 0, for tp=2 x dp=2."""
+    CUDA_VISIBLE_DEVICES to one GPU and hands configure_subprocess gpu_id 0, for tp=2 x dp=2.
+    """
     from sglang.srt.placement.ranks import local_ranks
     from sglang.srt.platforms.cuda import CudaDeviceMixin
     from sglang.srt.utils import common
     from sglang.srt.utils.common import maybe_reindex_device_id
 
     # This host's platform is the CPU; upstream's CUDA narrowing is what runs on a GPU host.
-    monkeypatch.setattr(common, "current_platform", types.SimpleNamespace(
-        reindex_device_id=functools.partial(CudaDeviceMixin.reindex_device_id, None)))
+    monkeypatch.setattr(
+        common,
+        "current_platform",
+        types.SimpleNamespace(
+            reindex_device_id=functools.partial(CudaDeviceMixin.reindex_device_id, None)
+        ),
+    )
     log = use_standin(monkeypatch, tmp_path, "record")
     monkeypatch.setenv("SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS", "1")
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -123,16 +136,23 @@ def test_one_visible_device_per_process_binds_each_gpus_node_and_never_raises(sp
     spawned = []
     for rank in local_ranks(engine):
         with maybe_reindex_device_id(rank.gpu_id) as gpu_id:
-            assert gpu_id == 0 and os.environ["CUDA_VISIBLE_DEVICES"] == str(rank.gpu_id)
+            assert gpu_id == 0 and os.environ["CUDA_VISIBLE_DEVICES"] == str(
+                rank.gpu_id
+            )
             spawned.append((rank.gpu_id, start_rank(engine, gpu_id)))
     for physical, out in spawned:
         assert "error" not in out and out["report"] is not None, out
         assert not out["warnings"], out["warnings"]
     # Each spawn ran under the node of the physical GPU it was given (GPUs 0, 1 on node 0; 2, 3 on node 1;
     # this kernel has no node 1 memory to bind, which the VM test covers).
-    spawns = [[a for a in c if a.startswith("--cpunodebind") or a.startswith("--membind")]
-              for c in numactl_calls(log) if "-c" in c]
-    assert spawns == [["--cpunodebind=0", "--membind=0"]] * 2 + [["--cpunodebind=1"]] * 2
+    spawns = [
+        [a for a in c if a.startswith("--cpunodebind") or a.startswith("--membind")]
+        for c in numactl_calls(log)
+        if "-c" in c
+    ]
+    assert (
+        spawns == [["--cpunodebind=0", "--membind=0"]] * 2 + [["--cpunodebind=1"]] * 2
+    )
 
 
 def test_a_gpu_id_is_identified_alone(gpu_host, monkeypatch):
@@ -147,7 +167,10 @@ def test_a_gpu_that_cannot_be_found_runs_unbound_with_the_reason(gpu_host, monke
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     out = start_rank(args(tp_size=2), 1)
     assert out["report"]["policy"] == "default" and "error" not in out
-    assert any("GPU 1 cannot be identified" in w and "CUDA_VISIBLE_DEVICES" in w for w in out["warnings"]), out
+    assert any(
+        "GPU 1 cannot be identified" in w and "CUDA_VISIBLE_DEVICES" in w
+        for w in out["warnings"]
+    ), out
 
 
 # --------------------------------------------------------------------------- less bound than intended
@@ -155,7 +178,10 @@ def test_a_gpu_that_cannot_be_found_runs_unbound_with_the_reason(gpu_host, monke
 
 FAILURES = {
     # numactl refusing every option set, as under a seccomp profile that denies the NUMA syscalls.
-    "refuse-all": ("numactl could not apply NUMA binding for node 1", "Operation not permitted"),
+    "refuse-all": (
+        "numactl could not apply NUMA binding for node 1",
+        "Operation not permitted",
+    ),
     # libnuma missing: numactl itself cannot start.
     "no-libnuma": ("numactl could not apply NUMA binding for node 1", "libnuma.so.1"),
     # numactl not installed at all.
@@ -164,7 +190,9 @@ FAILURES = {
 
 
 @pytest.mark.parametrize("mode", sorted(FAILURES))
-def test_a_rank_that_cannot_be_bound_warns_naming_its_gpu(split_host, monkeypatch, tmp_path, mode):
+def test_a_rank_that_cannot_be_bound_warns_naming_its_gpu(
+    split_host, monkeypatch, tmp_path, mode
+):
     use_standin(monkeypatch, tmp_path, mode)
     out = start_rank(args(tp_size=4), 2)
     assert out["report"]["policy"] == "default", out
@@ -174,21 +202,30 @@ def test_a_rank_that_cannot_be_bound_warns_naming_its_gpu(split_host, monkeypatc
 
 
 @pytest.mark.parametrize("mode", sorted(FAILURES))
-def test_under_the_crash_setting_nothing_is_started(split_host, monkeypatch, tmp_path, mode):
+def test_under_the_crash_setting_nothing_is_started(
+    split_host, monkeypatch, tmp_path, mode
+):
     use_standin(monkeypatch, tmp_path, mode)
     monkeypatch.setenv("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", "1")
     out = start_rank(args(tp_size=4), 2)
     assert out["started"] is False, out
-    assert out["error"].startswith("PlacementError") and FAILURES[mode][1] in out["error"], out
+    assert (
+        out["error"].startswith("PlacementError") and FAILURES[mode][1] in out["error"]
+    ), out
 
 
-def test_a_weaker_memory_policy_warns_in_upstreams_words(gpu_host, monkeypatch, tmp_path):
+def test_a_weaker_memory_policy_warns_in_upstreams_words(
+    gpu_host, monkeypatch, tmp_path
+):
     use_standin(monkeypatch, tmp_path, "refuse-membind")
     out = start_rank(args(tp_size=4), 1)
     [line] = [w for w in out["warnings"] if w.startswith("WARNING")]
     assert "GPU 1: bound less tightly than planned" in line
-    assert "numactl rejected hard memory binding ('--cpunodebind=0 --membind=0'): numactl: setting membind: " \
-           "Invalid argument; falling back to soft preferred policy ('--cpunodebind=0 --preferred=0')" in line
+    assert (
+        "numactl rejected hard memory binding ('--cpunodebind=0 --membind=0'): numactl: setting membind: "
+        "Invalid argument; falling back to soft preferred policy ('--cpunodebind=0 --preferred=0')"
+        in line
+    )
 
 
 CONFINED = r"""
@@ -205,23 +242,50 @@ def test_a_parent_confined_to_node_0_warns_for_node_1_gpus(tmp_path, crash):
     if len(REAL_CPUS) < 2:
         pytest.skip("needs two CPUs")
     root = fake_host(tmp_path / "sys", node_cpus={0: {REAL_CPUS[0]}, 1: {REAL_CPUS[1]}})
-    env = {**os.environ, "SGLANG_SYSFS_ROOT": str(root), "SGLANG_CRASH_ON_NUMA_BIND_FAILURE": crash}
+    env = {
+        **os.environ,
+        "SGLANG_SYSFS_ROOT": str(root),
+        "SGLANG_CRASH_ON_NUMA_BIND_FAILURE": crash,
+    }
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run(["taskset", "-c", str(REAL_CPUS[0]), sys.executable, "-c", CONFINED, str(TESTS)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            "taskset",
+            "-c",
+            str(REAL_CPUS[0]),
+            sys.executable,
+            "-c",
+            CONFINED,
+            str(TESTS),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     node_1 = out["2"]
-    expected = f"NUMA node 1 has no CPU cores allowed by the current affinity {REAL_CPUS[0]}"
+    expected = (
+        f"NUMA node 1 has no CPU cores allowed by the current affinity {REAL_CPUS[0]}"
+    )
     if crash == "1":
         assert node_1["started"] is False and expected in node_1["error"], node_1
     else:
-        assert node_1["report"]["cpus"] == [REAL_CPUS[0]] and node_1["report"]["policy"] == "default"
-        assert any(expected in w and "skipping NUMA binding for GPU 2" in w for w in node_1["warnings"]), node_1
+        assert (
+            node_1["report"]["cpus"] == [REAL_CPUS[0]]
+            and node_1["report"]["policy"] == "default"
+        )
+        assert any(
+            expected in w and "skipping NUMA binding for GPU 2" in w
+            for w in node_1["warnings"]
+        ), node_1
     assert out["0"]["report"]["policy"] == "bind" and not out["0"]["warnings"], out["0"]
 
 
-def test_a_numactl_that_fails_at_the_childs_exec_is_reported_with_its_reason(gpu_host, monkeypatch, tmp_path):
+def test_a_numactl_that_fails_at_the_childs_exec_is_reported_with_its_reason(
+    gpu_host, monkeypatch, tmp_path
+):
     """The probe passed, then the cpuset shrank: numactl kills the child before Python starts."""
     use_standin(monkeypatch, tmp_path, "shrinks-after-probe")
     out = start_rank(args(tp_size=4), 1, timeout_s=10)
@@ -247,14 +311,18 @@ def test_a_bad_sysfs_root_is_named_as_the_variable(monkeypatch, tmp_path):
     monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(tmp_path / "missing"))
     out = start_rank(args(tp_size=2), 0)
     assert out["started"] is False
-    assert "SGLANG_SYSFS_ROOT=" in out["error"] and "--sysfs-root" not in out["error"], out
+    assert (
+        "SGLANG_SYSFS_ROOT=" in out["error"] and "--sysfs-root" not in out["error"]
+    ), out
 
 
 def test_a_bad_affinity_mode_is_refused_on_a_one_node_host(monkeypatch):
     monkeypatch.delenv("SGLANG_SYSFS_ROOT", raising=False)  # this host: one NUMA node
     monkeypatch.setenv("SGLANG_NUMA_AFFINITY_MODE", "cores")
     out = start_rank(args(tp_size=2), 0)
-    assert out["started"] is False and "SGLANG_NUMA_AFFINITY_MODE='cores'" in out["error"], out
+    assert (
+        out["started"] is False and "SGLANG_NUMA_AFFINITY_MODE='cores'" in out["error"]
+    ), out
 
 
 def test_overlapping_groups_follow_one_rule_in_plan_and_bootstrap(monkeypatch, caplog):
@@ -262,13 +330,31 @@ def test_overlapping_groups_follow_one_rule_in_plan_and_bootstrap(monkeypatch, c
 
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", f"{REAL_CPUS[0]}|{REAL_CPUS[0]}")
     with caplog.at_level("WARNING", logger="sglang.srt.utils.numa_utils"):
-        assert numa_utils.init_threads_binding(numa_index=1, world_size=2) == str(REAL_CPUS[0])
+        assert numa_utils.init_threads_binding(numa_index=1, world_size=2) == str(
+            REAL_CPUS[0]
+        )
     assert any("group 1 shares CPU(s)" in r.getMessage() for r in caplog.records)
-    plan = subprocess.run([sys.executable, "-m", "sglang.srt.placement", "plan", "--device", "cpu",
-                           "--tp-size", "2", "--json"], capture_output=True, text=True, timeout=120)
+    plan = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang.srt.placement",
+            "plan",
+            "--device",
+            "cpu",
+            "--tp-size",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plan.returncode == 0, plan.stderr
     rank_1 = json.loads(plan.stdout)["ranks"][1]
-    assert rank_1["cpus"] == str(REAL_CPUS[0]) and any("group 1 shares CPU(s)" in r for r in rank_1["reasons"])
+    assert rank_1["cpus"] == str(REAL_CPUS[0]) and any(
+        "group 1 shares CPU(s)" in r for r in rank_1["reasons"]
+    )
 
 
 # --------------------------------------------------------------------------- no files, noexec /tmp
@@ -313,16 +399,36 @@ def _tops_under_tmp(paths):
 def test_spawns_work_with_a_noexec_tmp_and_write_no_file(monkeypatch):
     """Upstream wrote a wrapper script to /tmp and exec'd it; the spawn hook writes nothing."""
     if shutil.which("unshare") is None or os.geteuid() != 0:
-        raise RuntimeError("this test needs root and unshare(1) to mount a private noexec /tmp")
+        raise RuntimeError(
+            "this test needs root and unshare(1) to mount a private noexec /tmp"
+        )
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", f"{REAL_CPUS[0]}|{REAL_CPUS[-1]}")
     tops = _tops_under_tmp([TESTS.parent, sys.prefix, sys.executable, TESTS])
     proc = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", MOUNT_HELPER, json.dumps(tops),
-         sys.executable, "-c", NOEXEC_SCRIPT, str(TESTS)],
-        capture_output=True, text=True, timeout=300, cwd=str(TESTS.parent),
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            sys.executable,
+            "-c",
+            MOUNT_HELPER,
+            json.dumps(tops),
+            sys.executable,
+            "-c",
+            NOEXEC_SCRIPT,
+            str(TESTS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(TESTS.parent),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert any("noexec" in opt for opt in out["tmp_options"])
     assert out["cpus"] == [[REAL_CPUS[0]], [REAL_CPUS[-1]]]
-    assert out["before"] == [os.path.basename(t) for t in tops] and out["after"] == out["before"]
+    assert (
+        out["before"] == [os.path.basename(t) for t in tops]
+        and out["after"] == out["before"]
+    )

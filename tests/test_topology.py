@@ -9,11 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import fakesys
+import pytest
 from fakesys import GIB_KB, Host, NodeSpec, PciSpec, Shape
-from sglang.srt.placement.topology import SNAPSHOT_MARKER, read_process_affinity, read_topology
+
+from sglang.srt.placement.topology import (
+    SNAPSHOT_MARKER,
+    read_process_affinity,
+    read_topology,
+)
 from sglang.srt.placement.types import Cpu, TopologyError
 
 CAPTURE_FIX = "re-capture it with `python -m sglang.srt.placement capture DIR`"
@@ -21,7 +25,11 @@ TREE_FIX = "set SGLANG_SYSFS_ROOT to a sysfs tree"
 
 
 def gpus(topology):
-    return {dev.address: dev.numa_node for dev in topology.pci_devices if dev.vendor == fakesys.NVIDIA_VENDOR}
+    return {
+        dev.address: dev.numa_node
+        for dev in topology.pci_devices
+        if dev.vendor == fakesys.NVIDIA_VENDOR
+    }
 
 
 @pytest.mark.parametrize(
@@ -33,7 +41,13 @@ def gpus(topology):
         Shape(cores_per_node=3),
         Shape(sockets=4, cores_per_node=2, threads_per_core=4, gpus_per_node=1),
     ],
-    ids=["two_sockets_four_gpus", "sub_numa_clustering", "eight_nodes", "one_node_3", "four_sockets_smt4"],
+    ids=[
+        "two_sockets_four_gpus",
+        "sub_numa_clustering",
+        "eight_nodes",
+        "one_node_3",
+        "four_sockets_smt4",
+    ],
 )
 def test_shape_reads_back_exactly(tmp_path, shape):
     topology = read_topology(fakesys.write_sysfs(tmp_path / "sys", shape))
@@ -46,17 +60,26 @@ def test_shape_reads_back_exactly(tmp_path, shape):
     for node in topology.nodes:
         assert node.cpus == shape.cpus_of_node(node.node_id)
         assert node.memory_kb == shape.memory_kb_per_node
-        assert topology.packages_of_node(node.node_id) == {node.node_id // shape.nodes_per_socket}
+        assert topology.packages_of_node(node.node_id) == {
+            node.node_id // shape.nodes_per_socket
+        }
         for other, distance in node.distances:
-            same_socket = other // shape.nodes_per_socket == node.node_id // shape.nodes_per_socket
+            same_socket = (
+                other // shape.nodes_per_socket
+                == node.node_id // shape.nodes_per_socket
+            )
             expected = 10 if other == node.node_id else (12 if same_socket else 21)
             assert distance == expected
     for cpu in topology.cpus:
         core = cpu.cpu_id % shape.num_cores
-        assert cpu.thread_siblings == {core + t * shape.num_cores for t in range(shape.threads_per_core)}
+        assert cpu.thread_siblings == {
+            core + t * shape.num_cores for t in range(shape.threads_per_core)
+        }
         assert cpu.node_id == core // shape.cores_per_node
     assert gpus(topology) == {
-        addr: node_id for node_id in range(shape.num_nodes) for addr in shape.gpus_of_node(node_id)
+        addr: node_id
+        for node_id in range(shape.num_nodes)
+        for addr in shape.gpus_of_node(node_id)
     }
     bridge = topology.pci_device("0000:00:00.0")
     assert bridge is not None and bridge.pci_class == fakesys.HOST_BRIDGE_CLASS
@@ -66,9 +89,20 @@ def test_two_sockets_four_gpus(tmp_path):
     topology = read_topology(fakesys.two_sockets_four_gpus(tmp_path))
     assert topology.node(0).cpus == frozenset(range(0, 8)) | frozenset(range(16, 24))
     assert topology.node(1).cpus == frozenset(range(8, 16)) | frozenset(range(24, 32))
-    assert topology.cpu(17) == Cpu(cpu_id=17, node_id=0, package_id=0, core_id=1, thread_siblings=frozenset({1, 17}))
+    assert topology.cpu(17) == Cpu(
+        cpu_id=17,
+        node_id=0,
+        package_id=0,
+        core_id=1,
+        thread_siblings=frozenset({1, 17}),
+    )
     assert topology.cpu(9).core_id == 1 and topology.cpu(9).package_id == 1
-    assert gpus(topology) == {"0000:18:00.0": 0, "0000:28:00.0": 0, "0000:38:00.0": 1, "0000:48:00.0": 1}
+    assert gpus(topology) == {
+        "0000:18:00.0": 0,
+        "0000:28:00.0": 0,
+        "0000:38:00.0": 1,
+        "0000:48:00.0": 1,
+    }
     gpu = topology.pci_device("0000:38:00.0")
     assert (gpu.vendor, gpu.device, gpu.pci_class) == ("0x10de", "0x2330", "0x030200")
     assert topology.node(0).distances == ((0, 10), (1, 21))
@@ -108,7 +142,13 @@ def test_memory_only_nodes(tmp_path):
 
 def test_cpu_node_without_memory(tmp_path):
     root = fakesys.write_sysfs(
-        tmp_path, Host(nodes={0: NodeSpec(cpus=range(2)), 1: NodeSpec(cpus=range(2, 4), memory_kb=0)})
+        tmp_path,
+        Host(
+            nodes={
+                0: NodeSpec(cpus=range(2)),
+                1: NodeSpec(cpus=range(2, 4), memory_kb=0),
+            }
+        ),
     )
     topology = read_topology(root)
     assert topology.node(1).cpus == {2, 3}
@@ -123,14 +163,19 @@ def test_gpu_with_unknown_node(tmp_path):
 
 
 def test_pci_address_is_canonical_lower_case(tmp_path):
-    root = fakesys.write_sysfs(tmp_path, Host(nodes={0: NodeSpec(cpus=range(2))}, pci=[PciSpec("0000:AB:00.0", 0)]))
+    root = fakesys.write_sysfs(
+        tmp_path,
+        Host(nodes={0: NodeSpec(cpus=range(2))}, pci=[PciSpec("0000:AB:00.0", 0)]),
+    )
     topology = read_topology(root)
     assert [dev.address for dev in topology.pci_devices] == ["0000:ab:00.0"]
     assert topology.pci_device("0000:AB:00.0").numa_node == 0
 
 
 def test_offline_cpus_are_excluded(tmp_path):
-    shape = Shape(sockets=2, cores_per_node=4, threads_per_core=2, offline_cpus=frozenset({5, 13}))
+    shape = Shape(
+        sockets=2, cores_per_node=4, threads_per_core=2, offline_cpus=frozenset({5, 13})
+    )
     topology = read_topology(fakesys.write_sysfs(tmp_path, shape))
     assert topology.online_cpus == frozenset(range(16)) - {5, 13}
     assert topology.cpu(5) is None and topology.cpu(13) is None
@@ -141,7 +186,9 @@ def test_offline_cpus_are_excluded(tmp_path):
 
 def test_offline_cpu_still_in_node_cpulist_is_excluded(tmp_path):
     # Some architectures keep an offline CPU in its node's cpulist; it still cannot run anything.
-    root = fakesys.write_sysfs(tmp_path, Shape(cores_per_node=4, offline_cpus=frozenset({2})))
+    root = fakesys.write_sysfs(
+        tmp_path, Shape(cores_per_node=4, offline_cpus=frozenset({2}))
+    )
     (root / "devices/system/node/node0/cpulist").write_text("0-3\n")
     topology = read_topology(root)
     assert topology.node(0).cpus == {0, 1, 3}
@@ -149,10 +196,17 @@ def test_offline_cpu_still_in_node_cpulist_is_excluded(tmp_path):
 
 
 def test_kernel_without_numa(tmp_path):
-    topology = read_topology(fakesys.no_numa_kernel(tmp_path, cpus=3, memory_kb=4 * GIB_KB))
+    topology = read_topology(
+        fakesys.no_numa_kernel(tmp_path, cpus=3, memory_kb=4 * GIB_KB)
+    )
     assert len(topology.nodes) == 1
     node = topology.nodes[0]
-    assert (node.node_id, node.cpus, node.memory_kb, node.distances) == (0, {0, 1, 2}, 4 * GIB_KB, ())
+    assert (node.node_id, node.cpus, node.memory_kb, node.distances) == (
+        0,
+        {0, 1, 2},
+        4 * GIB_KB,
+        (),
+    )
     assert {cpu.node_id for cpu in topology.cpus} == {0}
     assert topology.pci_devices[0].numa_node is None
 
@@ -168,7 +222,10 @@ def test_kernel_without_numa_or_memory_blocks(tmp_path, monkeypatch):
     shutil.rmtree(root / "devices/system/memory")
     with pytest.raises(TopologyError) as err:
         read_topology(root)
-    assert f"{root}/devices/system/node: missing, and so is {root}/devices/system/memory" in str(err.value)
+    assert (
+        f"{root}/devices/system/node: missing, and so is {root}/devices/system/memory"
+        in str(err.value)
+    )
     # Only the live /sys may fall back to the memory size the kernel reports through sysconf.
     monkeypatch.setattr("sglang.srt.placement.topology.LIVE_SYSFS", str(root))
     expected = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 1024
@@ -179,14 +236,20 @@ def test_real_sysfs_of_this_host():
     topology = read_topology()
     assert topology.root == "/sys"
     node_dirs = sorted(
-        int(name[4:]) for name in os.listdir("/sys/devices/system/node") if name[4:].isdigit() and name[:4] == "node"
+        int(name[4:])
+        for name in os.listdir("/sys/devices/system/node")
+        if name[4:].isdigit() and name[:4] == "node"
     )
     assert list(topology.node_ids) == node_dirs
     assert os.sched_getaffinity(0) <= topology.online_cpus
-    assert os.sched_getaffinity(0) <= frozenset().union(*(node.cpus for node in topology.nodes))
+    assert os.sched_getaffinity(0) <= frozenset().union(
+        *(node.cpus for node in topology.nodes)
+    )
     assert all(cpu.cpu_id in cpu.thread_siblings for cpu in topology.cpus)
     assert sum(node.memory_kb for node in topology.nodes) > 0
-    assert [dev.address for dev in topology.pci_devices] == sorted(os.listdir("/sys/bus/pci/devices"))
+    assert [dev.address for dev in topology.pci_devices] == sorted(
+        os.listdir("/sys/bus/pci/devices")
+    )
     for dev in topology.pci_devices:
         with open(f"/sys/bus/pci/devices/{dev.address}/vendor") as f:
             assert dev.vendor == f.read().strip()
@@ -217,7 +280,9 @@ def test_process_affinity_under_numactl():
 
 
 def test_process_affinity_from_a_status_file(tmp_path):
-    path = fakesys.write_proc_status(tmp_path / "status", cpus={0, 1, 2, 3, 8, 10, 11}, mems={1, 3})
+    path = fakesys.write_proc_status(
+        tmp_path / "status", cpus={0, 1, 2, 3, 8, 10, 11}, mems={1, 3}
+    )
     affinity = read_process_affinity(path, source="snapshot")
     assert affinity.cpus == {0, 1, 2, 3, 8, 10, 11}
     assert affinity.mems == {1, 3}
@@ -225,7 +290,9 @@ def test_process_affinity_from_a_status_file(tmp_path):
 
 
 def test_process_affinity_errors(tmp_path):
-    with pytest.raises(TopologyError, match=f"{tmp_path}/missing: missing; pass the status file"):
+    with pytest.raises(
+        TopologyError, match=f"{tmp_path}/missing: missing; pass the status file"
+    ):
         read_process_affinity(tmp_path / "missing")
     status = tmp_path / "status"
     status.write_text("Name:\tx\nCpus_allowed_list:\t0-3\n")
@@ -243,7 +310,13 @@ def broken(tmp_path, edit, *, snapshot=False):
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
     if snapshot:
         (root / SNAPSHOT_MARKER).write_text(
-            json.dumps({"format": 1, "kernel_release": "6.1.0-test", "captured_at": "2026-01-01T00:00:00+00:00"})
+            json.dumps(
+                {
+                    "format": 1,
+                    "kernel_release": "6.1.0-test",
+                    "captured_at": "2026-01-01T00:00:00+00:00",
+                }
+            )
         )
     edit(root)
     with pytest.raises(TopologyError) as err:
@@ -254,40 +327,56 @@ def broken(tmp_path, edit, *, snapshot=False):
 def test_root_that_does_not_exist(tmp_path):
     with pytest.raises(TopologyError) as err:
         read_topology(tmp_path / "nowhere")
-    assert str(err.value).startswith(f"SGLANG_SYSFS_ROOT={tmp_path}/nowhere: does not exist; {TREE_FIX}")
+    assert str(err.value).startswith(
+        f"SGLANG_SYSFS_ROOT={tmp_path}/nowhere: does not exist; {TREE_FIX}"
+    )
     with pytest.raises(TopologyError) as err:
         read_topology(tmp_path / "nowhere", setting="--sysfs-root")
     assert str(err.value).startswith(
-        f"--sysfs-root={tmp_path}/nowhere: does not exist; pass --sysfs-root pointing at a sysfs tree")
+        f"--sysfs-root={tmp_path}/nowhere: does not exist; pass --sysfs-root pointing at a sysfs tree"
+    )
 
 
 def test_missing_cpu_online_in_a_snapshot(tmp_path):
-    root, message = broken(tmp_path, lambda r: (r / "devices/system/cpu/online").unlink(), snapshot=True)
+    root, message = broken(
+        tmp_path, lambda r: (r / "devices/system/cpu/online").unlink(), snapshot=True
+    )
     assert message.startswith(f"{root}/devices/system/cpu/online: missing; ")
     assert "captured from kernel 6.1.0-test" in message
     assert CAPTURE_FIX in message
 
 
 def test_missing_cpu_online_in_a_plain_tree(tmp_path):
-    root, message = broken(tmp_path, lambda r: (r / "devices/system/cpu/online").unlink())
+    root, message = broken(
+        tmp_path, lambda r: (r / "devices/system/cpu/online").unlink()
+    )
     assert message.startswith(f"{root}/devices/system/cpu/online: missing; {TREE_FIX}")
 
 
 def test_cpulist_that_does_not_parse(tmp_path):
     root, message = broken(
-        tmp_path, lambda r: (r / "devices/system/node/node1/cpulist").write_text("8-x\n"), snapshot=True
+        tmp_path,
+        lambda r: (r / "devices/system/node/node1/cpulist").write_text("8-x\n"),
+        snapshot=True,
     )
-    assert f"{root}/devices/system/node/node1/cpulist: '8-x' is not a CPU list" in message
+    assert (
+        f"{root}/devices/system/node/node1/cpulist: '8-x' is not a CPU list" in message
+    )
     assert CAPTURE_FIX in message
 
 
 def test_meminfo_without_memtotal(tmp_path):
     root, message = broken(
         tmp_path,
-        lambda r: (r / "devices/system/node/node0/meminfo").write_text("Node 0 MemFree:  100 kB\n"),
+        lambda r: (r / "devices/system/node/node0/meminfo").write_text(
+            "Node 0 MemFree:  100 kB\n"
+        ),
         snapshot=True,
     )
-    assert f"{root}/devices/system/node/node0/meminfo: has no 'Node N MemTotal: <size> kB' line" in message
+    assert (
+        f"{root}/devices/system/node/node0/meminfo: has no 'Node N MemTotal: <size> kB' line"
+        in message
+    )
     assert CAPTURE_FIX in message
 
 
@@ -302,24 +391,47 @@ def test_node_entry_that_is_not_a_directory(tmp_path):
 
 
 def test_distance_row_of_the_wrong_length(tmp_path):
-    root, message = broken(tmp_path, lambda r: (r / "devices/system/node/node0/distance").write_text("10\n"))
-    assert f"{root}/devices/system/node/node0/distance: has 1 distances but there are 2 nodes" in message
+    root, message = broken(
+        tmp_path,
+        lambda r: (r / "devices/system/node/node0/distance").write_text("10\n"),
+    )
+    assert (
+        f"{root}/devices/system/node/node0/distance: has 1 distances but there are 2 nodes"
+        in message
+    )
 
 
 def test_missing_cpu_topology(tmp_path):
-    root, message = broken(tmp_path, lambda r: shutil.rmtree(r / "devices/system/cpu/cpu3/topology"), snapshot=True)
-    assert message.startswith(f"{root}/devices/system/cpu/cpu3/topology/physical_package_id: missing; ")
+    root, message = broken(
+        tmp_path,
+        lambda r: shutil.rmtree(r / "devices/system/cpu/cpu3/topology"),
+        snapshot=True,
+    )
+    assert message.startswith(
+        f"{root}/devices/system/cpu/cpu3/topology/physical_package_id: missing; "
+    )
     assert CAPTURE_FIX in message
 
 
 def test_dangling_pci_link(tmp_path):
-    root, message = broken(tmp_path, lambda r: shutil.rmtree(r / "devices/pci0000:28/0000:28:00.0"))
-    assert f"{root}/bus/pci/devices/0000:28:00.0: does not lead to a device directory" in message
+    root, message = broken(
+        tmp_path, lambda r: shutil.rmtree(r / "devices/pci0000:28/0000:28:00.0")
+    )
+    assert (
+        f"{root}/bus/pci/devices/0000:28:00.0: does not lead to a device directory"
+        in message
+    )
 
 
 def test_numa_node_that_is_not_a_number(tmp_path):
-    root, message = broken(tmp_path, lambda r: (r / "bus/pci/devices/0000:18:00.0/numa_node").write_text("zero\n"))
-    assert f"{root}/bus/pci/devices/0000:18:00.0/numa_node: 'zero' is not an integer" in message
+    root, message = broken(
+        tmp_path,
+        lambda r: (r / "bus/pci/devices/0000:18:00.0/numa_node").write_text("zero\n"),
+    )
+    assert (
+        f"{root}/bus/pci/devices/0000:18:00.0/numa_node: 'zero' is not an integer"
+        in message
+    )
 
 
 def test_snapshot_from_a_newer_format(tmp_path):
@@ -327,20 +439,26 @@ def test_snapshot_from_a_newer_format(tmp_path):
         (root / SNAPSHOT_MARKER).write_text(json.dumps({"format": 99}))
 
     root, message = broken(tmp_path, edit)
-    assert message.startswith(f"{root}/{SNAPSHOT_MARKER}: snapshot format 99 is newer than this version reads (1)")
+    assert message.startswith(
+        f"{root}/{SNAPSHOT_MARKER}: snapshot format 99 is newer than this version reads (1)"
+    )
 
 
 def test_reading_has_no_cached_state(tmp_path):
     root = fakesys.one_node(tmp_path, cpus=4)
     first = read_topology(root)
-    (root / "devices/system/node/node0/meminfo").write_text("Node 0 MemTotal:  1024 kB\n")
+    (root / "devices/system/node/node0/meminfo").write_text(
+        "Node 0 MemTotal:  1024 kB\n"
+    )
     assert read_topology(root).node(0).memory_kb == 1024
     assert first.node(0).memory_kb == 32 * GIB_KB
 
 
 def test_placement_package_does_not_import_torch():
     code = "import sys, sglang.srt.placement.topology; print('torch' in sys.modules, 'ray' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
     assert out.strip() == "False False"
 
 
@@ -355,7 +473,9 @@ def test_fake_tree_uses_real_sysfs_layout(tmp_path):
     assert (node / "node1/cpumap").read_text() == "ff00ff00\n"
     assert (root / "devices/system/cpu/cpu0/online").exists() is False
     assert (root / "devices/system/cpu/cpu1/online").read_text() == "1\n"
-    assert (root / "devices/system/cpu/cpu1/topology/thread_siblings").read_text() == "00020002\n"
+    assert (
+        root / "devices/system/cpu/cpu1/topology/thread_siblings"
+    ).read_text() == "00020002\n"
     meminfo = (node / "node0/meminfo").read_text().splitlines()[0]
     assert meminfo == f"Node 0 MemTotal:       {32 * GIB_KB:8d} kB"
     # Same formats as this host's real /sys.

@@ -18,17 +18,23 @@ import types
 import warnings
 from pathlib import Path
 
-import pytest
-
 import fakesys
+import pytest
 import shm_kernel_standin as kernel
 from conftest import full_import_env
+
 from sglang.srt.environ import envs
 
 PACKAGE = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
 
 # scripts/setup.sh keeps the package as installed, before the overlay, beside the environment.
-PRISTINE = Path(os.environ.get("SGLANG_PRISTINE_DIR") or Path(__file__).resolve().parents[1] / ".venv" / "pristine") / "sglang"
+PRISTINE = (
+    Path(
+        os.environ.get("SGLANG_PRISTINE_DIR")
+        or Path(__file__).resolve().parents[1] / ".venv" / "pristine"
+    )
+    / "sglang"
+)
 CHANGED_MODULES = (
     "sglang.srt.utils.numa_utils",
     "sglang.srt.ray.scheduler_actor",
@@ -48,11 +54,20 @@ def two_node_tree(root: Path) -> Path:
     """Node 0 is this host's real node 0 (its CPUs); node 1 and its GPU exist only in the tree."""
     real_cpus = frozenset(os.sched_getaffinity(0))
     spare = frozenset(range(max(real_cpus) + 1, max(real_cpus) + 3))
-    return fakesys.write_sysfs(root, fakesys.Host(
-        nodes={0: fakesys.NodeSpec(cpus=real_cpus), 1: fakesys.NodeSpec(cpus=spare)},
-        pci=[fakesys.host_bridge(0), fakesys.PciSpec(fakesys.gpu_address(0), 0),
-             fakesys.PciSpec(fakesys.gpu_address(1), 1)],
-    ))
+    return fakesys.write_sysfs(
+        root,
+        fakesys.Host(
+            nodes={
+                0: fakesys.NodeSpec(cpus=real_cpus),
+                1: fakesys.NodeSpec(cpus=spare),
+            },
+            pci=[
+                fakesys.host_bridge(0),
+                fakesys.PciSpec(fakesys.gpu_address(0), 0),
+                fakesys.PciSpec(fakesys.gpu_address(1), 1),
+            ],
+        ),
+    )
 
 
 def report_memory_policy(queue) -> None:
@@ -80,15 +95,26 @@ def start_inside_configure_subprocess(args, gpu_id: int):
 # --------------------------------------------------------------------------- configure_subprocess
 
 
-def test_spawned_child_of_configure_subprocess_runs_under_its_gpus_placement(tmp_path, monkeypatch):
+def test_spawned_child_of_configure_subprocess_runs_under_its_gpus_placement(
+    tmp_path, monkeypatch
+):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(two_node_tree(tmp_path / "sys")))
-    policy, nodes, _ = start_inside_configure_subprocess(server_args(tp_size=2, device="cuda"), 0)
-    assert (policy, nodes) == ("bind", [0])  # numactl --cpunodebind=0 --membind=0 started the child
+    policy, nodes, _ = start_inside_configure_subprocess(
+        server_args(tp_size=2, device="cuda"), 0
+    )
+    assert (policy, nodes) == (
+        "bind",
+        [0],
+    )  # numactl --cpunodebind=0 --membind=0 started the child
 
 
-@pytest.mark.parametrize("case", ["one NUMA node", "no numactl", "bind v1", "cpu device, bind v1"])
-def test_configure_subprocess_is_a_no_op_where_upstream_is_one(case, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "case", ["one NUMA node", "no numactl", "bind v1", "cpu device, bind v1"]
+)
+def test_configure_subprocess_is_a_no_op_where_upstream_is_one(
+    case, tmp_path, monkeypatch
+):
     """(A CPU-device rank is placed on purpose, unlike upstream; SGLANG_NUMA_BIND_V2=0 is the way back.)"""
     from sglang.srt.placement import numactl
 
@@ -102,7 +128,9 @@ def test_configure_subprocess_is_a_no_op_where_upstream_is_one(case, tmp_path, m
         monkeypatch.setattr(numactl, "find_numactl", lambda: None)
     if case.endswith("bind v1"):
         monkeypatch.setenv("SGLANG_NUMA_BIND_V2", "0")
-    policy, _, cpus = start_inside_configure_subprocess(server_args(tp_size=2, device=device), 0)
+    policy, _, cpus = start_inside_configure_subprocess(
+        server_args(tp_size=2, device=device), 0
+    )
     assert policy == "default" and cpus == sorted(os.sched_getaffinity(0))
 
 
@@ -129,7 +157,9 @@ def test_gpu_worker_binds_through_the_placement():
         "unplaced = gpu_worker._bind_worker_to_gpu_numa_node(ServerArgs(model_path='/x', device='cuda'), 0)\n"
         "print(node, policy, sorted(nodes), sorted(os.sched_getaffinity(0)) == before, unplaced)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # --numa-node 0: bound to node 0's CPUs (all of them here), preferring its memory; without --numa-node,
     # discovery on this one-node host binds nothing, as upstream.
@@ -151,7 +181,9 @@ def test_numa_bind_to_node_intersects_with_the_current_affinity():
         "numa_bind_to_node(0)\n"
         "print(sorted(os.sched_getaffinity(0)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"[{first}]"  # not widened to the whole node
     assert callable(numa_bind_to_node)
@@ -162,7 +194,9 @@ def test_numa_bind_to_node_of_a_missing_node_follows_the_failure_policy(caplog):
 
     numa_bind_to_node(63)  # a warning, as upstream, not an OSError
     assert any("NUMA node 63" in r.getMessage() for r in caplog.records)
-    with envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.override(True), pytest.raises(RuntimeError, match="NUMA node 63"):
+    with envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.override(True), pytest.raises(
+        RuntimeError, match="NUMA node 63"
+    ):
         numa_bind_to_node(63)
 
 
@@ -182,9 +216,13 @@ def test_init_threads_binding_all_leaves_smt_siblings_out(tmp_path, monkeypatch)
 
     real = sorted(os.sched_getaffinity(0))
     # One core per CPU pair: CPUs 0 and 1 are SMT siblings of core 0 on node 0.
-    host = fakesys.Host(nodes={0: fakesys.NodeSpec(cpus=frozenset(real))},
-                        cores={cpu: (0, 0) for cpu in real})
-    monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(fakesys.write_sysfs(tmp_path / "sys", host)))
+    host = fakesys.Host(
+        nodes={0: fakesys.NodeSpec(cpus=frozenset(real))},
+        cores={cpu: (0, 0) for cpu in real},
+    )
+    monkeypatch.setenv(
+        "SGLANG_SYSFS_ROOT", str(fakesys.write_sysfs(tmp_path / "sys", host))
+    )
     with envs.SGLANG_CPU_OMP_THREADS_BIND.override("all"):
         assert init_threads_binding(numa_index=0, world_size=1) == str(real[0])
 
@@ -192,7 +230,10 @@ def test_init_threads_binding_all_leaves_smt_siblings_out(tmp_path, monkeypatch)
 # --------------------------------------------------------------------------- environment values
 
 
-@pytest.mark.parametrize("text, value", [("y", True), ("YES", True), ("1", True), ("n", False), ("false", False)])
+@pytest.mark.parametrize(
+    "text, value",
+    [("y", True), ("YES", True), ("1", True), ("n", False), ("false", False)],
+)
 def test_boolean_settings_take_upstreams_spellings(text, value, monkeypatch):
     from sglang.srt.placement import settings
 
@@ -213,9 +254,14 @@ def test_an_invalid_boolean_warns_and_keeps_the_default(monkeypatch):
 
 @pytest.mark.parametrize("schema", ["released", "namespaced"])
 @pytest.mark.parametrize("pp_rank", [0, 1])
-def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(schema, pp_rank, monkeypatch):
+def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(
+    schema, pp_rank, monkeypatch
+):
     from sglang.srt.distributed import bootstrap
-    from sglang.srt.distributed.bootstrap import ShmNamespace, init_shm_collective  # noqa: F401 (still importable)
+    from sglang.srt.distributed.bootstrap import (  # noqa: F401 (still importable)
+        ShmNamespace,
+        init_shm_collective,
+    )
     from sglang.srt.distributed.shm_collective import release_shm_collective
 
     port = 40000 + os.getpid() % 20000
@@ -230,7 +276,9 @@ def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(schema, pp_ra
     affinity_before = os.sched_getaffinity(0)
     with kernel.registered(schema, threads_env=True) as calls:
         try:
-            bootstrap._init_cpu_threads_env(local_omp_cpuid=str(min(affinity_before)), dist_init_method=method)
+            bootstrap._init_cpu_threads_env(
+                local_omp_cpuid=str(min(affinity_before)), dist_init_method=method
+            )
             initialize = [dict(c) for c in calls if c.get("op") == "initialize"]
         finally:
             release_shm_collective(namespace, rank=0)
@@ -257,18 +305,27 @@ def _imported_names(path: Path) -> list[tuple[str, str]]:
         for alias in node.names:
             if node.module in CHANGED_MODULES and alias.name != "*":
                 found.append((node.module, alias.name))
-            elif f"{node.module}.{alias.name}" in CHANGED_MODULES:  # from sglang.srt.utils import numa_utils
+            elif (
+                f"{node.module}.{alias.name}" in CHANGED_MODULES
+            ):  # from sglang.srt.utils import numa_utils
                 found.append((f"{node.module}.{alias.name}", ""))
     return found
 
 
 def test_every_name_upstream_imports_from_a_changed_module_still_resolves():
-    assert (PRISTINE / "srt").is_dir(), f"SGLANG_PRISTINE_DIR must hold the pristine package (got {PRISTINE})"
-    wanted = sorted({pair for path in PRISTINE.rglob("*.py") for pair in _imported_names(path)})
-    for expected in [("sglang.srt.utils.numa_utils", "numa_bind_to_node"),
-                     ("sglang.srt.utils.numa_utils", "get_numa_node_if_available"),
-                     ("sglang.srt.utils.numa_utils", ""), ("sglang.srt.ray.scheduler_actor", "SchedulerActor"),
-                     ("sglang.srt.ray.engine", "_create_scheduler_actor")]:
+    assert (
+        PRISTINE / "srt"
+    ).is_dir(), f"SGLANG_PRISTINE_DIR must hold the pristine package (got {PRISTINE})"
+    wanted = sorted(
+        {pair for path in PRISTINE.rglob("*.py") for pair in _imported_names(path)}
+    )
+    for expected in [
+        ("sglang.srt.utils.numa_utils", "numa_bind_to_node"),
+        ("sglang.srt.utils.numa_utils", "get_numa_node_if_available"),
+        ("sglang.srt.utils.numa_utils", ""),
+        ("sglang.srt.ray.scheduler_actor", "SchedulerActor"),
+        ("sglang.srt.ray.engine", "_create_scheduler_actor"),
+    ]:
         assert expected in wanted, expected
     missing = []
     for module_name, name in wanted:
@@ -281,8 +338,17 @@ def test_every_name_upstream_imports_from_a_changed_module_still_resolves():
 
 
 def test_sglang_router_imports_its_launch_server_from_the_overlaid_package():
-    out = subprocess.run([sys.executable, "-c", "import sglang_router.launch_server, sglang\nprint(sglang.__file__)"],
-                         capture_output=True, text=True, timeout=300, env=full_import_env())
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sglang_router.launch_server, sglang\nprint(sglang.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=full_import_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().startswith(str(PACKAGE))
 

@@ -10,7 +10,9 @@ from pathlib import Path
 from conftest import full_import_env
 
 PACKAGE = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
-GPU_WORKER_TESTS = PACKAGE / "multimodal_gen" / "test" / "unit" / "test_gpu_worker_cpu_threads.py"
+GPU_WORKER_TESTS = (
+    PACKAGE / "multimodal_gen" / "test" / "unit" / "test_gpu_worker_cpu_threads.py"
+)
 
 
 def test_gpu_worker_numa_binding_tests_pass(tmp_path: Path) -> None:
@@ -21,11 +23,15 @@ def test_gpu_worker_numa_binding_tests_pass(tmp_path: Path) -> None:
     """
     stand_ins = tmp_path / "stand_ins"
     stand_ins.mkdir()
-    (stand_ins / "datasets.py").write_text("def load_dataset(*args, **kwargs):\n    raise NotImplementedError\n")
+    (stand_ins / "datasets.py").write_text(
+        "def load_dataset(*args, **kwargs):\n    raise NotImplementedError\n"
+    )
     env = full_import_env()
     env["PYTHONPATH"] = str(stand_ins)
     cmd = [sys.executable, "-m", "pytest", str(GPU_WORKER_TESTS), "-k", "TestWorkerNumaBinding", "-q",
            "-p", "no:cacheprovider", "-W", "ignore"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "4 passed" in out.stdout.splitlines()[-1], out.stdout[-2000:]

@@ -7,7 +7,6 @@ node 1 (cpus 2-3, membind 1) and reports /proc/self as JSON.
 from __future__ import annotations
 
 import pytest
-
 from numavm import run_script_in_vm
 
 from sglang.srt.placement.observe import ObservedBinding
@@ -16,7 +15,9 @@ SCRIPT = "tests/vm_scripts/inprocess_bind.py"
 
 
 def run_in_vm(*script_args: str) -> dict:
-    return run_script_in_vm(SCRIPT, *script_args, vm_args=["--nodes", "2", "--cpus", "4"], vm_timeout_s=150)
+    return run_script_in_vm(
+        SCRIPT, *script_args, vm_args=["--nodes", "2", "--cpus", "4"], vm_timeout_s=150
+    )
 
 
 @pytest.mark.vm

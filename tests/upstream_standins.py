@@ -23,7 +23,9 @@ class Scheduler:
 
         from sglang.srt.placement.observe import read_mempolicy
 
-        torch.cuda.set_device = lambda device: None  # this host has no CUDA device; the event loop sets one
+        torch.cuda.set_device = (
+            lambda device: None
+        )  # this host has no CUDA device; the event loop sets one
 
         policy, nodes = read_mempolicy()
         self.info = {
@@ -44,7 +46,9 @@ class Scheduler:
         return None
 
 
-def configure_scheduler_process(server_args: Any, gpu_id: int, *args: Any, **kwargs: Any) -> None:
+def configure_scheduler_process(
+    server_args: Any, gpu_id: int, *args: Any, **kwargs: Any
+) -> None:
     CONFIGURED["gpu_id"] = gpu_id
 
 
@@ -59,7 +63,9 @@ def _not_in_the_stand_in(name: str) -> Any:
         raise AttributeError(name)
 
     def absent(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"sglang.srt.managers.scheduler.{name} is not part of the test's stand-in")
+        raise RuntimeError(
+            f"sglang.srt.managers.scheduler.{name} is not part of the test's stand-in"
+        )
 
     return absent
 
@@ -75,4 +81,6 @@ def install() -> None:
     import sglang.srt.runtime_context as runtime_context
 
     runtime_context.publish = lambda *args, **kwargs: None
-    runtime_context.get_device = lambda: types.SimpleNamespace(gpu_id=int(os.environ.get("CUDA_VISIBLE_DEVICES", "0")))
+    runtime_context.get_device = lambda: types.SimpleNamespace(
+        gpu_id=int(os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
+    )

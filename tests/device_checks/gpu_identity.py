@@ -38,7 +38,10 @@ def section(name: str, fn: Callable[[], Any]) -> Any:
         line = {
             "section": name,
             "status": "error",
-            "value": {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=4)},
+            "value": {
+                "error": f"{type(exc).__name__}: {exc}",
+                "trace": traceback.format_exc(limit=4),
+            },
         }
     line["seconds"] = round(time.monotonic() - began, 2)
     sys.stdout.write(json.dumps(line, default=repr) + "\n")
@@ -55,7 +58,12 @@ def read_text(path: str) -> str:
 
 
 def env_facts() -> dict[str, Any]:
-    keys = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NVIDIA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
+    keys = (
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "NVIDIA_VISIBLE_DEVICES",
+        "ZE_AFFINITY_MASK",
+    )
     return {
         "python": sys.version.split()[0],
         "env": {k: os.environ.get(k) for k in keys},
@@ -93,7 +101,11 @@ def topology_summary() -> dict[str, Any]:
         "root": topo.root,
         "node_ids": list(topo.node_ids),
         "nodes": {
-            str(n.node_id): {"cpus": format_cpulist(n.cpus), "memory_kb": n.memory_kb, "distances": list(n.distances)}
+            str(n.node_id): {
+                "cpus": format_cpulist(n.cpus),
+                "memory_kb": n.memory_kb,
+                "distances": list(n.distances),
+            }
             for n in topo.nodes
         },
         "online_cpus": format_cpulist(topo.online_cpus),
@@ -122,18 +134,36 @@ def nvml_facts() -> dict[str, Any]:
                 "index": i,
                 "name": _try(lambda: pynvml.nvmlDeviceGetName(h)),
                 "uuid": _try(lambda: pynvml.nvmlDeviceGetUUID(h)),
-                "busId": _try(lambda: info.busId) if not isinstance(info, str) else info,
-                "busIdLegacy": _try(lambda: info.busIdLegacy) if not isinstance(info, str) else info,
+                "busId": (
+                    _try(lambda: info.busId) if not isinstance(info, str) else info
+                ),
+                "busIdLegacy": (
+                    _try(lambda: info.busIdLegacy)
+                    if not isinstance(info, str)
+                    else info
+                ),
                 "busId_type": type(getattr(info, "busId", None)).__name__,
                 "numa_node_id": _try(lambda: pynvml.nvmlDeviceGetNumaNodeId(h)),
                 "memory_affinity_node": _try(
-                    lambda: _bits(pynvml.nvmlDeviceGetMemoryAffinity(h, 1, pynvml.NVML_AFFINITY_SCOPE_NODE))
+                    lambda: _bits(
+                        pynvml.nvmlDeviceGetMemoryAffinity(
+                            h, 1, pynvml.NVML_AFFINITY_SCOPE_NODE
+                        )
+                    )
                 ),
                 "memory_affinity_socket": _try(
-                    lambda: _bits(pynvml.nvmlDeviceGetMemoryAffinity(h, 1, pynvml.NVML_AFFINITY_SCOPE_SOCKET))
+                    lambda: _bits(
+                        pynvml.nvmlDeviceGetMemoryAffinity(
+                            h, 1, pynvml.NVML_AFFINITY_SCOPE_SOCKET
+                        )
+                    )
                 ),
                 "cpu_affinity": _try(
-                    lambda: _bits(pynvml.nvmlDeviceGetCpuAffinity(h, max(1, ((os.cpu_count() or 1) + 63) // 64)))
+                    lambda: _bits(
+                        pynvml.nvmlDeviceGetCpuAffinity(
+                            h, max(1, ((os.cpu_count() or 1) + 63) // 64)
+                        )
+                    )
                 ),
                 "is_mig_mode": _try(lambda: pynvml.nvmlDeviceGetMigMode(h)),
             }
@@ -190,7 +220,10 @@ def identify_matrix(uuid: str | None) -> dict[str, Any]:
     except BaseException as exc:
         out["default_runtime"] = f"{type(exc).__name__}: {exc}"
     base = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    envs: dict[str, dict[str, str]] = {"unset": base, "0": {**base, "CUDA_VISIBLE_DEVICES": "0"}}
+    envs: dict[str, dict[str, str]] = {
+        "unset": base,
+        "0": {**base, "CUDA_VISIBLE_DEVICES": "0"},
+    }
     if uuid:
         envs["uuid"] = {**base, "CUDA_VISIBLE_DEVICES": uuid}
         envs["uuid_prefix"] = {**base, "CUDA_VISIBLE_DEVICES": uuid[:12]}
@@ -198,9 +231,17 @@ def identify_matrix(uuid: str | None) -> dict[str, Any]:
         for rt_name, runtime in runtimes.items():
             key = f"cvd={env_name}/runtime={rt_name}"
             try:
-                accs = identify_accelerators(device="cuda", topology=topo, gpu_ids=[0], env=env, runtime=runtime)
+                accs = identify_accelerators(
+                    device="cuda", topology=topo, gpu_ids=[0], env=env, runtime=runtime
+                )
                 out[key] = [
-                    {"gpu_id": a.gpu_id, "physical_id": a.physical_id, "pci": a.pci, "source": a.source} for a in accs
+                    {
+                        "gpu_id": a.gpu_id,
+                        "physical_id": a.physical_id,
+                        "pci": a.pci,
+                        "source": a.source,
+                    }
+                    for a in accs
                 ]
             except BaseException as exc:
                 out[key] = f"{type(exc).__name__}: {exc}"
@@ -232,7 +273,10 @@ def torch_child_with_uuid_prefix(uuid: str | None, budget: float) -> dict[str, A
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": uuid[:12]}
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, os.path.join(REPO, "python")],
-        env=env, capture_output=True, text=True, timeout=max(5.0, budget - 5),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=max(5.0, budget - 5),
     )
     last = proc.stdout.strip().splitlines()[-1:] or [""]
     try:
@@ -251,10 +295,23 @@ def _try(fn: Callable[[], Any]) -> Any:
 
 
 def _bits(words: Any) -> list[int]:
-    return [w * 64 + b for w, word in enumerate(list(words)) for b in range(64) if int(word) >> b & 1]
+    return [
+        w * 64 + b
+        for w, word in enumerate(list(words))
+        for b in range(64)
+        if int(word) >> b & 1
+    ]
 
 
-SECTIONS = ("host", "sysfs_gpus", "topology", "nvml", "torch", "identify", "torch_child_uuid_prefix")
+SECTIONS = (
+    "host",
+    "sysfs_gpus",
+    "topology",
+    "nvml",
+    "torch",
+    "identify",
+    "torch_child_uuid_prefix",
+)
 
 
 def run_checks(deadline: float) -> None:
@@ -274,14 +331,24 @@ def run_checks(deadline: float) -> None:
     section("uuid_used", lambda: uuid)
     section("identify", lambda: identify_matrix(uuid))
     remaining = deadline - (time.monotonic() - START)
-    section("torch_child_uuid_prefix", lambda: torch_child_with_uuid_prefix(uuid, remaining))
+    section(
+        "torch_child_uuid_prefix", lambda: torch_child_with_uuid_prefix(uuid, remaining)
+    )
 
 
 def supervise(deadline: float) -> int:
     """Run the checks in a child process group and kill it at the deadline: a hung driver call cannot hang us."""
     proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--child", "--deadline", str(deadline - 3)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            "--deadline",
+            str(deadline - 3),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
     )
     timed_out = False
     try:
@@ -295,14 +362,18 @@ def supervise(deadline: float) -> int:
         try:
             line = json.loads(raw)
             result[line["section"]] = line["value"]
-            result["sections"][line["section"]] = f"{line['status']} in {line['seconds']} s"
+            result["sections"][
+                line["section"]
+            ] = f"{line['status']} in {line['seconds']} s"
         except (ValueError, KeyError, TypeError):
             result.setdefault("stray_output", []).append(raw[-500:])
     missing = [name for name in SECTIONS if name not in result["sections"]]
     if missing:
         result["missing_sections"] = missing
     if timed_out:
-        result["watchdog"] = f"killed the checks after {deadline} s; the first missing section hung"
+        result["watchdog"] = (
+            f"killed the checks after {deadline} s; the first missing section hung"
+        )
     result["child_rc"] = proc.returncode
     result["child_stderr_tail"] = err.decode(errors="replace")[-2000:]
     result["elapsed_s"] = round(time.monotonic() - START, 2)
@@ -312,7 +383,12 @@ def supervise(deadline: float) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--deadline", type=float, default=55.0, help="seconds before the checks are killed")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=55.0,
+        help="seconds before the checks are killed",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

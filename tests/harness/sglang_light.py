@@ -20,7 +20,9 @@ def install() -> None:
         return
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("sglang is not installed in this interpreter: run scripts/setup.sh first")
+        raise ImportError(
+            "sglang is not installed in this interpreter: run scripts/setup.sh first"
+        )
     package = types.ModuleType("sglang")
     package.__path__ = list(spec.submodule_search_locations)
     package.__spec__ = spec
@@ -39,7 +41,9 @@ def bare_package(name: str) -> None:
     parent, _, child = name.rpartition(".")
     spec = importlib.util.find_spec(parent)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"{parent} is not installed in this interpreter: run scripts/setup.sh first")
+        raise ImportError(
+            f"{parent} is not installed in this interpreter: run scripts/setup.sh first"
+        )
     import os
 
     for location in spec.submodule_search_locations:

@@ -13,10 +13,13 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "harness"))
-import sglang_light  # noqa: E402,F401  (first: placement without sglang's own __init__)
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "harness")
+)
 import threading
 import time
+
+import sglang_light  # noqa: E402,F401  (first: placement without sglang's own __init__)
 
 _PINNED_MARK = "SGLANG_VM_SCRIPT_PINNED"
 
@@ -95,11 +98,14 @@ def main() -> None:
                 "ratio_before": before.local_page_ratio(target),
                 "ratio_after_bind": after_bind.local_page_ratio(target),
                 "ratio_after_alloc": after.local_page_ratio(target),
-                "anon_ratio_after_alloc": after.local_page_ratio(target, anon_only=True),
+                "anon_ratio_after_alloc": after.local_page_ratio(
+                    target, anon_only=True
+                ),
                 "observed": after.to_dict(),
                 "diffs": compare_binding(placement, after),
                 "worker_cpus": worker_result["cpus"],
-                "touched_mib": (len(early) + len(late) + len(worker_result["buf"])) >> 20,
+                "touched_mib": (len(early) + len(late) + len(worker_result["buf"]))
+                >> 20,
             }
         )
     )

@@ -59,12 +59,23 @@ def spawn(server_args, gpu_id: int, *, touch_mb: int) -> dict:
 
 
 def engine(**fields) -> types.SimpleNamespace:
-    base = dict(tp_size=1, pp_size=1, dp_size=1, nnodes=1, node_rank=0, base_gpu_id=0, gpu_id_step=1,
-                numa_node=None, device="cuda")
+    base = dict(
+        tp_size=1,
+        pp_size=1,
+        dp_size=1,
+        nnodes=1,
+        node_rank=0,
+        base_gpu_id=0,
+        gpu_id_step=1,
+        numa_node=None,
+        device="cuda",
+    )
     return types.SimpleNamespace(**{**base, **fields})
 
 
-def run_engine(server_args, *, touch_mb: int, reindex: bool = False, only: Optional[int] = None) -> list[dict]:
+def run_engine(
+    server_args, *, touch_mb: int, reindex: bool = False, only: Optional[int] = None
+) -> list[dict]:
     """Every local rank of ``server_args`` (or the one of GPU id ``only``), planned then spawned as sglang
     does; one row per rank."""
     from sglang.srt.placement.ranks import local_ranks, reindexed
@@ -87,8 +98,15 @@ def run_engine(server_args, *, touch_mb: int, reindex: bool = False, only: Optio
                     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
                 else:
                     os.environ["CUDA_VISIBLE_DEVICES"] = saved
-        rows.append({"rank": rank.label, "gpu_id": rank.gpu_id, "spawned_gpu_id": gpu_id,
-                     "plan": placement, "observed": observed})
+        rows.append(
+            {
+                "rank": rank.label,
+                "gpu_id": rank.gpu_id,
+                "spawned_gpu_id": gpu_id,
+                "plan": placement,
+                "observed": observed,
+            }
+        )
     return rows
 
 
@@ -96,10 +114,22 @@ def plan_json(server_args) -> list[dict]:
     """What ``python -m sglang.srt.placement plan --json`` prints for ``server_args`` here."""
     import subprocess
 
-    flags = ["--device", server_args.device, "--tp-size", str(server_args.tp_size), "--dp-size",
-             str(server_args.dp_size), "--base-gpu-id", str(server_args.base_gpu_id)]
-    done = subprocess.run([sys.executable, "-m", "sglang.srt.placement", "plan", "--json", *flags],
-                          capture_output=True, text=True, check=True)
+    flags = [
+        "--device",
+        server_args.device,
+        "--tp-size",
+        str(server_args.tp_size),
+        "--dp-size",
+        str(server_args.dp_size),
+        "--base-gpu-id",
+        str(server_args.base_gpu_id),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "sglang.srt.placement", "plan", "--json", *flags],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(done.stdout)["ranks"]
 
 
@@ -111,7 +141,10 @@ def fake_gpu_tree() -> str:
 
     live = read_topology("/sys")
     root = tempfile.mkdtemp(prefix="gpu-sysfs-")
-    fake_host(os.path.join(root, "sys"), node_cpus={n.node_id: set(n.cpus) for n in live.cpu_nodes})
+    fake_host(
+        os.path.join(root, "sys"),
+        node_cpus={n.node_id: set(n.cpus) for n in live.cpu_nodes},
+    )
     return os.path.join(root, "sys")
 
 
@@ -130,13 +163,20 @@ def main() -> None:
         os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
         out["tp2"] = run_engine(engine(device="cpu", tp_size=2), touch_mb=args.touch_mb)
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "0-1|2-3"
-        out["router"] = [row for base in (0, 1) for row in run_engine(
-            engine(device="cpu", base_gpu_id=base), touch_mb=args.touch_mb)]
+        out["router"] = [
+            row
+            for base in (0, 1)
+            for row in run_engine(
+                engine(device="cpu", base_gpu_id=base), touch_mb=args.touch_mb
+            )
+        ]
     elif args.scenario == "gpu-reindex":
         os.environ["SGLANG_SYSFS_ROOT"] = fake_gpu_tree()
         os.environ["SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS"] = "1"
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        out["rows"] = run_engine(engine(tp_size=2, dp_size=2), touch_mb=args.touch_mb, reindex=True)
+        out["rows"] = run_engine(
+            engine(tp_size=2, dp_size=2), touch_mb=args.touch_mb, reindex=True
+        )
     else:
         if args.device == "cuda":
             os.environ["SGLANG_SYSFS_ROOT"] = fake_gpu_tree()

@@ -22,9 +22,17 @@ Kernel schemas
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Optional
+import os
+import threading
+from typing import Any, Iterator, Mapping, Optional
 
+from sglang.srt.distributed.shm_errors import (
+    SHM_DIR,
+    ShmCollectiveError,
+    ensure_segment_space,
+)
 from sglang.srt.distributed.shm_namespace import (
     NAME_MAX,
     SHM_SEGMENT_PREFIX,
@@ -33,17 +41,35 @@ from sglang.srt.distributed.shm_namespace import (
     quoted,
 )
 from sglang.srt.distributed.shm_segments import (
-    SHM_DIR,
-    ShmCollectiveError,
     StaleSweep,
     claim_segment,
-    ensure_segment_space,
     release_shm_collective,
     remove_stale_segments,
 )
-from sglang.srt.placement.scoped_environ import scoped_environ
 
 logger = logging.getLogger(__name__)
+
+
+# os.environ is process-wide: two threads scoping the same names would restore
+# each other's values, so every scoped change holds this lock for its block.
+_SCOPED_ENVIRON_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in the process environment for the ``with`` block only, then put
+    back the previous values (or their absence), also on error."""
+    with _SCOPED_ENVIRON_LOCK:
+        previous = {name: os.environ.get(name) for name in values}
+        try:
+            os.environ.update(values)
+            yield
+        finally:
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def _find_kernel_op(name: str) -> Optional[Any]:

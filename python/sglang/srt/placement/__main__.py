@@ -13,7 +13,13 @@ import sys
 from typing import Callable, Iterator, Optional, Sequence
 
 from sglang.srt.placement import settings
-from sglang.srt.placement.cpulist import CpuListError, elide, format_cpulist, parse_cpulist, shown
+from sglang.srt.placement.cpulist import (
+    CpuListError,
+    elide,
+    format_cpulist,
+    parse_cpulist,
+    shown,
+)
 from sglang.srt.placement.plan_args import PlanArgs
 from sglang.srt.placement.types import AFFINITY_MODES, PlacementError, ProcessAffinity
 
@@ -67,9 +73,9 @@ def bounded_int(flag: str, lowest: int, highest: int) -> Callable[[str], int]:
                 f"invalid int value: {shown(text)} ({flag} takes an integer from {lowest} to {highest})"
             )
         # Length first: int() of a 100,000-digit string is slow (and refused past 4300 digits).
-        if len(word.lstrip("+-").lstrip("0")) > len(str(max(abs(lowest), abs(highest)))) or not (
-            lowest <= int(word) <= highest
-        ):
+        if len(word.lstrip("+-").lstrip("0")) > len(
+            str(max(abs(lowest), abs(highest)))
+        ) or not (lowest <= int(word) <= highest):
             raise argparse.ArgumentTypeError(
                 f"{flag}={shown(word, quote=False)} is not valid: it must be an integer from {lowest} to {highest}"
             )
@@ -112,49 +118,100 @@ def path_arg(flag: str) -> Callable[[str], str]:
 
 def _bound_integer_flags(parser: argparse.ArgumentParser) -> None:
     """Give every ``type=int`` flag (PlanArgs' included, which follow upstream's names) a bounded type."""
-    for action in parser._actions:  # argparse has no public way to list a parser's arguments
+    for (
+        action
+    ) in parser._actions:  # argparse has no public way to list a parser's arguments
         if action.type is int:
             name = action.option_strings[-1] if action.option_strings else action.dest
-            flag, lowest, highest = INT_FLAGS.get(action.dest) or (name, *OTHER_INT_RANGE)
+            flag, lowest, highest = INT_FLAGS.get(action.dest) or (
+                name,
+                *OTHER_INT_RANGE,
+            )
             action.type = bounded_int(flag, lowest, highest)
 
 
-def _add_plan_args(parser: argparse.ArgumentParser, *, launchers: Sequence[str]) -> None:
+def _add_plan_args(
+    parser: argparse.ArgumentParser, *, launchers: Sequence[str]
+) -> None:
     PlanArgs.add_cli_args(parser)
     _bound_integer_flags(parser)
     group = parser.add_argument_group("placement")
-    group.add_argument("--launcher", choices=launchers, default="mp",
-                       help="The launcher the ranks go through (default: mp).")
-    group.add_argument("--sysfs-root", default=None, type=path_arg("--sysfs-root"),
-                       help="Plan from this sysfs tree (a snapshot made by `capture`) instead of this host's /sys; "
-                            "nothing is probed on this host. Default: $SGLANG_SYSFS_ROOT or /sys.")
-    group.add_argument("--gpus", default=None,
-                       help="PCI addresses of the devices, in device-index order, e.g. 0000:17:00.0,0000:65:00.0.")
-    group.add_argument("--allowed-cpus", default=None,
-                       help="CPUs the ranks may use, e.g. 0-15,32-47 (default: this process's affinity on the live "
-                            "host, every online CPU of a snapshot).")
-    group.add_argument("--numa-affinity-mode", choices=AFFINITY_MODES, default=None,
-                       help="node (all CPUs of the device's node), exclusive (disjoint slices per rank) or socket "
-                            "(every node of the device's package). Default: $SGLANG_NUMA_AFFINITY_MODE or node.")
-    group.add_argument("--json", action="store_true", help="Print JSON instead of one line per rank.")
+    group.add_argument(
+        "--launcher",
+        choices=launchers,
+        default="mp",
+        help="The launcher the ranks go through (default: mp).",
+    )
+    group.add_argument(
+        "--sysfs-root",
+        default=None,
+        type=path_arg("--sysfs-root"),
+        help="Plan from this sysfs tree (a snapshot made by `capture`) instead of this host's /sys; "
+        "nothing is probed on this host. Default: $SGLANG_SYSFS_ROOT or /sys.",
+    )
+    group.add_argument(
+        "--gpus",
+        default=None,
+        help="PCI addresses of the devices, in device-index order, e.g. 0000:17:00.0,0000:65:00.0.",
+    )
+    group.add_argument(
+        "--allowed-cpus",
+        default=None,
+        help="CPUs the ranks may use, e.g. 0-15,32-47 (default: this process's affinity on the live "
+        "host, every online CPU of a snapshot).",
+    )
+    group.add_argument(
+        "--numa-affinity-mode",
+        choices=AFFINITY_MODES,
+        default=None,
+        help="node (all CPUs of the device's node), exclusive (disjoint slices per rank) or socket "
+        "(every node of the device's package). Default: $SGLANG_NUMA_AFFINITY_MODE or node.",
+    )
+    group.add_argument(
+        "--json", action="store_true", help="Print JSON instead of one line per rank."
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    plan = sub.add_parser("plan", help="Show where every rank of this host will run, and why.")
+    plan = sub.add_parser(
+        "plan", help="Show where every rank of this host will run, and why."
+    )
     _add_plan_args(plan, launchers=("mp", "ray"))
-    verify = sub.add_parser("verify", help="Start the ranks through the real launcher(s) and read each binding back.")
+    verify = sub.add_parser(
+        "verify",
+        help="Start the ranks through the real launcher(s) and read each binding back.",
+    )
     _add_plan_args(verify, launchers=("mp", "ray", "both"))
-    verify.add_argument("--dp-threads", action="store_true",
-                        help="Start each dp rank's schedulers from its own thread, as sglang's data-parallel "
-                             "controller does (default: one after another, as the engine does).")
-    verify.add_argument("--timeout", type=bounded_seconds("--timeout", MAX_TIMEOUT_S), default=120.0,
-                        help=f"Seconds to wait for the ranks, above 0 and at most {MAX_TIMEOUT_S:g} (default 120).")
-    capture = sub.add_parser("capture", help="Copy the sysfs files placement reads into DIR, for plan --sysfs-root.")
-    capture.add_argument("dir", metavar="DIR", type=path_arg("DIR"), help="A new (or empty) directory of this user.")
-    capture.add_argument("--sysfs-root", default="/sys", type=path_arg("--sysfs-root"),
-                         help="The tree to copy (default /sys).")
+    verify.add_argument(
+        "--dp-threads",
+        action="store_true",
+        help="Start each dp rank's schedulers from its own thread, as sglang's data-parallel "
+        "controller does (default: one after another, as the engine does).",
+    )
+    verify.add_argument(
+        "--timeout",
+        type=bounded_seconds("--timeout", MAX_TIMEOUT_S),
+        default=120.0,
+        help=f"Seconds to wait for the ranks, above 0 and at most {MAX_TIMEOUT_S:g} (default 120).",
+    )
+    capture = sub.add_parser(
+        "capture",
+        help="Copy the sysfs files placement reads into DIR, for plan --sysfs-root.",
+    )
+    capture.add_argument(
+        "dir",
+        metavar="DIR",
+        type=path_arg("DIR"),
+        help="A new (or empty) directory of this user.",
+    )
+    capture.add_argument(
+        "--sysfs-root",
+        default="/sys",
+        type=path_arg("--sysfs-root"),
+        help="The tree to copy (default /sys).",
+    )
     return parser
 
 
@@ -163,10 +220,14 @@ def _parse_gpus(text: Optional[str]) -> Optional[list[str]]:
         return None
     parts = [p.strip() for p in text.split(",")]
     if not text.strip() or any(not p for p in parts):
-        raise UsageError(f"--gpus={shown(text)} is not valid: give PCI addresses separated by commas, "
-                         f"e.g. --gpus 0000:17:00.0,0000:65:00.0")
+        raise UsageError(
+            f"--gpus={shown(text)} is not valid: give PCI addresses separated by commas, "
+            f"e.g. --gpus 0000:17:00.0,0000:65:00.0"
+        )
     if len(parts) > MAX_GPU_ID + 1:
-        raise UsageError(f"--gpus={shown(text)} lists {len(parts)} devices, more than the limit of {MAX_GPU_ID + 1}")
+        raise UsageError(
+            f"--gpus={shown(text)} lists {len(parts)} devices, more than the limit of {MAX_GPU_ID + 1}"
+        )
     return parts
 
 
@@ -183,7 +244,9 @@ def plan_inputs(args: argparse.Namespace) -> dict:
             f"with `{PROG} capture DIR`"
         )
     snapshot = os.path.realpath(root) != "/sys"
-    topology = read_topology(root, setting="--sysfs-root" if args.sysfs_root else "SGLANG_SYSFS_ROOT")
+    topology = read_topology(
+        root, setting="--sysfs-root" if args.sysfs_root else "SGLANG_SYSFS_ROOT"
+    )
     if args.allowed_cpus is not None:
         try:
             cpus = parse_cpulist(args.allowed_cpus, what="--allowed-cpus")
@@ -207,7 +270,9 @@ def plan_inputs(args: argparse.Namespace) -> dict:
         )
     else:
         affinity = read_process_affinity()
-    capabilities = HostCapabilities.snapshot(root) if snapshot else HostCapabilities.live()
+    capabilities = (
+        HostCapabilities.snapshot(root) if snapshot else HostCapabilities.live()
+    )
     gpus = _parse_gpus(args.gpus)
     if gpus is not None:
         # A typo must be an error here, not a rank that the plan shows unbound.
@@ -220,7 +285,9 @@ def plan_inputs(args: argparse.Namespace) -> dict:
                     f"check the address with `lspci -D`"
                 )
     return dict(
-        facts=HostFacts(topology=topology, affinity=affinity, capabilities=capabilities),
+        facts=HostFacts(
+            topology=topology, affinity=affinity, capabilities=capabilities
+        ),
         gpus=gpus,
         affinity_mode=args.numa_affinity_mode,
     )
@@ -233,20 +300,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
     server_args = PlanArgs.from_cli_args(args)
     placements = plan_engine(server_args, launcher=args.launcher, **plan_inputs(args))
     if args.json:
-        keys = ("dp_rank", "pp_rank", "tp_rank", "gpu_id", "pci", "numa_node", "cpus", "mem_policy", "strategy",
-                "reasons")
+        keys = (
+            "dp_rank",
+            "pp_rank",
+            "tp_rank",
+            "gpu_id",
+            "pci",
+            "numa_node",
+            "cpus",
+            "mem_policy",
+            "strategy",
+            "reasons",
+        )
         rows = []
         for p in placements:
             d = p.to_dict()
-            rows.append({k: d[k] for k in keys} | {"numactl_args": d["numactl_args"], "mem_nodes": d["mem_nodes"]})
+            rows.append(
+                {k: d[k] for k in keys}
+                | {"numactl_args": d["numactl_args"], "mem_nodes": d["mem_nodes"]}
+            )
         print(json.dumps({"ranks": rows}, indent=2))
     else:
         for p in placements:
             print(describe(p))
         failing = [p.label for p in placements if p.warning]
         if failing and settings.bind_failure_is_fatal():
-            print(f"SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1: the launch stops at {', '.join(failing)} "
-                  "(each is less bound than intended)")
+            print(
+                f"SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1: the launch stops at {', '.join(failing)} "
+                "(each is less bound than intended)"
+            )
     return 0
 
 
@@ -256,8 +338,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     server_args = PlanArgs.from_cli_args(args)
     launchers = ("mp", "ray") if args.launcher == "both" else (args.launcher,)
     # verify drives sglang's own launch path, which takes its settings from the environment, not from flags.
-    for flag, value in (("--sysfs-root", args.sysfs_root), ("--allowed-cpus", args.allowed_cpus),
-                        ("--gpus", args.gpus)):
+    for flag, value in (
+        ("--sysfs-root", args.sysfs_root),
+        ("--allowed-cpus", args.allowed_cpus),
+        ("--gpus", args.gpus),
+    ):
         if value is not None:
             raise UsageError(
                 f"{flag} is a planning input that sglang's launch path does not take, so verify cannot check "
@@ -276,7 +361,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         for launcher in launchers:
             if launcher == "mp":
-                rows.extend(verify_mp(server_args, timeout_s=args.timeout, dp_threads=args.dp_threads))
+                rows.extend(
+                    verify_mp(
+                        server_args, timeout_s=args.timeout, dp_threads=args.dp_threads
+                    )
+                )
             else:
                 from sglang.srt.placement.verify_ray import verify_ray
 
@@ -292,11 +381,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _local_ray_cluster(server_args: PlanArgs) -> Iterator[None]:
     """Use the Ray cluster this process is connected to, else join the one RAY_ADDRESS names, else start a local
-    one; afterwards disconnect from a joined cluster and stop only a cluster started here."""
+    one; afterwards disconnect from a joined cluster and stop only a cluster started here.
+    """
     try:
         import ray
     except ImportError:
-        raise UsageError("--launcher ray needs Ray (pip install 'ray==2.60.*')") from None
+        raise UsageError(
+            "--launcher ray needs Ray (pip install 'ray==2.60.*')"
+        ) from None
     if ray.is_initialized():
         yield
         return
@@ -311,8 +403,14 @@ def _local_ray_cluster(server_args: PlanArgs) -> Iterator[None]:
         # RayEngine asks one GPU per scheduler actor whatever the device: a CPU engine needs GPUs declared.
         num_gpus = ranks if server_args.device == "cpu" else None
         # "local": never join a cluster that someone else's `ray start` recorded on this machine.
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                 configure_logging=False, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            include_dashboard=False,
+            configure_logging=False,
+            log_to_driver=False,
+        )
     try:
         yield
     finally:
@@ -323,8 +421,10 @@ def cmd_capture(args: argparse.Namespace) -> int:
     from sglang.srt.placement.capture import capture_sysfs
 
     count = capture_sysfs(args.dir, root=args.sysfs_root)
-    print(f"copied {count} files from {args.sysfs_root} to {args.dir}; plan with: "
-          f"{PROG} plan --sysfs-root {args.dir}")
+    print(
+        f"copied {count} files from {args.sysfs_root} to {args.dir}; plan with: "
+        f"{PROG} plan --sysfs-root {args.dir}"
+    )
     return 0
 
 
@@ -343,11 +443,16 @@ def one_line(exc: BaseException) -> str:
     if not isinstance(exc, (UsageError, PlacementError, ValueError)) or not text:
         # MemoryError, RecursionError, OverflowError, OSError: the type says what the text alone may not.
         text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    return elide("".join(ch if ch.isprintable() else shown(ch, quote=False) for ch in text), MAX_MESSAGE_CHARS)
+    return elide(
+        "".join(ch if ch.isprintable() else shown(ch, quote=False) for ch in text),
+        MAX_MESSAGE_CHARS,
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -370,7 +475,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Bad input of any kind - a flag, an environment variable or a file - is one line and exit status 2:
     # ValueError covers SettingError, PlanArgsError, CpuListError, TopologyError and UnicodeError; OSError the
     # file errors; ArithmeticError OverflowError; MemoryError and RecursionError what no bound foresaw.
-    except (UsageError, PlacementError, ValueError, OSError, ArithmeticError, MemoryError, RecursionError) as exc:
+    except (
+        UsageError,
+        PlacementError,
+        ValueError,
+        OSError,
+        ArithmeticError,
+        MemoryError,
+        RecursionError,
+    ) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
 

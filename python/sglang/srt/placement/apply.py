@@ -24,7 +24,12 @@ from typing import Callable, Iterable, Optional
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.libnuma import LibNumaApi, load_libnuma
-from sglang.srt.placement.types import MemPolicy, PlacementError, ProcessPlacement, Strategy
+from sglang.srt.placement.types import (
+    MemPolicy,
+    PlacementError,
+    ProcessPlacement,
+    Strategy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +63,17 @@ class BindOutcome:
     def summary(self) -> str:
         parts: list[str] = []
         if self.cpus:
-            parts.append(f"cpus {format_cpulist(self.cpus)} on {self.threads} thread(s)")
+            parts.append(
+                f"cpus {format_cpulist(self.cpus)} on {self.threads} thread(s)"
+            )
         else:
             parts.append("cpus unchanged")
         if self.mem_policy == MemPolicy.NONE:
             parts.append("memory policy unchanged")
         else:
-            parts.append(f"memory {self.mem_policy} on node(s) {format_cpulist(self.mem_nodes)}")
+            parts.append(
+                f"memory {self.mem_policy} on node(s) {format_cpulist(self.mem_nodes)}"
+            )
         if self.pages_not_migrated is not None:
             parts.append(f"pages migrated ({self.pages_not_migrated} not moved)")
         text = f"{self.label}: " + ", ".join(parts)
@@ -90,7 +99,9 @@ def bind_in_process(
     label = placement.label
     if placement.strategy == Strategy.NONE:
         why = "; ".join(placement.reasons) or "placement strategy is none"
-        outcome = BindOutcome(label, frozenset(), 0, "none", frozenset(), None, (f"not bound: {why}",))
+        outcome = BindOutcome(
+            label, frozenset(), 0, "none", frozenset(), None, (f"not bound: {why}",)
+        )
         logger.info(outcome.summary)
         return outcome
 
@@ -110,13 +121,17 @@ def bind_in_process(
     if placement.mem_policy != MemPolicy.NONE:
         lib = libnuma if libnuma is not None else load_libnuma()
         if lib is None:
-            degrade("memory policy not set: libnuma.so.1 is not available (install libnuma1)")
+            degrade(
+                "memory policy not set: libnuma.so.1 is not available (install libnuma1)"
+            )
 
     cpus, threads = frozenset(), 0
     if placement.cpus:
         refused: Optional[ThreadAffinityError] = None
         try:
-            threads = set_all_threads_affinity(placement.cpus, tasks_dir=tasks_dir, setaffinity=setaffinity)
+            threads = set_all_threads_affinity(
+                placement.cpus, tasks_dir=tasks_dir, setaffinity=setaffinity
+            )
         except ThreadAffinityError as exc:
             threads, refused = exc.threads_set, exc
         if refused is None:
@@ -142,7 +157,9 @@ def bind_in_process(
         else:
             pages_not_migrated = 0
 
-    outcome = BindOutcome(label, cpus, threads, mem_policy, mem_nodes, pages_not_migrated, tuple(notes))
+    outcome = BindOutcome(
+        label, cpus, threads, mem_policy, mem_nodes, pages_not_migrated, tuple(notes)
+    )
     logger.info(outcome.summary)
     return outcome
 
@@ -208,7 +225,9 @@ def _set_memory_policy(
             return "bind", placement.mem_nodes
         except OSError as exc:
             if preferred_node is None:
-                degrade(f"membind to {_nodes(placement.mem_nodes)} rejected by the kernel ({_err(exc)})")
+                degrade(
+                    f"membind to {_nodes(placement.mem_nodes)} rejected by the kernel ({_err(exc)})"
+                )
                 return "none", frozenset()
             degrade(
                 f"membind to {_nodes(placement.mem_nodes)} rejected by the kernel ({_err(exc)}): "
@@ -222,7 +241,9 @@ def _set_memory_policy(
         lib.set_preferred(preferred_node)
         return "preferred", frozenset([preferred_node])
     except OSError as exc:
-        degrade(f"preferred node {preferred_node} rejected by the kernel ({_err(exc)}): CPU binding only")
+        degrade(
+            f"preferred node {preferred_node} rejected by the kernel ({_err(exc)}): CPU binding only"
+        )
         return "none", frozenset()
 
 

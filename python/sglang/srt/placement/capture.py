@@ -51,7 +51,9 @@ def capture_sysfs(dest: str | os.PathLike, *, root: str | os.PathLike = "/sys") 
     """
     dest_text = os.path.abspath(os.fspath(dest))
     if "\0" in dest_text:
-        raise CaptureError(f"{shown(dest_text)}: a path cannot hold a NUL byte; choose another directory")
+        raise CaptureError(
+            f"{shown(dest_text)}: a path cannot hold a NUL byte; choose another directory"
+        )
     with _Destination(dest_text) as out:
         try:
             read = _read(root, setting="--sysfs-root")
@@ -85,7 +87,9 @@ def _snapshot_files(read: TopologyRead) -> dict[str, str]:
     marker = {
         "format": SNAPSHOT_FORMAT,
         "kernel_release": os.uname().release,
-        "captured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "captured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
         "source_root": read.topology.root,
     }
     if read.memory_kb_from_sysconf is not None:
@@ -116,10 +120,14 @@ class _Destination:
     def __enter__(self) -> "_Destination":
         parent, name = os.path.split(self.path)
         if not name:
-            raise CaptureError(f"{self.path}: is not a new or empty directory; choose one for the snapshot")
+            raise CaptureError(
+                f"{self.path}: is not a new or empty directory; choose one for the snapshot"
+            )
         try:
             # The parent may be reached through links (the user named it); the destination itself may not.
-            self.parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
+            self.parent_fd = os.open(
+                parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC
+            )
         except OSError:
             raise CaptureError(
                 f"{self.path}: its parent {parent} does not exist or is not a directory; create it first or "
@@ -140,7 +148,9 @@ class _Destination:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise CaptureError(f"{self.path}: cannot be created ({exc.strerror}); choose another place") from None
+            raise CaptureError(
+                f"{self.path}: cannot be created ({exc.strerror}); choose another place"
+            ) from None
         try:
             fd = os.open(name, _OPEN_DIR, dir_fd=self.parent_fd)
         except OSError as exc:
@@ -148,7 +158,9 @@ class _Destination:
                 raise CaptureError(
                     f"{self.path}: exists and is not a directory; choose a new directory for the snapshot"
                 ) from None
-            raise CaptureError(f"{self.path}: cannot be opened ({exc.strerror}); choose another place") from None
+            raise CaptureError(
+                f"{self.path}: cannot be opened ({exc.strerror}); choose another place"
+            ) from None
         self.fds[""] = fd
         st = os.fstat(fd)
         # Created here or not, the directory written into must be this user's alone: a directory that
@@ -210,7 +222,9 @@ class _Destination:
                 else:
                     os.unlink(name, dir_fd=self.fds[parent_rel])
             except OSError:
-                logger.warning(f"Could not remove {posixpath.join(self.path, parent_rel, name)} after a failed capture")
+                logger.warning(
+                    f"Could not remove {posixpath.join(self.path, parent_rel, name)} after a failed capture"
+                )
         self.created.clear()
         if self.created_top and "" in self.fds:
             top = os.fstat(self.fds[""])

@@ -37,7 +37,8 @@ def elide(text: str, limit: int) -> str:
 
 def shown(value: object, *, limit: int = 120, quote: bool = True) -> str:
     """``value`` as text safe for a one-line message: escaped like ``repr`` (NUL, newlines, escape
-    sequences) and cut in the middle past ``limit`` characters; without quotes when ``quote`` is False."""
+    sequences) and cut in the middle past ``limit`` characters; without quotes when ``quote`` is False.
+    """
     escaped = repr(elide(str(value), limit))
     return escaped if quote else escaped[1:-1]
 
@@ -72,7 +73,7 @@ def parse_cpulist(text: str, *, what: str = "cpulist") -> frozenset[int]:
     # Many overlapping ranges (each at most MAX_CPUS long): mark them in a bitmap, in C, instead.
     present = bytearray(MAX_CPUS)
     for r in ranges:
-        present[r.start:r.stop:r.step] = b"\x01" * len(r)
+        present[r.start : r.stop : r.step] = b"\x01" * len(r)
     return frozenset(itertools.compress(range(MAX_CPUS), present))
 
 
@@ -120,7 +121,9 @@ def parse_cpumask(text: str, *, what: str = "cpumask") -> frozenset[int]:
     """Parse a Linux hex mask such as ``"00000000,0000000f"`` (as in ``Cpus_allowed``)."""
     digits = text.strip().replace(",", "")
     if len(digits) > MAX_CPULIST_CHARS or _HEX_RE.fullmatch(digits) is None:
-        raise CpuListError(f"{what}: {shown(text.strip())} is not a hexadecimal CPU mask")
+        raise CpuListError(
+            f"{what}: {shown(text.strip())} is not a hexadecimal CPU mask"
+        )
     value = int(digits, 16) if digits else 0
     if value.bit_length() > MAX_CPUS:
         raise CpuListError(

@@ -93,8 +93,7 @@ class AcceleratorRuntime(Protocol):
     """True when ``pci_by_index`` takes this process's logical index (torch),
     False when it takes a physical index in PCI bus order (NVML)."""
 
-    def pci_by_index(self, index: int) -> Optional[str]:
-        ...
+    def pci_by_index(self, index: int) -> Optional[str]: ...
 
     def pci_by_uuid(self, uuid: str) -> Optional[str]:
         """The PCI address of the device with this ``GPU-``/``MIG-`` UUID or unique UUID prefix."""
@@ -139,7 +138,11 @@ class NvmlRuntime:
 
     def uuid_by_index(self, index: int) -> Optional[str]:
         try:
-            return _text(self._nvml.nvmlDeviceGetUUID(self._nvml.nvmlDeviceGetHandleByIndex(index)))
+            return _text(
+                self._nvml.nvmlDeviceGetUUID(
+                    self._nvml.nvmlDeviceGetHandleByIndex(index)
+                )
+            )
         except self._error:
             return None
 
@@ -193,7 +196,9 @@ class NvmlRuntime:
             return None
         address = canonical_pci_address(bus_id)
         if address is None:
-            logger.warning(f"NVML returned a PCI bus id that is not an address: {bus_id!r}")
+            logger.warning(
+                f"NVML returned a PCI bus id that is not an address: {bus_id!r}"
+            )
         return address
 
 
@@ -215,7 +220,9 @@ class TorchCudaRuntime:
 
             cuda = torch.cuda
         if not cuda.is_available():
-            raise RuntimeError("torch.cuda.is_available() is False: torch sees no CUDA device")
+            raise RuntimeError(
+                "torch.cuda.is_available() is False: torch sees no CUDA device"
+            )
         self._cuda = cuda
 
     def pci_by_index(self, index: int) -> Optional[str]:
@@ -235,7 +242,9 @@ class TorchCudaRuntime:
         matches = [
             index
             for index in range(self._cuda.device_count())
-            if _torch_uuid(self._cuda.get_device_properties(index)).lower().startswith(wanted)
+            if _torch_uuid(self._cuda.get_device_properties(index))
+            .lower()
+            .startswith(wanted)
         ]
         return self.pci_by_index(matches[0]) if len(matches) == 1 else None
 
@@ -252,12 +261,18 @@ def default_runtime(device: str) -> Optional[AcceleratorRuntime]:
         return NvmlRuntime()
     except ImportError:
         logger.debug("pynvml is not installed; GPU PCI addresses come from sysfs order")
-    except Exception as exc:  # NVMLError subclasses: no driver, no library, no permission
-        logger.debug(f"NVML did not initialise ({exc}); GPU PCI addresses come from sysfs order")
+    except (
+        Exception
+    ) as exc:  # NVMLError subclasses: no driver, no library, no permission
+        logger.debug(
+            f"NVML did not initialise ({exc}); GPU PCI addresses come from sysfs order"
+        )
     return None
 
 
-def accelerator_pci_devices(topology: HostTopology, *, device: str) -> tuple[PciDevice, ...]:
+def accelerator_pci_devices(
+    topology: HostTopology, *, device: str
+) -> tuple[PciDevice, ...]:
     """The GPUs of ``device``'s vendor that sysfs lists, in PCI bus order."""
     if device == "cuda":
         vendor, classes = NVIDIA_VENDOR, NVIDIA_GPU_CLASSES
@@ -290,7 +305,9 @@ def is_integrated_intel_gpu(address: str) -> bool:
         return False
 
 
-def level_zero_order(devices: Sequence[PciDevice], *, env: Mapping[str, str]) -> tuple[PciDevice, ...]:
+def level_zero_order(
+    devices: Sequence[PciDevice], *, env: Mapping[str, str]
+) -> tuple[PciDevice, ...]:
     """Intel GPUs in the order Level Zero numbers them: PCI bus order, integrated GPUs last unless
     ``ZE_ENABLE_PCI_ID_DEVICE_ORDER`` is set (intel/compute-runtime sorts by PCI id that way).
 
@@ -325,26 +342,41 @@ def identify_accelerators(
     if device == "cpu":
         return ()
     if device not in ("cuda", "xpu"):
-        raise DeviceIdentityError(f"--device {device!r} has no accelerator identity; expected cuda, xpu or cpu.")
+        raise DeviceIdentityError(
+            f"--device {device!r} has no accelerator identity; expected cuda, xpu or cpu."
+        )
     for gpu_id in gpu_ids:
         if not isinstance(gpu_id, int) or isinstance(gpu_id, bool) or gpu_id < 0:
             raise DeviceIdentityError(
                 f"GPU id {gpu_id!r} is not a device index; check --base-gpu-id and --gpu-id-step."
             )
     if gpus is not None:
-        return _from_gpus_option(topology=topology, gpu_ids=gpu_ids, gpus=parse_gpus_option(gpus))
+        return _from_gpus_option(
+            topology=topology, gpu_ids=gpu_ids, gpus=parse_gpus_option(gpus)
+        )
     listed = accelerator_pci_devices(topology, device=device)
     if device == "xpu":
         listed = level_zero_order(listed, env=env)
     result = []
     for gpu_id in gpu_ids:
         if device == "cuda":
-            physical = _cuda_physical(gpu_id=gpu_id, env=env, ray_ids=ray_accelerator_ids)
+            physical = _cuda_physical(
+                gpu_id=gpu_id, env=env, ray_ids=ray_accelerator_ids
+            )
         else:
-            physical = _xpu_physical(gpu_id=gpu_id, env=env, ray_ids=ray_accelerator_ids, cards=len(listed))
+            physical = _xpu_physical(
+                gpu_id=gpu_id, env=env, ray_ids=ray_accelerator_ids, cards=len(listed)
+            )
         result.append(
-            _locate(gpu_id=gpu_id, physical=physical, device=device, env=env, listed=listed,
-                    topology=topology, runtime=runtime)
+            _locate(
+                gpu_id=gpu_id,
+                physical=physical,
+                device=device,
+                env=env,
+                listed=listed,
+                topology=topology,
+                runtime=runtime,
+            )
         )
     return tuple(result)
 
@@ -383,7 +415,11 @@ def _from_gpus_option(
                 f"{len(topology.pci_devices)} PCI devices read from {topology.root}; "
                 f"check the address with `lspci -D`, e.g. {GPUS_EXAMPLE}."
             )
-        result.append(Accelerator(gpu_id=gpu_id, physical_id=address, pci=address, source=GPUS_OPTION))
+        result.append(
+            Accelerator(
+                gpu_id=gpu_id, physical_id=address, pci=address, source=GPUS_OPTION
+            )
+        )
     return tuple(result)
 
 
@@ -416,13 +452,19 @@ def _ray_entry(ray_ids: Sequence[str], gpu_id: int) -> str:
     return str(ray_ids[gpu_id]).strip()
 
 
-def _cuda_physical(*, gpu_id: int, env: Mapping[str, str], ray_ids: Optional[Sequence[str]]) -> _Physical:
+def _cuda_physical(
+    *, gpu_id: int, env: Mapping[str, str], ray_ids: Optional[Sequence[str]]
+) -> _Physical:
     if ray_ids:
         entry = _ray_entry(ray_ids, gpu_id)
-        return _physical_entry(entry, origin=f"Ray GPU id {entry!r} (index {gpu_id} of {list(ray_ids)})")
+        return _physical_entry(
+            entry, origin=f"Ray GPU id {entry!r} (index {gpu_id} of {list(ray_ids)})"
+        )
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return _Physical(text=str(gpu_id), index=gpu_id, origin="no CUDA_VISIBLE_DEVICES")
+        return _Physical(
+            text=str(gpu_id), index=gpu_id, origin="no CUDA_VISIBLE_DEVICES"
+        )
     entries = parse_cuda_visible_devices(visible)
     if not entries:
         raise DeviceIdentityError(
@@ -431,12 +473,18 @@ def _cuda_physical(*, gpu_id: int, env: Mapping[str, str], ray_ids: Optional[Seq
         )
     if gpu_id >= len(entries):
         ignored = len(entries) < len([p for p in visible.split(",")])
-        note = " (CUDA ignores the entries from the first invalid one on)" if ignored else ""
+        note = (
+            " (CUDA ignores the entries from the first invalid one on)"
+            if ignored
+            else ""
+        )
         raise DeviceIdentityError(
             f"CUDA_VISIBLE_DEVICES={visible!r} makes {len(entries)} GPU(s) visible{note}, "
             f"but a rank uses GPU id {gpu_id}; list more GPUs or lower --base-gpu-id / --tp-size."
         )
-    return _physical_entry(entries[gpu_id], origin=f"CUDA_VISIBLE_DEVICES={visible!r} entry {gpu_id}")
+    return _physical_entry(
+        entries[gpu_id], origin=f"CUDA_VISIBLE_DEVICES={visible!r} entry {gpu_id}"
+    )
 
 
 def _physical_entry(entry: str, *, origin: str) -> _Physical:
@@ -444,7 +492,9 @@ def _physical_entry(entry: str, *, origin: str) -> _Physical:
         return _Physical(text=str(int(entry)), index=int(entry), origin=origin)
     if entry[:4].upper() in ("GPU-", "MIG-") and len(entry) > 4:
         return _Physical(text=entry, index=None, origin=origin)
-    raise DeviceIdentityError(f"{origin}: {entry!r} is neither a device index nor a GPU-/MIG- UUID.")
+    raise DeviceIdentityError(
+        f"{origin}: {entry!r} is neither a device index nor a GPU-/MIG- UUID."
+    )
 
 
 def _xpu_physical(
@@ -453,7 +503,11 @@ def _xpu_physical(
     if ray_ids:
         entry = _ray_entry(ray_ids, gpu_id)
         card = _ze_card(entry, what=f"Ray GPU id {entry!r}")
-        return _Physical(text=entry, index=card, origin=f"Ray GPU id {entry!r} (index {gpu_id} of {list(ray_ids)})")
+        return _Physical(
+            text=entry,
+            index=card,
+            origin=f"Ray GPU id {entry!r} (index {gpu_id} of {list(ray_ids)})",
+        )
     mask = env.get("ZE_AFFINITY_MASK", "").strip()
     if not mask or mask == "default":
         return _Physical(text=str(gpu_id), index=gpu_id, origin="no ZE_AFFINITY_MASK")
@@ -467,7 +521,8 @@ def _xpu_physical(
     card = visible[gpu_id]
     listing = ",".join(str(c) for c in visible)
     return _Physical(
-        text=str(card), index=card,
+        text=str(card),
+        index=card,
         origin=f"ZE_AFFINITY_MASK={mask!r} shows devices {listing} in index order, device {gpu_id} is {card}{note}",
     )
 
@@ -512,39 +567,50 @@ def _locate(
     runtime: Optional[AcceleratorRuntime],
 ) -> Accelerator:
     def made(pci: Optional[str], source: str) -> Accelerator:
-        return Accelerator(gpu_id=gpu_id, physical_id=physical.text, pci=pci, source=source)
+        return Accelerator(
+            gpu_id=gpu_id, physical_id=physical.text, pci=pci, source=source
+        )
 
     missed = ""
     if runtime is not None:
         if runtime.logical_indices:
             pci = runtime.pci_by_index(gpu_id)
             if pci is not None:
-                return made(pci, f"{runtime.name}: device {gpu_id} of this process ({physical.origin})")
+                return made(
+                    pci,
+                    f"{runtime.name}: device {gpu_id} of this process ({physical.origin})",
+                )
             missed = f"{runtime.name} has no device {gpu_id}; "
         elif physical.index is not None:
             pci = runtime.pci_by_index(physical.index)
             if pci is not None:
                 note = _order_note(device=device, env=env, listed=listed)
-                return made(pci, f"{runtime.name}: physical device {physical.index} ({physical.origin}){note}")
+                return made(
+                    pci,
+                    f"{runtime.name}: physical device {physical.index} ({physical.origin}){note}",
+                )
             missed = f"{runtime.name} has no device {physical.index}; "
         else:
             pci = runtime.pci_by_uuid(physical.text)
             if pci is not None:
                 return made(pci, f"{runtime.name}: {physical.text} ({physical.origin})")
             return made(
-                None, f"unknown: {runtime.name} knows no device {physical.text} ({physical.origin}); "
-                f"an abbreviated UUID must match exactly one GPU"
+                None,
+                f"unknown: {runtime.name} knows no device {physical.text} ({physical.origin}); "
+                f"an abbreviated UUID must match exactly one GPU",
             )
     index = physical.index
     if index is None:
         if physical.kind == "mig":
             return made(
-                None, f"unknown: {missed}{physical.text} is a MIG instance ({physical.origin}); "
-                f"NVML or torch is needed to find its parent GPU's PCI address"
+                None,
+                f"unknown: {missed}{physical.text} is a MIG instance ({physical.origin}); "
+                f"NVML or torch is needed to find its parent GPU's PCI address",
             )
         return made(
-            None, f"unknown: {missed}{physical.text} ({physical.origin}) needs NVML or torch "
-            f"to map a UUID to a PCI address"
+            None,
+            f"unknown: {missed}{physical.text} ({physical.origin}) needs NVML or torch "
+            f"to map a UUID to a PCI address",
         )
     vendor = "NVIDIA" if device == "cuda" else "Intel"
     if index >= len(listed):
@@ -552,8 +618,9 @@ def _locate(
         if device == "xpu":
             hint = "; in Level Zero's FLAT hierarchy each tile of a card counts as a device"
         return made(
-            None, f"unknown: {missed}sysfs under {topology.root} lists {len(listed)} {vendor} GPU(s), "
-            f"none at index {index} ({physical.origin}){hint}"
+            None,
+            f"unknown: {missed}sysfs under {topology.root} lists {len(listed)} {vendor} GPU(s), "
+            f"none at index {index} ({physical.origin}){hint}",
         )
     pci = listed[index].address
     note = _order_note(device=device, env=env, listed=listed)
@@ -561,18 +628,24 @@ def _locate(
     if device == "xpu":
         order = (
             f"Level Zero order (PCI bus order, {PCI_ID_ORDER_VAR}={env.get(PCI_ID_ORDER_VAR, '').strip()})"
-            if pci_id_order(env) else "Level Zero order (PCI bus order, integrated GPUs last)"
+            if pci_id_order(env)
+            else "Level Zero order (PCI bus order, integrated GPUs last)"
         )
     return made(
         pci, f"sysfs: {missed}{vendor} GPU {index} in {order} ({physical.origin}){note}"
     )
 
 
-def _order_note(*, device: str, env: Mapping[str, str], listed: tuple[PciDevice, ...]) -> str:
+def _order_note(
+    *, device: str, env: Mapping[str, str], listed: tuple[PciDevice, ...]
+) -> str:
     """Why an index-order mapping may be wrong, or "" when the order cannot differ."""
     if len(listed) == 1:
         return ""
-    if device == "cuda" and env.get("CUDA_DEVICE_ORDER", "").strip().upper() != "PCI_BUS_ID":
+    if (
+        device == "cuda"
+        and env.get("CUDA_DEVICE_ORDER", "").strip().upper() != "PCI_BUS_ID"
+    ):
         return (
             "; NVML and sysfs count GPUs in PCI bus order but CUDA_DEVICE_ORDER is not PCI_BUS_ID, "
             "so CUDA's fastest-first order may differ (set CUDA_DEVICE_ORDER=PCI_BUS_ID)"

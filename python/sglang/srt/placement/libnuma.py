@@ -43,7 +43,9 @@ class LibNumaApi(Protocol):
 
     def set_preferred(self, node: int) -> None: ...
 
-    def migrate_pages(self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]) -> int: ...
+    def migrate_pages(
+        self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]
+    ) -> int: ...
 
 
 class _Bitmask(ctypes.Structure):
@@ -77,7 +79,10 @@ class LibNuma:
             "numa_bitmask_setbit": (_BitmaskPtr, [_BitmaskPtr, ctypes.c_uint]),
             "numa_bitmask_isbitset": (ctypes.c_int, [_BitmaskPtr, ctypes.c_uint]),
             "numa_bitmask_free": (None, [_BitmaskPtr]),
-            "numa_migrate_pages": (ctypes.c_int, [ctypes.c_int, _BitmaskPtr, _BitmaskPtr]),
+            "numa_migrate_pages": (
+                ctypes.c_int,
+                [ctypes.c_int, _BitmaskPtr, _BitmaskPtr],
+            ),
             "set_mempolicy": (
                 ctypes.c_long,
                 [ctypes.c_int, ctypes.POINTER(ctypes.c_ulong), ctypes.c_ulong],
@@ -103,14 +108,18 @@ class LibNuma:
         if not nodes_ptr:
             return frozenset(range(self.max_node() + 1))
         return frozenset(
-            node for node in range(self.max_node() + 1) if self._lib.numa_bitmask_isbitset(nodes_ptr, node)
+            node
+            for node in range(self.max_node() + 1)
+            if self._lib.numa_bitmask_isbitset(nodes_ptr, node)
         )
 
     def node_of_cpu(self, cpu: int) -> int:
         ctypes.set_errno(0)
         node = self._lib.numa_node_of_cpu(cpu)
         if node < 0:
-            raise _oserror("numa_node_of_cpu", ctypes.get_errno() or errno_mod.EINVAL, f"cpu {cpu}")
+            raise _oserror(
+                "numa_node_of_cpu", ctypes.get_errno() or errno_mod.EINVAL, f"cpu {cpu}"
+            )
         return int(node)
 
     # -- actions ---------------------------------------------------------------------------
@@ -124,7 +133,9 @@ class LibNuma:
         """Allocate from ``node`` first, elsewhere when it is full (MPOL_PREFERRED), for the calling thread."""
         self._set_mempolicy(MPOL_PREFERRED, frozenset([node]), "numa_set_preferred")
 
-    def migrate_pages(self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]) -> int:
+    def migrate_pages(
+        self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]
+    ) -> int:
         """Move ``pid``'s pages (0 = this process) from ``from_nodes`` to ``to_nodes``; returns pages not moved."""
         with self._nodemask(from_nodes) as src, self._nodemask(to_nodes) as dst:
             result = self._lib.numa_migrate_pages(pid, src, dst)
@@ -141,7 +152,9 @@ class LibNuma:
     def _set_mempolicy(self, mode: int, nodes: frozenset[int], call: str) -> None:
         with self._nodemask(nodes) as mask:
             # The kernel reads one bit fewer than maxnode; libnuma passes size + 1 for the same reason.
-            result = self._lib.set_mempolicy(mode, mask.contents.maskp, mask.contents.size + 1)
+            result = self._lib.set_mempolicy(
+                mode, mask.contents.maskp, mask.contents.size + 1
+            )
         if result < 0:
             raise _oserror(call, ctypes.get_errno(), _nodes_text(nodes))
 
@@ -199,15 +212,21 @@ def _open(name: str) -> Optional[LibNuma]:
     try:
         lib = ctypes.CDLL(name, use_errno=True)
     except OSError as exc:
-        logger.info(f"libnuma not loaded ({name}: {exc}); in-process NUMA memory binding is unavailable")
+        logger.info(
+            f"libnuma not loaded ({name}: {exc}); in-process NUMA memory binding is unavailable"
+        )
         return None
     try:
         binding = LibNuma(lib, name=name)
     except AttributeError as exc:
-        logger.info(f"libnuma at {name} lacks a symbol placement needs ({exc}); treating it as unavailable")
+        logger.info(
+            f"libnuma at {name} lacks a symbol placement needs ({exc}); treating it as unavailable"
+        )
         return None
     if not binding.available:
-        logger.info(f"libnuma loaded from {name} but numa_available() < 0: the kernel reports no NUMA support")
+        logger.info(
+            f"libnuma loaded from {name} but numa_available() < 0: the kernel reports no NUMA support"
+        )
         return None
     return binding
 

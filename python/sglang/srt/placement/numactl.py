@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.types import Strategy, MemPolicy
+from sglang.srt.placement.types import MemPolicy, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,9 @@ def cpu_option(*, cpus: Iterable[int], whole_nodes: Optional[Sequence[int]]) -> 
     return f"--physcpubind={format_cpulist(cpus)}"
 
 
-def memory_options(*, mem_policy: str, mem_nodes: Iterable[int], preferred_node: Optional[int]) -> tuple[str, ...]:
+def memory_options(
+    *, mem_policy: str, mem_nodes: Iterable[int], preferred_node: Optional[int]
+) -> tuple[str, ...]:
     if mem_policy == MemPolicy.BIND:
         return (f"--membind={format_cpulist(mem_nodes)}",)
     if mem_policy == MemPolicy.PREFERRED and preferred_node is not None:
@@ -58,15 +60,22 @@ def run_numactl(argv: Sequence[str]) -> ProbeResult:
     """Run ``argv`` (numactl, options, a program) once; numactl's reason when it refuses."""
     try:
         done = subprocess.run(
-            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            timeout=PROBE_TIMEOUT_S, check=False,
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=PROBE_TIMEOUT_S,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return ProbeResult(ok=False, message=f"{argv[0]} could not be run: {exc}")
     if done.returncode == 0:
         return ProbeResult(ok=True, message="")
-    return ProbeResult(ok=False, message=_reason(done.stderr.decode(errors="replace"))
-                       or f"{argv[0]} exited with status {done.returncode}")
+    return ProbeResult(
+        ok=False,
+        message=_reason(done.stderr.decode(errors="replace"))
+        or f"{argv[0]} exited with status {done.returncode}",
+    )
 
 
 def _reason(stderr: str) -> str:
@@ -110,8 +119,14 @@ class NumactlProber:
             logger.debug(f"numactl {' '.join(key)} refused: {result.message}")
         return result
 
-    def ladder(self, *, cpu_args: Sequence[str], mem_policy: str, mem_nodes: Iterable[int],
-               preferred_node: Optional[int]) -> LadderOutcome:
+    def ladder(
+        self,
+        *,
+        cpu_args: Sequence[str],
+        mem_policy: str,
+        mem_nodes: Iterable[int],
+        preferred_node: Optional[int],
+    ) -> LadderOutcome:
         """Try bind, then preferred, then CPU only; stop at the first the kernel accepts."""
         mem_nodes = tuple(sorted(mem_nodes))
         steps: list[str] = []
@@ -121,19 +136,35 @@ class NumactlProber:
             steps = ["preferred", "none"]
         else:
             steps = ["none"]
-        tried: list[tuple[tuple[str, ...], str]] = []  # (options, numactl's refusal), strongest first
+        tried: list[tuple[tuple[str, ...], str]] = (
+            []
+        )  # (options, numactl's refusal), strongest first
         for step in steps:
             if step == "preferred" and preferred_node is None:
                 continue
-            args = tuple(cpu_args) + memory_options(mem_policy=step, mem_nodes=mem_nodes, preferred_node=preferred_node)
+            args = tuple(cpu_args) + memory_options(
+                mem_policy=step, mem_nodes=mem_nodes, preferred_node=preferred_node
+            )
             result = self.probe(args)
             if result.ok:
-                return LadderOutcome(mem_policy=step, args=args, reasons=_fallback_reasons(tried, step, args), ok=True)
+                return LadderOutcome(
+                    mem_policy=step,
+                    args=args,
+                    reasons=_fallback_reasons(tried, step, args),
+                    ok=True,
+                )
             tried.append((args, result.message))
-        return LadderOutcome(mem_policy=MemPolicy.NONE, args=(), reasons=(tried[-1][1],) if tried else (), ok=False)
+        return LadderOutcome(
+            mem_policy=MemPolicy.NONE,
+            args=(),
+            reasons=(tried[-1][1],) if tried else (),
+            ok=False,
+        )
 
 
-def _fallback_reasons(tried: Sequence[tuple[tuple[str, ...], str]], step: str, args: tuple[str, ...]) -> tuple[str, ...]:
+def _fallback_reasons(
+    tried: Sequence[tuple[tuple[str, ...], str]], step: str, args: tuple[str, ...]
+) -> tuple[str, ...]:
     """Upstream's wording for a weaker binding that numactl accepted, which operators search logs for."""
     if not tried:
         return ()
@@ -158,13 +189,23 @@ class AssumedNumactl:
         self.numactl_path = numactl_path
         self.probe_count = 0
 
-    def ladder(self, *, cpu_args: Sequence[str], mem_policy: str, mem_nodes: Iterable[int],
-               preferred_node: Optional[int]) -> LadderOutcome:
+    def ladder(
+        self,
+        *,
+        cpu_args: Sequence[str],
+        mem_policy: str,
+        mem_nodes: Iterable[int],
+        preferred_node: Optional[int],
+    ) -> LadderOutcome:
         args = tuple(cpu_args) + memory_options(
-            mem_policy=mem_policy, mem_nodes=tuple(sorted(mem_nodes)), preferred_node=preferred_node
+            mem_policy=mem_policy,
+            mem_nodes=tuple(sorted(mem_nodes)),
+            preferred_node=preferred_node,
         )
         reason = f"planned from the snapshot {self.root}: assumes numactl there accepts {' '.join(args)} (not probed)"
-        return LadderOutcome(mem_policy=mem_policy, args=args, reasons=(reason,), ok=True)
+        return LadderOutcome(
+            mem_policy=mem_policy, args=args, reasons=(reason,), ok=True
+        )
 
 
 _default_prober: Optional[NumactlProber] = None

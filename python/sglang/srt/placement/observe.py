@@ -82,7 +82,9 @@ class ObservedBinding:
     def anon_kb_by_node(self) -> dict[int, int]:
         return dict(self.anon_kb)
 
-    def local_page_ratio(self, nodes: Iterable[int], *, anon_only: bool = False) -> Optional[float]:
+    def local_page_ratio(
+        self, nodes: Iterable[int], *, anon_only: bool = False
+    ) -> Optional[float]:
         """Share of resident memory on ``nodes`` (0..1); None when numa_maps showed nothing resident."""
         counts = self.anon_kb if anon_only else self.resident_kb
         total = sum(kb for _, kb in counts)
@@ -112,8 +114,14 @@ class ObservedBinding:
             mems=parse_cpulist(data["mems"]),
             policy=data["policy"],
             policy_nodes=parse_cpulist(data["policy_nodes"]),
-            resident_kb=tuple(sorted((int(n), int(kb)) for n, kb in data.get("resident_kb", {}).items())),
-            anon_kb=tuple(sorted((int(n), int(kb)) for n, kb in data.get("anon_kb", {}).items())),
+            resident_kb=tuple(
+                sorted(
+                    (int(n), int(kb)) for n, kb in data.get("resident_kb", {}).items()
+                )
+            ),
+            anon_kb=tuple(
+                sorted((int(n), int(kb)) for n, kb in data.get("anon_kb", {}).items())
+            ),
             pid=str(data.get("pid", "self")),
         )
 
@@ -159,7 +167,9 @@ def parse_numa_maps(text: str) -> NumaMapsTotals:
     return NumaMapsTotals(resident_kb=resident, anon_kb=anon)
 
 
-_MAPS_POLICY = re.compile(r"^(default|prefer \(many\)|prefer|bind|weighted interleave|interleave|local)(=[a-z]+)?(?::(\S+))?")
+_MAPS_POLICY = re.compile(
+    r"^(default|prefer \(many\)|prefer|bind|weighted interleave|interleave|local)(=[a-z]+)?(?::(\S+))?"
+)
 _MAPS_POLICY_NAMES = {
     "default": "default",
     "prefer": "preferred",
@@ -173,7 +183,8 @@ _MAPS_POLICY_NAMES = {
 
 def policy_from_numa_maps(text: str) -> tuple[str, frozenset[int]]:
     """The task policy as numa_maps shows it on its first mapping (mappings without a policy of their own
-    show the task's); for processes other than the caller, where get_mempolicy cannot be used."""
+    show the task's); for processes other than the caller, where get_mempolicy cannot be used.
+    """
     for line in text.splitlines():
         _, _, rest = line.partition(" ")
         match = _MAPS_POLICY.match(rest)
@@ -197,7 +208,12 @@ def _get_mempolicy_function() -> Callable[..., int]:
 
         def call(mode: Any, mask: Any, maxnode: int, addr: Any, flags: int) -> int:
             return syscall(
-                ctypes.c_long(number), mode, mask, ctypes.c_ulong(maxnode), addr, ctypes.c_ulong(flags)
+                ctypes.c_long(number),
+                mode,
+                mask,
+                ctypes.c_ulong(maxnode),
+                addr,
+                ctypes.c_ulong(flags),
             )
 
         return call
@@ -210,7 +226,9 @@ def _get_mempolicy_function() -> Callable[..., int]:
         ) from None
     fn = lib.get_mempolicy
     fn.restype = ctypes.c_long
-    return lambda mode, mask, maxnode, addr, flags: fn(mode, mask, ctypes.c_ulong(maxnode), addr, ctypes.c_uint(flags))
+    return lambda mode, mask, maxnode, addr, flags: fn(
+        mode, mask, ctypes.c_ulong(maxnode), addr, ctypes.c_uint(flags)
+    )
 
 
 def read_mempolicy() -> tuple[str, frozenset[int]]:
@@ -266,8 +284,12 @@ def observe_self(
     status_path = os.path.join(base, "status")
     with open(status_path, encoding="ascii") as f:
         status = f.read()
-    cpus = parse_cpulist(_status_field(status, "Cpus_allowed_list", status_path), what=status_path)
-    mems = parse_cpulist(_status_field(status, "Mems_allowed_list", status_path), what=status_path)
+    cpus = parse_cpulist(
+        _status_field(status, "Cpus_allowed_list", status_path), what=status_path
+    )
+    mems = parse_cpulist(
+        _status_field(status, "Mems_allowed_list", status_path), what=status_path
+    )
 
     maps_path = os.path.join(base, "numa_maps")
     try:
@@ -299,7 +321,9 @@ def observe_self(
 # -- compare ----------------------------------------------------------------------------------
 
 
-def compare_binding(placement: ProcessPlacement, observed: ObservedBinding) -> list[str]:
+def compare_binding(
+    placement: ProcessPlacement, observed: ObservedBinding
+) -> list[str]:
     """One line per way ``observed`` differs from ``placement``; empty when the rank is where planned.
 
     A placement with strategy "none" plans nothing, so nothing is checked. With
@@ -311,7 +335,9 @@ def compare_binding(placement: ProcessPlacement, observed: ObservedBinding) -> l
         return []
     diffs: list[str] = []
     if placement.cpus and observed.cpus != placement.cpus:
-        diffs.append(f"cpus {_fmt(observed.cpus)} observed, {_fmt(placement.cpus)} planned")
+        diffs.append(
+            f"cpus {_fmt(observed.cpus)} observed, {_fmt(placement.cpus)} planned"
+        )
 
     if placement.mem_policy == MemPolicy.NONE:
         return diffs
@@ -319,7 +345,11 @@ def compare_binding(placement: ProcessPlacement, observed: ObservedBinding) -> l
         want_nodes = placement.mem_nodes
         want_policies = ("bind",)
     else:
-        want_nodes = frozenset([placement.numa_node]) if placement.numa_node is not None else placement.mem_nodes
+        want_nodes = (
+            frozenset([placement.numa_node])
+            if placement.numa_node is not None
+            else placement.mem_nodes
+        )
         want_policies = ("preferred", "preferred_many")
 
     if not want_nodes <= observed.mems:

@@ -21,7 +21,12 @@ from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpu_groups import rank_cpus, shared_cpus
 from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.ranks import ONE_VISIBLE_DEVICE_VAR, local_ranks, rank_of_gpu_id, reindexed
+from sglang.srt.placement.ranks import (
+    ONE_VISIBLE_DEVICE_VAR,
+    local_ranks,
+    rank_of_gpu_id,
+    reindexed,
+)
 from sglang.srt.placement.resolve import choose_node, resolve_placement
 from sglang.srt.placement.strategy import HostCapabilities
 from sglang.srt.placement.types import (
@@ -51,7 +56,10 @@ class HostFacts:
     @classmethod
     def live(cls) -> "HostFacts":
         """This host, its topology read from ``SGLANG_SYSFS_ROOT``."""
-        from sglang.srt.placement.topology import read_process_affinity, read_topology_cached
+        from sglang.srt.placement.topology import (
+            read_process_affinity,
+            read_topology_cached,
+        )
 
         return cls(
             topology=read_topology_cached(settings.sysfs_root()),
@@ -60,10 +68,16 @@ class HostFacts:
         )
 
 
-def _runtime_for(runtime: Any, *, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]) -> Any:
+def _runtime_for(
+    runtime: Any, *, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]
+) -> Any:
     if runtime != LIVE_RUNTIME:
         return runtime
-    if device != "cuda" or gpus is not None or os.path.realpath(topology.root) != "/sys":
+    if (
+        device != "cuda"
+        or gpus is not None
+        or os.path.realpath(topology.root) != "/sys"
+    ):
         return None
     from sglang.srt.placement.devices import default_runtime
 
@@ -71,7 +85,9 @@ def _runtime_for(runtime: Any, *, device: str, topology: HostTopology, gpus: Opt
 
 
 @contextlib.contextmanager
-def _opened(runtime: Any, *, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]) -> Iterator[Any]:
+def _opened(
+    runtime: Any, *, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]
+) -> Iterator[Any]:
     """The runtime to identify devices with; one opened here (NVML) is shut down afterwards, as upstream does."""
     if runtime != LIVE_RUNTIME:
         yield runtime
@@ -85,18 +101,41 @@ def _opened(runtime: Any, *, device: str, topology: HostTopology, gpus: Optional
             close()
 
 
-def _unbound(rank: RankIdentity, policy: PlacementPolicy, reasons: Sequence[str], *, failure: bool,
-             pci: Optional[str] = None) -> ProcessPlacement:
+def _unbound(
+    rank: RankIdentity,
+    policy: PlacementPolicy,
+    reasons: Sequence[str],
+    *,
+    failure: bool,
+    pci: Optional[str] = None,
+) -> ProcessPlacement:
     return ProcessPlacement(
-        dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank, gpu_id=rank.gpu_id, pci=pci,
-        numa_node=None, cpus=frozenset(), mem_nodes=frozenset(), mem_policy=MemPolicy.NONE, strategy=Strategy.NONE,
-        reasons=tuple(reasons), launcher=policy.launcher, warning=failure,
+        dp_rank=rank.dp_rank,
+        pp_rank=rank.pp_rank,
+        tp_rank=rank.tp_rank,
+        gpu_id=rank.gpu_id,
+        pci=pci,
+        numa_node=None,
+        cpus=frozenset(),
+        mem_nodes=frozenset(),
+        mem_policy=MemPolicy.NONE,
+        strategy=Strategy.NONE,
+        reasons=tuple(reasons),
+        launcher=policy.launcher,
+        warning=failure,
     )
 
 
-def _identify(gpu_id: int, *, policy: PlacementPolicy, topology: HostTopology, env: Mapping[str, str],
-              gpus: Optional[Sequence[str]], runtime: Any,
-              ray_id: Optional[str] = None) -> tuple[Optional[Accelerator], Optional[str]]:
+def _identify(
+    gpu_id: int,
+    *,
+    policy: PlacementPolicy,
+    topology: HostTopology,
+    env: Mapping[str, str],
+    gpus: Optional[Sequence[str]],
+    runtime: Any,
+    ray_id: Optional[str] = None,
+) -> tuple[Optional[Accelerator], Optional[str]]:
     """The device behind ``gpu_id`` (or Ray's id ``ray_id``) and None, or None and why it was not found."""
     from sglang.srt.placement.devices import DeviceIdentityError, identify_accelerators
 
@@ -104,38 +143,79 @@ def _identify(gpu_id: int, *, policy: PlacementPolicy, topology: HostTopology, e
         if ray_id is not None and gpus is not None:
             # --gpus lists PCI addresses by physical device index, which is what an index id names.
             if not ray_id.isdigit():
-                return None, f"--gpus lists devices by index, but Ray's id for GPU {gpu_id} is {ray_id!r}"
-            (found,) = identify_accelerators(device=policy.device, topology=topology, gpu_ids=[int(ray_id)],
-                                             env=env, gpus=gpus)
+                return (
+                    None,
+                    f"--gpus lists devices by index, but Ray's id for GPU {gpu_id} is {ray_id!r}",
+                )
+            (found,) = identify_accelerators(
+                device=policy.device,
+                topology=topology,
+                gpu_ids=[int(ray_id)],
+                env=env,
+                gpus=gpus,
+            )
         elif ray_id is not None:
-            (found,) = identify_accelerators(device=policy.device, topology=topology, gpu_ids=[0], env=env,
-                                             ray_accelerator_ids=[ray_id], runtime=runtime)
+            (found,) = identify_accelerators(
+                device=policy.device,
+                topology=topology,
+                gpu_ids=[0],
+                env=env,
+                ray_accelerator_ids=[ray_id],
+                runtime=runtime,
+            )
         else:
-            (found,) = identify_accelerators(device=policy.device, topology=topology, gpu_ids=[gpu_id], env=env,
-                                             gpus=gpus, runtime=runtime)
+            (found,) = identify_accelerators(
+                device=policy.device,
+                topology=topology,
+                gpu_ids=[gpu_id],
+                env=env,
+                gpus=gpus,
+                runtime=runtime,
+            )
     except DeviceIdentityError as exc:
         return None, str(exc)
     physical = ray_id if ray_id is not None else found.physical_id
-    return Accelerator(gpu_id=gpu_id, physical_id=physical, pci=found.pci, source=found.source), None
+    return (
+        Accelerator(
+            gpu_id=gpu_id, physical_id=physical, pci=found.pci, source=found.source
+        ),
+        None,
+    )
 
 
-def device_node(gpu_id: int, *, device: str, topology: HostTopology, env: Mapping[str, str],
-                runtime: Any = LIVE_RUNTIME) -> tuple[Optional[int], str]:
+def device_node(
+    gpu_id: int,
+    *,
+    device: str,
+    topology: HostTopology,
+    env: Mapping[str, str],
+    runtime: Any = LIVE_RUNTIME,
+) -> tuple[Optional[int], str]:
     """The NUMA node of the device behind logical index ``gpu_id`` under ``env``, or None, and why."""
     policy = PlacementPolicy(launcher="mp", device=device)
     with _opened(runtime, device=device, topology=topology, gpus=None) as opened:
-        accelerator, problem = _identify(gpu_id, policy=policy, topology=topology, env=env, gpus=None,
-                                         runtime=opened)
+        accelerator, problem = _identify(
+            gpu_id, policy=policy, topology=topology, env=env, gpus=None, runtime=opened
+        )
     if accelerator is None:
         return None, problem or "not identified"
     rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=gpu_id)
-    choice = choose_node(topology=topology, rank=rank, accelerator=accelerator, policy=policy)
+    choice = choose_node(
+        topology=topology, rank=rank, accelerator=accelerator, policy=policy
+    )
     return choice.node, "; ".join(choice.reasons)
 
 
-def _exclusive_slice(server_args: Any, target: Accelerator, *, policy: PlacementPolicy, topology: HostTopology,
-                     env: Mapping[str, str], gpus: Optional[Sequence[str]],
-                     runtime: Any) -> tuple[Optional[tuple[int, int]], Optional[str]]:
+def _exclusive_slice(
+    server_args: Any,
+    target: Accelerator,
+    *,
+    policy: PlacementPolicy,
+    topology: HostTopology,
+    env: Mapping[str, str],
+    gpus: Optional[Sequence[str]],
+    runtime: Any,
+) -> tuple[Optional[tuple[int, int]], Optional[str]]:
     """(index, count) of ``target``'s slice among the devices of the local ranks on its node, or None and why.
 
     The other ranks come from sglang's arithmetic and are identified under the
@@ -143,20 +223,30 @@ def _exclusive_slice(server_args: Any, target: Accelerator, *, policy: Placement
     the slices cannot be agreed and the rank binds to its whole node instead.
     """
     rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=target.gpu_id)
-    mine = choose_node(topology=topology, rank=rank, accelerator=target, policy=policy).node
+    mine = choose_node(
+        topology=topology, rank=rank, accelerator=target, policy=policy
+    ).node
     members: list[Hashable] = []
     for other in local_ranks(server_args):
         if other.gpu_id == target.gpu_id:
             found = target
         else:
-            found, problem = _identify(other.gpu_id, policy=policy, topology=topology, env=env, gpus=gpus,
-                                       runtime=runtime)
+            found, problem = _identify(
+                other.gpu_id,
+                policy=policy,
+                topology=topology,
+                env=env,
+                gpus=gpus,
+                runtime=runtime,
+            )
             if found is None:
                 return None, (
                     f"exclusive mode needs the device of every local rank, but GPU {other.gpu_id} cannot be "
                     f"identified here ({problem}): binding to the whole node instead"
                 )
-        node = choose_node(topology=topology, rank=other, accelerator=found, policy=policy).node
+        node = choose_node(
+            topology=topology, rank=other, accelerator=found, policy=policy
+        ).node
         key = found.pci or found.physical_id
         if node == mine and key not in members:
             members.append(key)
@@ -184,54 +274,122 @@ def place_gpu_id(
     ``numa_index``, as bootstrap uses it.
     """
     if rank is None:
-        rank = rank_of_gpu_id(server_args, gpu_id) or RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=gpu_id)
-    rank = RankIdentity(dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank, gpu_id=gpu_id,
-                        global_rank=rank.global_rank)
+        rank = rank_of_gpu_id(server_args, gpu_id) or RankIdentity(
+            dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=gpu_id
+        )
+    rank = RankIdentity(
+        dp_rank=rank.dp_rank,
+        pp_rank=rank.pp_rank,
+        tp_rank=rank.tp_rank,
+        gpu_id=gpu_id,
+        global_rank=rank.global_rank,
+    )
     topology, affinity = facts.topology, facts.affinity
     if policy.device == "cpu":
-        cpus = rank_cpus(policy.cpu_threads_bind, index=gpu_id, topology=topology, affinity=affinity)
-        placement = resolve_placement(topology=topology, affinity=affinity, rank=rank, accelerator=None,
-                                      policy=policy, capabilities=facts.capabilities, cpu_rank_set=cpus)
+        cpus = rank_cpus(
+            policy.cpu_threads_bind, index=gpu_id, topology=topology, affinity=affinity
+        )
+        placement = resolve_placement(
+            topology=topology,
+            affinity=affinity,
+            rank=rank,
+            accelerator=None,
+            policy=policy,
+            capabilities=facts.capabilities,
+            cpu_rank_set=cpus,
+        )
         note = shared_cpus(policy.cpu_threads_bind, index=gpu_id)
-        return placement if note is None else placement.replace(reasons=(note, *placement.reasons))
+        return (
+            placement
+            if note is None
+            else placement.replace(reasons=(note, *placement.reasons))
+        )
     if policy.device not in _ACCELERATOR_DEVICES:
-        return _unbound(rank, policy, [f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"],
-                        failure=False)
+        return _unbound(
+            rank,
+            policy,
+            [f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"],
+            failure=False,
+        )
     if policy.numa_nodes is None:
         # sglang's own preconditions, checked before any device is asked about.
         if not policy.auto_numa_bind:
-            return _unbound(rank, policy, ["no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"], failure=False)
+            return _unbound(
+                rank,
+                policy,
+                ["no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"],
+                failure=False,
+            )
         if policy.affinity_mode == "node" and len(topology.cpu_nodes) < 2:
-            return _unbound(rank, policy, ["this host has one NUMA node with CPUs: node binding cannot help "
-                                           "(exclusive mode still splits it between ranks)"], failure=False)
+            return _unbound(
+                rank,
+                policy,
+                [
+                    "this host has one NUMA node with CPUs: node binding cannot help "
+                    "(exclusive mode still splits it between ranks)"
+                ],
+                failure=False,
+            )
     with _opened(runtime, device=policy.device, topology=topology, gpus=gpus) as opened:
-        accelerator, problem = _identify(gpu_id, policy=policy, topology=topology, env=env, gpus=gpus,
-                                         runtime=opened)
+        accelerator, problem = _identify(
+            gpu_id, policy=policy, topology=topology, env=env, gpus=gpus, runtime=opened
+        )
         if accelerator is None and policy.numa_nodes is None:
-            return _unbound(rank, policy, [f"GPU {gpu_id} cannot be identified: {problem}"], failure=True)
+            return _unbound(
+                rank,
+                policy,
+                [f"GPU {gpu_id} cannot be identified: {problem}"],
+                failure=True,
+            )
         exclusive, degraded = None, None
         if policy.affinity_mode == "exclusive" and accelerator is not None:
-            exclusive, degraded = _exclusive_slice(server_args, accelerator, policy=policy, topology=topology,
-                                                   env=env, gpus=gpus, runtime=opened)
-    placement = resolve_placement(topology=topology, affinity=affinity, rank=rank, accelerator=accelerator,
-                                  policy=policy, capabilities=facts.capabilities, exclusive_slice=exclusive)
+            exclusive, degraded = _exclusive_slice(
+                server_args,
+                accelerator,
+                policy=policy,
+                topology=topology,
+                env=env,
+                gpus=gpus,
+                runtime=opened,
+            )
+    placement = resolve_placement(
+        topology=topology,
+        affinity=affinity,
+        rank=rank,
+        accelerator=accelerator,
+        policy=policy,
+        capabilities=facts.capabilities,
+        exclusive_slice=exclusive,
+    )
     if degraded is not None and placement.bound:
-        placement = placement.replace(reasons=(*placement.reasons, degraded), warning=True)
+        placement = placement.replace(
+            reasons=(*placement.reasons, degraded), warning=True
+        )
     return placement
 
 
-def spawn_environment(policy: PlacementPolicy, gpu_id: int, env: Mapping[str, str]) -> tuple[int, dict[str, str], str]:
+def spawn_environment(
+    policy: PlacementPolicy, gpu_id: int, env: Mapping[str, str]
+) -> tuple[int, dict[str, str], str]:
     """The id and environment sglang's spawn of ``gpu_id`` sees, and a reason when they differ from the engine's.
 
     With ``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1`` a CUDA rank is spawned under
     one visible GPU, as GPU 0 (``maybe_reindex_device_id``).
     """
-    if policy.device != "cuda" or policy.launcher != "mp" or not settings.one_visible_device_per_process():
+    if (
+        policy.device != "cuda"
+        or policy.launcher != "mp"
+        or not settings.one_visible_device_per_process()
+    ):
         return gpu_id, dict(env), ""
     spawned_id, spawned_env = reindexed(gpu_id, env)
     visible = spawned_env["CUDA_VISIBLE_DEVICES"]
-    return spawned_id, spawned_env, (
-        f"{ONE_VISIBLE_DEVICE_VAR}=1: GPU {gpu_id} is spawned as GPU {spawned_id} with CUDA_VISIBLE_DEVICES={visible}"
+    return (
+        spawned_id,
+        spawned_env,
+        (
+            f"{ONE_VISIBLE_DEVICE_VAR}=1: GPU {gpu_id} is spawned as GPU {spawned_id} with CUDA_VISIBLE_DEVICES={visible}"
+        ),
     )
 
 
@@ -251,16 +409,35 @@ def plan_engine(
     ``env`` is the environment the launcher runs with (default: this process's).
     """
     facts = facts if facts is not None else HostFacts.live()
-    policy = policy or PlacementPolicy.from_env(server_args, launcher=launcher, affinity_mode=affinity_mode)
+    policy = policy or PlacementPolicy.from_env(
+        server_args, launcher=launcher, affinity_mode=affinity_mode
+    )
     env = dict(os.environ if env is None else env)
     placements = []
-    with _opened(runtime, device=policy.device, topology=facts.topology, gpus=gpus) as opened:
+    with _opened(
+        runtime, device=policy.device, topology=facts.topology, gpus=gpus
+    ) as opened:
         for rank in local_ranks(server_args):
-            gpu_id, spawned_env, note = (rank.gpu_id, env, "") if gpus is not None else spawn_environment(
-                policy, rank.gpu_id, env)
-            placement = place_gpu_id(server_args, gpu_id, policy=policy, facts=facts, env=spawned_env, gpus=gpus,
-                                     runtime=opened, rank=rank)
-            placements.append(placement.replace(reasons=(note, *placement.reasons)) if note else placement)
+            gpu_id, spawned_env, note = (
+                (rank.gpu_id, env, "")
+                if gpus is not None
+                else spawn_environment(policy, rank.gpu_id, env)
+            )
+            placement = place_gpu_id(
+                server_args,
+                gpu_id,
+                policy=policy,
+                facts=facts,
+                env=spawned_env,
+                gpus=gpus,
+                runtime=opened,
+                rank=rank,
+            )
+            placements.append(
+                placement.replace(reasons=(note, *placement.reasons))
+                if note
+                else placement
+            )
     return tuple(placements)
 
 
@@ -285,11 +462,15 @@ def plan_node(
     placed by their id (``numa_index``), as ``place_gpu_id`` places them.
     """
     facts = facts if facts is not None else HostFacts.live()
-    policy = policy or PlacementPolicy.from_env(server_args, launcher=launcher, affinity_mode=affinity_mode)
+    policy = policy or PlacementPolicy.from_env(
+        server_args, launcher=launcher, affinity_mode=affinity_mode
+    )
     topology = facts.topology
     if policy.device == "cpu":
         return tuple(
-            place_gpu_id(server_args, rank.gpu_id, policy=policy, facts=facts, env={}, rank=rank)
+            place_gpu_id(
+                server_args, rank.gpu_id, policy=policy, facts=facts, env={}, rank=rank
+            )
             for rank, _ in ranks_with_ids
         )
     found: list[tuple[RankIdentity, Optional[Accelerator], Optional[str]]] = []
@@ -297,29 +478,63 @@ def plan_node(
         for rank, accelerator_id in ranks_with_ids:
             text = str(accelerator_id).strip() if accelerator_id is not None else ""
             if not text:
-                found.append((rank, None, f"{rank.label}: Ray gave no GPU id for a --device {policy.device} "
-                                          "rank (its bundle must hold one GPU: {'GPU': 1})"))
+                found.append(
+                    (
+                        rank,
+                        None,
+                        f"{rank.label}: Ray gave no GPU id for a --device {policy.device} "
+                        "rank (its bundle must hold one GPU: {'GPU': 1})",
+                    )
+                )
                 continue
-            accelerator, problem = _identify(rank.gpu_id, policy=policy, topology=topology, env={}, gpus=gpus,
-                                             runtime=opened, ray_id=text)
+            accelerator, problem = _identify(
+                rank.gpu_id,
+                policy=policy,
+                topology=topology,
+                env={},
+                gpus=gpus,
+                runtime=opened,
+                ray_id=text,
+            )
             found.append((rank, accelerator, problem))
     slices: dict[Hashable, tuple[int, int]] = {}
     if policy.affinity_mode == "exclusive":
         by_node: dict[int, list[Hashable]] = {}
         for rank, accelerator, _ in found:
-            node = choose_node(topology=topology, rank=rank, accelerator=accelerator, policy=policy).node
-            key = None if accelerator is None else accelerator.pci or accelerator.physical_id
-            if node is not None and key is not None and key not in by_node.setdefault(node, []):
+            node = choose_node(
+                topology=topology, rank=rank, accelerator=accelerator, policy=policy
+            ).node
+            key = (
+                None
+                if accelerator is None
+                else accelerator.pci or accelerator.physical_id
+            )
+            if (
+                node is not None
+                and key is not None
+                and key not in by_node.setdefault(node, [])
+            ):
                 by_node[node].append(key)
         for members in by_node.values():
-            slices.update({key: (index, len(members)) for index, key in enumerate(members)})
+            slices.update(
+                {key: (index, len(members)) for index, key in enumerate(members)}
+            )
     placements = []
     for rank, accelerator, problem in found:
         if accelerator is None:
-            placements.append(_unbound(rank, policy, [problem or "no device"], failure=True))
+            placements.append(
+                _unbound(rank, policy, [problem or "no device"], failure=True)
+            )
             continue
-        placements.append(resolve_placement(
-            topology=topology, affinity=facts.affinity, rank=rank, accelerator=accelerator, policy=policy,
-            capabilities=facts.capabilities, exclusive_slice=slices.get(accelerator.pci or accelerator.physical_id),
-        ))
+        placements.append(
+            resolve_placement(
+                topology=topology,
+                affinity=facts.affinity,
+                rank=rank,
+                accelerator=accelerator,
+                policy=policy,
+                capabilities=facts.capabilities,
+                exclusive_slice=slices.get(accelerator.pci or accelerator.physical_id),
+            )
+        )
     return tuple(placements)

@@ -14,7 +14,6 @@ import types
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-
 DEVICE_CHOICES = ("cuda", "xpu", "cpu")
 
 
@@ -49,10 +48,17 @@ class PlanArgs:
             ("--gpu-id-step", self.gpu_id_step),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanArgsError(f"{flag}={value!r} is not valid: it must be a positive integer, e.g. {flag} 1.")
-        for flag, value in (("--node-rank", self.node_rank), ("--base-gpu-id", self.base_gpu_id)):
+                raise PlanArgsError(
+                    f"{flag}={value!r} is not valid: it must be a positive integer, e.g. {flag} 1."
+                )
+        for flag, value in (
+            ("--node-rank", self.node_rank),
+            ("--base-gpu-id", self.base_gpu_id),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise PlanArgsError(f"{flag}={value!r} is not valid: it must be a non-negative integer, e.g. {flag} 0.")
+                raise PlanArgsError(
+                    f"{flag}={value!r} is not valid: it must be a non-negative integer, e.g. {flag} 0."
+                )
         if self.node_rank >= self.nnodes:
             raise PlanArgsError(
                 f"--node-rank={self.node_rank} is not valid with --nnodes={self.nnodes}: "
@@ -78,8 +84,14 @@ class PlanArgs:
                         f"--numa-node contains {node!r}: NUMA node ids are non-negative integers, e.g. --numa-node 0 0 1 1."
                     )
             self.numa_node = list(self.numa_node)
-        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 < self.port < 65536:
-            raise PlanArgsError(f"--port={self.port!r} is not valid: it must be between 1 and 65535.")
+        if (
+            not isinstance(self.port, int)
+            or isinstance(self.port, bool)
+            or not 0 < self.port < 65536
+        ):
+            raise PlanArgsError(
+                f"--port={self.port!r} is not valid: it must be between 1 and 65535."
+            )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -87,31 +99,90 @@ class PlanArgs:
         for f in dataclasses.fields(PlanArgs):
             setattr(defaults, f.name, f.default)
         group = parser.add_argument_group("parallelism and placement")
-        group.add_argument("--tensor-parallel-size", "--tp-size", "--tp", dest="tp_size", type=int, default=defaults.tp_size,
-                           help="Tensor parallel size.")
-        group.add_argument("--pipeline-parallel-size", "--pp-size", dest="pp_size", type=int, default=defaults.pp_size,
-                           help="Pipeline parallel size.")
-        group.add_argument("--data-parallel-size", "--dp-size", "--dp", dest="dp_size", type=int, default=defaults.dp_size,
-                           help="Data parallel size.")
-        group.add_argument("--nnodes", type=int, default=defaults.nnodes, help="Number of nodes.")
-        group.add_argument("--node-rank", type=int, default=defaults.node_rank, help="This node's rank.")
-        group.add_argument("--base-gpu-id", type=int, default=defaults.base_gpu_id,
-                           help="The first GPU id to use; ranks count up from it.")
-        group.add_argument("--gpu-id-step", type=int, default=defaults.gpu_id_step,
-                           help="The distance between the GPU ids of consecutive ranks.")
-        group.add_argument("--numa-node", type=int, nargs="+", default=defaults.numa_node,
-                           help="The NUMA node of each GPU, indexed by GPU id, e.g. --numa-node 0 0 1 1.")
-        group.add_argument("--device", type=str, default=defaults.device, help="cuda, xpu or cpu.")
-        group.add_argument("--host", type=str, default=defaults.host, help="The host of the HTTP server.")
-        group.add_argument("--port", type=int, default=defaults.port, help="The port of the HTTP server.")
-        group.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", type=str,
-                           default=defaults.dist_init_addr,
-                           help="host:port of the torch.distributed initialisation address.")
+        group.add_argument(
+            "--tensor-parallel-size",
+            "--tp-size",
+            "--tp",
+            dest="tp_size",
+            type=int,
+            default=defaults.tp_size,
+            help="Tensor parallel size.",
+        )
+        group.add_argument(
+            "--pipeline-parallel-size",
+            "--pp-size",
+            dest="pp_size",
+            type=int,
+            default=defaults.pp_size,
+            help="Pipeline parallel size.",
+        )
+        group.add_argument(
+            "--data-parallel-size",
+            "--dp-size",
+            "--dp",
+            dest="dp_size",
+            type=int,
+            default=defaults.dp_size,
+            help="Data parallel size.",
+        )
+        group.add_argument(
+            "--nnodes", type=int, default=defaults.nnodes, help="Number of nodes."
+        )
+        group.add_argument(
+            "--node-rank",
+            type=int,
+            default=defaults.node_rank,
+            help="This node's rank.",
+        )
+        group.add_argument(
+            "--base-gpu-id",
+            type=int,
+            default=defaults.base_gpu_id,
+            help="The first GPU id to use; ranks count up from it.",
+        )
+        group.add_argument(
+            "--gpu-id-step",
+            type=int,
+            default=defaults.gpu_id_step,
+            help="The distance between the GPU ids of consecutive ranks.",
+        )
+        group.add_argument(
+            "--numa-node",
+            type=int,
+            nargs="+",
+            default=defaults.numa_node,
+            help="The NUMA node of each GPU, indexed by GPU id, e.g. --numa-node 0 0 1 1.",
+        )
+        group.add_argument(
+            "--device", type=str, default=defaults.device, help="cuda, xpu or cpu."
+        )
+        group.add_argument(
+            "--host",
+            type=str,
+            default=defaults.host,
+            help="The host of the HTTP server.",
+        )
+        group.add_argument(
+            "--port",
+            type=int,
+            default=defaults.port,
+            help="The port of the HTTP server.",
+        )
+        group.add_argument(
+            "--dist-init-addr",
+            "--nccl-init-addr",
+            dest="dist_init_addr",
+            type=str,
+            default=defaults.dist_init_addr,
+            help="host:port of the torch.distributed initialisation address.",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "PlanArgs":
         names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+        return cls(
+            **{name: getattr(args, name) for name in names if hasattr(args, name)}
+        )
 
 
 # The ServerArgs fields placement reads, with upstream's defaults: upstream's helpers only
@@ -132,7 +203,10 @@ _PLACEMENT_FIELDS = {
 
 def placement_fields(server_args: Any) -> dict[str, Any]:
     """The ServerArgs fields placement reads, taken from any object, with upstream's defaults for those it lacks."""
-    fields = {name: getattr(server_args, name, default) for name, default in _PLACEMENT_FIELDS.items()}
+    fields = {
+        name: getattr(server_args, name, default)
+        for name, default in _PLACEMENT_FIELDS.items()
+    }
     fields["device"] = fields["device"] or "cuda"
     return fields
 

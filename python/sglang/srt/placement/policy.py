@@ -39,7 +39,8 @@ class PlacementPolicy:
     @property
     def in_process_supported(self) -> bool:
         """Whether a rank can bind itself once started: a Ray actor can; a spawned
-        child of sglang's multiprocessing path runs sglang's own code, which does not."""
+        child of sglang's multiprocessing path runs sglang's own code, which does not.
+        """
         return self.launcher == "ray"
 
     @classmethod

@@ -28,7 +28,9 @@ class RankRanges:
     tp_per_node: int
 
 
-def rank_ranges(*, tp_size: int, pp_size: int, nnodes: int, node_rank: int) -> RankRanges:
+def rank_ranges(
+    *, tp_size: int, pp_size: int, nnodes: int, node_rank: int
+) -> RankRanges:
     """The engine's ``_calculate_rank_ranges`` (the data-parallel controller's is the same)."""
     pp_per_node = max(pp_size // nnodes, 1)
     nnodes_per_pp_rank = max(nnodes // pp_size, 1)
@@ -72,12 +74,16 @@ def dp_controller_gpu_id(
 ) -> int:
     """``DataParallelController``: each dp rank starts ``tp_size * pp_size * step`` ids after the previous."""
     dp_base = dp_rank * tp_size * pp_size * gpu_id_step
-    return base_gpu_id + dp_base + engine_gpu_id(
-        base_gpu_id=0,
-        gpu_id_step=gpu_id_step,
-        pp_rank=pp_rank,
-        tp_rank=tp_rank,
-        ranges=ranges,
+    return (
+        base_gpu_id
+        + dp_base
+        + engine_gpu_id(
+            base_gpu_id=0,
+            gpu_id_step=gpu_id_step,
+            pp_rank=pp_rank,
+            tp_rank=tp_rank,
+            ranges=ranges,
+        )
     )
 
 
@@ -89,7 +95,10 @@ def local_ranks(server_args: Any) -> tuple[RankIdentity, ...]:
     """
     tp, pp, dp = server_args.tp_size, server_args.pp_size, server_args.dp_size
     ranges = rank_ranges(
-        tp_size=tp, pp_size=pp, nnodes=server_args.nnodes, node_rank=server_args.node_rank
+        tp_size=tp,
+        pp_size=pp,
+        nnodes=server_args.nnodes,
+        node_rank=server_args.node_rank,
     )
     base, step = server_args.base_gpu_id, server_args.gpu_id_step
     ranks = []

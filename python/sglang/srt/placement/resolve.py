@@ -14,7 +14,11 @@ from typing import Iterable, Optional, Sequence, Union
 
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.strategy import HostCapabilities, PlacementIntent, choose_strategy
+from sglang.srt.placement.strategy import (
+    HostCapabilities,
+    PlacementIntent,
+    choose_strategy,
+)
 from sglang.srt.placement.types import (
     Accelerator,
     HostTopology,
@@ -41,8 +45,13 @@ class NodeChoice:
     """True when an unbound rank is a fault: the placement is marked less bound than intended."""
 
 
-def choose_node(*, topology: HostTopology, rank: RankIdentity, accelerator: Optional[Accelerator],
-                policy: PlacementPolicy) -> NodeChoice:
+def choose_node(
+    *,
+    topology: HostTopology,
+    rank: RankIdentity,
+    accelerator: Optional[Accelerator],
+    policy: PlacementPolicy,
+) -> NodeChoice:
     """Upstream's order: the explicit --numa-node list, then SGLANG_AUTO_NUMA_BIND, then the PCI numa_node."""
     if policy.numa_nodes is not None and rank.gpu_id is not None:
         if rank.gpu_id >= len(policy.numa_nodes):
@@ -57,37 +66,63 @@ def choose_node(*, topology: HostTopology, rank: RankIdentity, accelerator: Opti
                 f"--numa-node gives node {node} for GPU {rank.gpu_id}, but this host has nodes "
                 f"{format_cpulist(topology.node_ids)}"
             )
-        return NodeChoice(node=node, reasons=(f"node {node} from --numa-node (GPU {rank.gpu_id})",))
+        return NodeChoice(
+            node=node, reasons=(f"node {node} from --numa-node (GPU {rank.gpu_id})",)
+        )
     if not policy.auto_numa_bind:
-        return NodeChoice(node=None, reasons=("no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding",))
+        return NodeChoice(
+            node=None,
+            reasons=("no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding",),
+        )
     if accelerator is None:
-        return NodeChoice(node=None, reasons=("no accelerator identified for this rank",), failure=True)
+        return NodeChoice(
+            node=None,
+            reasons=("no accelerator identified for this rank",),
+            failure=True,
+        )
     if accelerator.pci is None:
         return NodeChoice(
             node=None,
-            reasons=(f"GPU {accelerator.gpu_id} ({accelerator.physical_id}): no PCI address ({accelerator.source})",),
+            reasons=(
+                f"GPU {accelerator.gpu_id} ({accelerator.physical_id}): no PCI address ({accelerator.source})",
+            ),
             failure=True,
         )
     device = topology.pci_device(accelerator.pci)
     via = f"GPU {accelerator.gpu_id} is {accelerator.physical_id} at PCI {accelerator.pci} ({accelerator.source})"
     if device is None:
-        return NodeChoice(node=None, reasons=(via, f"PCI {accelerator.pci} is not in {topology.root}"), failure=True)
+        return NodeChoice(
+            node=None,
+            reasons=(via, f"PCI {accelerator.pci} is not in {topology.root}"),
+            failure=True,
+        )
     if device.numa_node is None:
         cpu_nodes = topology.cpu_nodes
         if len(cpu_nodes) == 1 and policy.affinity_mode == "exclusive":
             only = cpu_nodes[0].node_id
             return NodeChoice(
                 node=only,
-                reasons=(via, f"PCI {accelerator.pci} reports numa_node -1; node {only} is the only node with CPUs"),
+                reasons=(
+                    via,
+                    f"PCI {accelerator.pci} reports numa_node -1; node {only} is the only node with CPUs",
+                ),
             )
         return NodeChoice(
             node=None,
-            reasons=(via, f"PCI {accelerator.pci} reports numa_node -1 (the kernel does not know its node)"),
+            reasons=(
+                via,
+                f"PCI {accelerator.pci} reports numa_node -1 (the kernel does not know its node)",
+            ),
         )
-    return NodeChoice(node=device.numa_node, reasons=(via, f"node {device.numa_node} from PCI {accelerator.pci}"))
+    return NodeChoice(
+        node=device.numa_node,
+        reasons=(via, f"node {device.numa_node} from PCI {accelerator.pci}"),
+    )
 
 
-def split_exclusive(cpus: frozenset[int], *, topology: HostTopology, count: int) -> tuple[frozenset[int], ...]:
+def split_exclusive(
+    cpus: frozenset[int], *, topology: HostTopology, count: int
+) -> tuple[frozenset[int], ...]:
     """Split ``cpus`` into ``count`` disjoint, near-equal, contiguous slices, keeping SMT siblings together."""
     cores: list[frozenset[int]] = []
     seen: set[int] = set()
@@ -95,7 +130,11 @@ def split_exclusive(cpus: frozenset[int], *, topology: HostTopology, count: int)
         if cpu_id in seen:
             continue
         info = topology.cpu(cpu_id)
-        siblings = (info.thread_siblings if info is not None and info.thread_siblings else frozenset({cpu_id})) & cpus
+        siblings = (
+            info.thread_siblings
+            if info is not None and info.thread_siblings
+            else frozenset({cpu_id})
+        ) & cpus
         siblings = siblings | {cpu_id}
         seen.update(siblings)
         cores.append(frozenset(siblings))
@@ -105,14 +144,21 @@ def split_exclusive(cpus: frozenset[int], *, topology: HostTopology, count: int)
     start = 0
     for i in range(count):
         size = base + (1 if i < extra else 0)
-        slices.append(frozenset().union(*units[start:start + size]) if size else frozenset())
+        slices.append(
+            frozenset().union(*units[start : start + size]) if size else frozenset()
+        )
         start += size
     return tuple(slices)
 
 
-def _node_cpu_set(*, topology: HostTopology, node: NumaNode, policy: PlacementPolicy,
-                  affinity: ProcessAffinity, exclusive_slice: Optional[tuple[int, int]]
-                  ) -> tuple[frozenset[int], tuple[int, ...], Optional[tuple[int, ...]], list[str]]:
+def _node_cpu_set(
+    *,
+    topology: HostTopology,
+    node: NumaNode,
+    policy: PlacementPolicy,
+    affinity: ProcessAffinity,
+    exclusive_slice: Optional[tuple[int, int]],
+) -> tuple[frozenset[int], tuple[int, ...], Optional[tuple[int, ...]], list[str]]:
     """(cpus, memory nodes, whole nodes for --cpunodebind or None, reasons)."""
     reasons: list[str] = []
     if policy.affinity_mode == "socket":
@@ -132,9 +178,13 @@ def _node_cpu_set(*, topology: HostTopology, node: NumaNode, policy: PlacementPo
             f"{affinity.source} allows {len(allowed)} of {len(span)} CPUs of node(s) "
             f"{format_cpulist(n.node_id for n in nodes)}"
         )
-    mem_nodes = tuple(n.node_id for n in nodes if n.has_memory and n.node_id in affinity.mems)
+    mem_nodes = tuple(
+        n.node_id for n in nodes if n.has_memory and n.node_id in affinity.mems
+    )
     cpus = allowed
-    whole: Optional[tuple[int, ...]] = tuple(n.node_id for n in nodes) if allowed == span else None
+    whole: Optional[tuple[int, ...]] = (
+        tuple(n.node_id for n in nodes) if allowed == span else None
+    )
     if policy.affinity_mode == "exclusive" and exclusive_slice is not None and allowed:
         index, count = exclusive_slice
         slices = split_exclusive(allowed, topology=topology, count=count)
@@ -171,59 +221,112 @@ def placement_intent(
         # ``failure`` marks the rank less bound than intended; what that costs (a warning,
         # or an error under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1) is decided where it is applied.
         return ProcessPlacement(
-            dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank, gpu_id=rank.gpu_id, pci=pci,
-            numa_node=None, cpus=frozenset(), mem_nodes=frozenset(), mem_policy=MemPolicy.NONE, strategy=Strategy.NONE,
-            reasons=tuple(reasons), launcher=policy.launcher, warning=failure,
+            dp_rank=rank.dp_rank,
+            pp_rank=rank.pp_rank,
+            tp_rank=rank.tp_rank,
+            gpu_id=rank.gpu_id,
+            pci=pci,
+            numa_node=None,
+            cpus=frozenset(),
+            mem_nodes=frozenset(),
+            mem_policy=MemPolicy.NONE,
+            strategy=Strategy.NONE,
+            reasons=tuple(reasons),
+            launcher=policy.launcher,
+            warning=failure,
         )
 
-    def intent(node_id: int, cpus: frozenset[int], mem_nodes: tuple[int, ...], whole: Optional[tuple[int, ...]],
-               reasons: list[str]) -> PlacementIntent:
+    def intent(
+        node_id: int,
+        cpus: frozenset[int],
+        mem_nodes: tuple[int, ...],
+        whole: Optional[tuple[int, ...]],
+        reasons: list[str],
+    ) -> PlacementIntent:
         if not mem_nodes:
-            reasons.append(f"no memory node this process may use near node {node_id}: CPU binding only")
-        return PlacementIntent(rank=rank, pci=pci, node_id=node_id, cpus=cpus, mem_nodes=mem_nodes,
-                               whole_nodes=whole, reasons=tuple(reasons))
+            reasons.append(
+                f"no memory node this process may use near node {node_id}: CPU binding only"
+            )
+        return PlacementIntent(
+            rank=rank,
+            pci=pci,
+            node_id=node_id,
+            cpus=cpus,
+            mem_nodes=mem_nodes,
+            whole_nodes=whole,
+            reasons=tuple(reasons),
+        )
 
     if policy.device == "cpu":
         return _cpu_intent(
-            topology=topology, affinity=affinity, rank=rank, policy=policy, cpu_rank_set=cpu_rank_set,
-            unbound=unbound, intent=intent,
+            topology=topology,
+            affinity=affinity,
+            rank=rank,
+            policy=policy,
+            cpu_rank_set=cpu_rank_set,
+            unbound=unbound,
+            intent=intent,
         )
 
-    choice = choose_node(topology=topology, rank=rank, accelerator=accelerator, policy=policy)
+    choice = choose_node(
+        topology=topology, rank=rank, accelerator=accelerator, policy=policy
+    )
     reasons = list(choice.reasons)
     if choice.node is None:
         return unbound(reasons, failure=choice.failure)
     node = topology.node(choice.node)
     if node is None:
-        return unbound(reasons + [f"node {choice.node} does not exist on this host"], failure=True)
+        return unbound(
+            reasons + [f"node {choice.node} does not exist on this host"], failure=True
+        )
     if not node.has_cpus:
-        return unbound(reasons + [f"node {node.node_id} has memory but no CPUs"], failure=True)
+        return unbound(
+            reasons + [f"node {node.node_id} has memory but no CPUs"], failure=True
+        )
     if (
         policy.affinity_mode == "node"
         and policy.numa_nodes is None
         and len(topology.cpu_nodes) == 1
     ):
         return unbound(
-            reasons + ["this host has one NUMA node with CPUs: node binding cannot help "
-                       "(exclusive mode still splits it between ranks)"],
+            reasons
+            + [
+                "this host has one NUMA node with CPUs: node binding cannot help "
+                "(exclusive mode still splits it between ranks)"
+            ],
             failure=False,
         )
     cpus, mem_nodes, whole, cpu_reasons = _node_cpu_set(
-        topology=topology, node=node, policy=policy, affinity=affinity, exclusive_slice=exclusive_slice
+        topology=topology,
+        node=node,
+        policy=policy,
+        affinity=affinity,
+        exclusive_slice=exclusive_slice,
     )
     reasons.extend(cpu_reasons)
     if not cpus:
         return unbound(
-            reasons + [f"NUMA node {node.node_id} has no CPU cores allowed by the current affinity "
-                       f"{format_cpulist(affinity.cpus)} ({affinity.source}; node CPUs "
-                       f"{format_cpulist(node.cpus)}), skipping NUMA binding"],
+            reasons
+            + [
+                f"NUMA node {node.node_id} has no CPU cores allowed by the current affinity "
+                f"{format_cpulist(affinity.cpus)} ({affinity.source}; node CPUs "
+                f"{format_cpulist(node.cpus)}), skipping NUMA binding"
+            ],
             failure=True,
         )
     return intent(node.node_id, cpus, mem_nodes, whole, reasons)
 
 
-def _cpu_intent(*, topology: HostTopology, affinity: ProcessAffinity, rank: RankIdentity, policy: PlacementPolicy,
-                cpu_rank_set: Optional[frozenset[int]], unbound, intent) -> Union[PlacementIntent, ProcessPlacement]:
+def _cpu_intent(
+    *,
+    topology: HostTopology,
+    affinity: ProcessAffinity,
+    rank: RankIdentity,
+    policy: PlacementPolicy,
+    cpu_rank_set: Optional[frozenset[int]],
+    unbound,
+    intent,
+) -> Union[PlacementIntent, ProcessPlacement]:
     """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives it, memory on the nodes of those CPUs."""
     spec = policy.cpu_threads_bind.strip()
     reasons = [
@@ -232,15 +335,23 @@ def _cpu_intent(*, topology: HostTopology, affinity: ProcessAffinity, rank: Rank
     ]
     if not policy.bind_v2:
         return unbound(
-            reasons + ["SGLANG_NUMA_BIND_V2=0: the spawn is not bound (upstream behaviour); only bootstrap's "
-                       "init_cpu_threads_env pins the OpenMP threads, on AMX or arm64 hosts"],
+            reasons
+            + [
+                "SGLANG_NUMA_BIND_V2=0: the spawn is not bound (upstream behaviour); only bootstrap's "
+                "init_cpu_threads_env pins the OpenMP threads, on AMX or arm64 hosts"
+            ],
             failure=False,
         )
     if cpu_rank_set is None:
-        raise ValueError(f"{rank.label}: a CPU-device rank needs its CPUs from SGLANG_CPU_OMP_THREADS_BIND")
+        raise ValueError(
+            f"{rank.label}: a CPU-device rank needs its CPUs from SGLANG_CPU_OMP_THREADS_BIND"
+        )
     if spec == "all" and len(topology.cpu_nodes) == 1:
         return unbound(
-            reasons + ["this host has one NUMA node with CPUs: binding a rank to all of it cannot help"],
+            reasons
+            + [
+                "this host has one NUMA node with CPUs: binding a rank to all of it cannot help"
+            ],
             failure=False,
         )
     cpus = cpu_rank_set & affinity.cpus
@@ -251,12 +362,19 @@ def _cpu_intent(*, topology: HostTopology, affinity: ProcessAffinity, rank: Rank
             counts[node.node_id] = shared
     node_id = max(counts, key=lambda n: (counts[n], -n)) if counts else None
     if not cpus or node_id is None:
-        return unbound(reasons + ["none of these CPUs may be used by this process"], failure=True)
+        return unbound(
+            reasons + ["none of these CPUs may be used by this process"], failure=True
+        )
     mem_nodes = tuple(
-        n for n in sorted(counts)
+        n
+        for n in sorted(counts)
         if (nn := topology.node(n)) is not None and nn.has_memory and n in affinity.mems
     )
-    whole = tuple(sorted(counts)) if cpus == frozenset().union(*(topology.node(n).cpus for n in counts)) else None
+    whole = (
+        tuple(sorted(counts))
+        if cpus == frozenset().union(*(topology.node(n).cpus for n in counts))
+        else None
+    )
     return intent(node_id, cpus, mem_nodes, whole, reasons)
 
 
@@ -272,8 +390,15 @@ def resolve_placement(
     cpu_rank_set: Optional[frozenset[int]] = None,
 ) -> ProcessPlacement:
     """Where ``rank`` runs and how that is applied: its intent, then the strategy ``capabilities`` allow."""
-    decided = placement_intent(topology=topology, affinity=affinity, rank=rank, accelerator=accelerator,
-                               policy=policy, exclusive_slice=exclusive_slice, cpu_rank_set=cpu_rank_set)
+    decided = placement_intent(
+        topology=topology,
+        affinity=affinity,
+        rank=rank,
+        accelerator=accelerator,
+        policy=policy,
+        exclusive_slice=exclusive_slice,
+        cpu_rank_set=cpu_rank_set,
+    )
     if isinstance(decided, ProcessPlacement):
         return decided
     return choose_strategy(decided, policy=policy, capabilities=capabilities)
@@ -303,8 +428,10 @@ def describe(p: ProcessPlacement) -> str:
     if p.strategy == Strategy.NONE:
         head = f"[{p.label}]{gpu}{pci}: not bound"
     else:
-        mem = {"bind": f"membind {format_cpulist(p.mem_nodes)}",
-               "preferred": f"preferred {format_cpulist(p.mem_nodes)}",
-               "none": "memory unbound"}[p.mem_policy]
+        mem = {
+            "bind": f"membind {format_cpulist(p.mem_nodes)}",
+            "preferred": f"preferred {format_cpulist(p.mem_nodes)}",
+            "none": "memory unbound",
+        }[p.mem_policy]
         head = f"[{p.label}]{gpu}{pci}: node {p.numa_node} CPUs {format_cpulist(p.cpus)} {mem} via {p.strategy}"
     return f"{head} -- {'; '.join(p.reasons)}"

@@ -11,9 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from sglang.srt.placement.numactl import AssumedNumactl, NumactlProber, cpu_option, default_prober
+from sglang.srt.placement.numactl import (
+    AssumedNumactl,
+    NumactlProber,
+    cpu_option,
+    default_prober,
+)
 from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.types import MemPolicy, ProcessPlacement, RankIdentity, Strategy
+from sglang.srt.placement.types import (
+    MemPolicy,
+    ProcessPlacement,
+    RankIdentity,
+    Strategy,
+)
 
 Prober = Union[NumactlProber, AssumedNumactl]
 
@@ -55,39 +65,70 @@ class PlacementIntent:
         return MemPolicy.BIND if self.mem_nodes else MemPolicy.NONE
 
 
-def choose_strategy(intent: PlacementIntent, *, policy: PlacementPolicy,
-                    capabilities: HostCapabilities) -> ProcessPlacement:
+def choose_strategy(
+    intent: PlacementIntent, *, policy: PlacementPolicy, capabilities: HostCapabilities
+) -> ProcessPlacement:
     """The placement that applies ``intent``: exec under the strongest numactl form the kernel accepts, else
     in-process (libnuma), or the legacy V1 bind under SGLANG_NUMA_BIND_V2=0."""
     rank, node_id, mem_nodes = intent.rank, intent.node_id, intent.mem_nodes
     reasons = list(intent.reasons)
 
-    def placed(strategy: Strategy, mem_policy: MemPolicy, nodes: tuple[int, ...], args: tuple[str, ...] = (),
-               warning: bool = False) -> ProcessPlacement:
+    def placed(
+        strategy: Strategy,
+        mem_policy: MemPolicy,
+        nodes: tuple[int, ...],
+        args: tuple[str, ...] = (),
+        warning: bool = False,
+    ) -> ProcessPlacement:
         return ProcessPlacement(
-            dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank, gpu_id=rank.gpu_id, pci=intent.pci,
-            numa_node=node_id, cpus=intent.cpus,
+            dp_rank=rank.dp_rank,
+            pp_rank=rank.pp_rank,
+            tp_rank=rank.tp_rank,
+            gpu_id=rank.gpu_id,
+            pci=intent.pci,
+            numa_node=node_id,
+            cpus=intent.cpus,
             mem_nodes=frozenset(nodes) if mem_policy != MemPolicy.NONE else frozenset(),
-            mem_policy=mem_policy, strategy=strategy, reasons=tuple(reasons), numactl_args=args,
-            launcher=policy.launcher, warning=warning,
+            mem_policy=mem_policy,
+            strategy=strategy,
+            reasons=tuple(reasons),
+            numactl_args=args,
+            launcher=policy.launcher,
+            warning=warning,
         )
 
     if not policy.bind_v2:
-        reasons.append("SGLANG_NUMA_BIND_V2=0: legacy V1 bind inside the child "
-                       "(numa_run_on_node + numa_set_preferred)")
-        return placed(Strategy.V1, MemPolicy.PREFERRED if mem_nodes else MemPolicy.NONE, (node_id,))
+        reasons.append(
+            "SGLANG_NUMA_BIND_V2=0: legacy V1 bind inside the child "
+            "(numa_run_on_node + numa_set_preferred)"
+        )
+        return placed(
+            Strategy.V1,
+            MemPolicy.PREFERRED if mem_nodes else MemPolicy.NONE,
+            (node_id,),
+        )
 
     if policy.exec_supported and capabilities.numactl is not None:
         outcome = capabilities.numactl.ladder(
             cpu_args=(cpu_option(cpus=intent.cpus, whole_nodes=intent.whole_nodes),),
-            mem_policy=intent.mem_policy, mem_nodes=mem_nodes, preferred_node=node_id if mem_nodes else None,
+            mem_policy=intent.mem_policy,
+            mem_nodes=mem_nodes,
+            preferred_node=node_id if mem_nodes else None,
         )
         if outcome.ok:
             reasons.extend(outcome.reasons)
             degraded = outcome.mem_policy != intent.mem_policy
-            nodes = (node_id,) if outcome.mem_policy == MemPolicy.PREFERRED else mem_nodes
+            nodes = (
+                (node_id,) if outcome.mem_policy == MemPolicy.PREFERRED else mem_nodes
+            )
             reasons.append(f"exec under numactl {' '.join(outcome.args)}")
-            return placed(Strategy.EXEC, MemPolicy(outcome.mem_policy), nodes, outcome.args, warning=degraded)
+            return placed(
+                Strategy.EXEC,
+                MemPolicy(outcome.mem_policy),
+                nodes,
+                outcome.args,
+                warning=degraded,
+            )
         refusal = f": {outcome.reasons[0]}" if outcome.reasons else ""
         reasons.append(
             f"numactl could not apply NUMA binding for node {node_id} (e.g. set_mempolicy/sched_setaffinity "
@@ -96,18 +137,37 @@ def choose_strategy(intent: PlacementIntent, *, policy: PlacementPolicy,
     elif policy.exec_supported:
         reasons.append("numactl is not installed")
     else:
-        reasons.append(f"the {policy.launcher} launcher cannot start this rank under numactl")
+        reasons.append(
+            f"the {policy.launcher} launcher cannot start this rank under numactl"
+        )
 
     if not policy.in_process_supported:
         # sglang's spawned scheduler runs sglang's own code: nothing would apply an in-process bind.
-        reasons.append(f"the {policy.launcher} launcher binds only by exec: running unbound")
+        reasons.append(
+            f"the {policy.launcher} launcher binds only by exec: running unbound"
+        )
         return ProcessPlacement(
-            dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank, gpu_id=rank.gpu_id, pci=intent.pci,
-            numa_node=None, cpus=frozenset(), mem_nodes=frozenset(), mem_policy=MemPolicy.NONE,
-            strategy=Strategy.NONE, reasons=tuple(reasons), launcher=policy.launcher, warning=True,
+            dp_rank=rank.dp_rank,
+            pp_rank=rank.pp_rank,
+            tp_rank=rank.tp_rank,
+            gpu_id=rank.gpu_id,
+            pci=intent.pci,
+            numa_node=None,
+            cpus=frozenset(),
+            mem_nodes=frozenset(),
+            mem_policy=MemPolicy.NONE,
+            strategy=Strategy.NONE,
+            reasons=tuple(reasons),
+            launcher=policy.launcher,
+            warning=True,
         )
     if capabilities.libnuma:
         reasons.append("in-process bind with libnuma")
         return placed(Strategy.IN_PROCESS, intent.mem_policy, mem_nodes)
     reasons.append("libnuma is not available: in-process CPU affinity only")
-    return placed(Strategy.IN_PROCESS, MemPolicy.NONE, (), warning=intent.mem_policy != MemPolicy.NONE)
+    return placed(
+        Strategy.IN_PROCESS,
+        MemPolicy.NONE,
+        (),
+        warning=intent.mem_policy != MemPolicy.NONE,
+    )

@@ -31,9 +31,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import re
 import stat
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -64,9 +64,14 @@ MAX_FILE_BYTES = 64 * 1024
 
 _NODE_DIR_RE = re.compile(r"^node(\d+)$", re.ASCII)
 _MEMORY_BLOCK_RE = re.compile(r"^memory(\d+)$", re.ASCII)
-_MEMTOTAL_RE = re.compile(r"^Node\s+(\d+)\s+MemTotal:\s+(\d+)\s*kB\s*$", re.MULTILINE | re.ASCII)
+_MEMTOTAL_RE = re.compile(
+    r"^Node\s+(\d+)\s+MemTotal:\s+(\d+)\s*kB\s*$", re.MULTILINE | re.ASCII
+)
 _PCI_ADDRESS_RE = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-_INTEGER_RE = {10: re.compile(r"[+-]?[0-9]{1,20}"), 16: re.compile(r"[0-9a-fA-F]{1,16}")}
+_INTEGER_RE = {
+    10: re.compile(r"[+-]?[0-9]{1,20}"),
+    16: re.compile(r"[0-9a-fA-F]{1,16}"),
+}
 _FILE_KINDS = {
     stat.S_IFDIR: "a directory",
     stat.S_IFIFO: "a FIFO",
@@ -94,7 +99,9 @@ def read_regular_file(path: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
     except FileNotFoundError:
         raise FileProblem("missing") from None
     except (OSError, ValueError) as exc:
-        raise FileProblem(f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+        raise FileProblem(
+            f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+        ) from None
     try:
         _check_regular(os.fstat(fd).st_mode)
         chunks: list[bytes] = []
@@ -103,7 +110,9 @@ def read_regular_file(path: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
             chunks.append(chunk)
             size += len(chunk)
             if size > limit:
-                raise FileProblem(f"is larger than {limit} bytes, far more than such a file holds")
+                raise FileProblem(
+                    f"is larger than {limit} bytes, far more than such a file holds"
+                )
         return b"".join(chunks)
     except OSError as exc:
         raise FileProblem(f"cannot be read ({exc.strerror or exc})") from None
@@ -121,7 +130,9 @@ ROOT_SETTING = "SGLANG_SYSFS_ROOT"
 """What chooses the tree outside the CLI; errors name it, since sglang's server has no --sysfs-root."""
 
 
-def read_topology(root: str | os.PathLike = LIVE_SYSFS, *, setting: str = ROOT_SETTING) -> HostTopology:
+def read_topology(
+    root: str | os.PathLike = LIVE_SYSFS, *, setting: str = ROOT_SETTING
+) -> HostTopology:
     """Read the NUMA nodes, online CPUs and PCI devices under ``root`` (a sysfs tree).
 
     Raises TopologyError, naming the file, what is wrong with it and how to fix it, when
@@ -162,7 +173,9 @@ def _stamp(path: str) -> bytes:
 
 
 def read_process_affinity(
-    status_path: str | os.PathLike = "/proc/self/status", *, source: str = "this process"
+    status_path: str | os.PathLike = "/proc/self/status",
+    *,
+    source: str = "this process",
 ) -> ProcessAffinity:
     """The CPUs and memory nodes a process may use, from ``Cpus_allowed_list``/``Mems_allowed_list``.
 
@@ -190,8 +203,14 @@ def read_process_affinity(
         try:
             parsed[key] = parse_cpulist(values[key], what=f"{path} {key}")
         except CpuListError as exc:
-            raise TopologyError(f"{exc}; pass the status file of a running process") from None
-    return ProcessAffinity(cpus=parsed["Cpus_allowed_list"], mems=parsed["Mems_allowed_list"], source=source)
+            raise TopologyError(
+                f"{exc}; pass the status file of a running process"
+            ) from None
+    return ProcessAffinity(
+        cpus=parsed["Cpus_allowed_list"],
+        mems=parsed["Mems_allowed_list"],
+        source=source,
+    )
 
 
 @dataclass(frozen=True)
@@ -219,8 +238,16 @@ class _Reader:
 
     def fix(self) -> str:
         if self.snapshot is not None:
-            kernel = shown(self.snapshot.get("kernel_release", "an unknown kernel"), limit=80, quote=False)
-            when = shown(self.snapshot.get("captured_at", "an unknown time"), limit=80, quote=False)
+            kernel = shown(
+                self.snapshot.get("kernel_release", "an unknown kernel"),
+                limit=80,
+                quote=False,
+            )
+            when = shown(
+                self.snapshot.get("captured_at", "an unknown time"),
+                limit=80,
+                quote=False,
+            )
             return (
                 f"this snapshot (captured from kernel {kernel} at {when}) is incomplete or was edited; "
                 f"re-capture it with `{CAPTURE_COMMAND}` on the host it describes"
@@ -259,7 +286,10 @@ class _Reader:
         try:
             return parse_cpulist(text, what="cpulist")
         except CpuListError as exc:
-            raise self.error(rel, f"{shown(text.strip())} is not a CPU list such as '0-3,8' ({exc.reason})") from None
+            raise self.error(
+                rel,
+                f"{shown(text.strip())} is not a CPU list such as '0-3,8' ({exc.reason})",
+            ) from None
 
     def integer(self, rel: str, *, base: int = 10) -> int:
         text = self.read(rel).strip()
@@ -269,13 +299,19 @@ class _Reader:
 
 
 def _point(setting: str) -> str:
-    return f"pass {setting} pointing at" if setting.startswith("--") else f"set {setting} to"
+    return (
+        f"pass {setting} pointing at"
+        if setting.startswith("--")
+        else f"set {setting} to"
+    )
 
 
 def _read(root: str | os.PathLike, *, setting: str = ROOT_SETTING) -> TopologyRead:
     root_text = os.path.abspath(os.fspath(root))
     if not os.path.isdir(root_text):
-        problem = "is not a directory" if os.path.exists(root_text) else "does not exist"
+        problem = (
+            "is not a directory" if os.path.exists(root_text) else "does not exist"
+        )
         raise TopologyError(
             f"{setting}={root_text}: {problem}; {_point(setting)} a sysfs tree (the live /sys, "
             f"or a snapshot made with `{CAPTURE_COMMAND}`)"
@@ -295,23 +331,38 @@ def _read(root: str | os.PathLike, *, setting: str = ROOT_SETTING) -> TopologyRe
         nodes = (NumaNode(node_id=0, cpus=online, memory_kb=memory_kb, distances=()),)
 
     node_of_cpu = {cpu: node.node_id for node in nodes for cpu in node.cpus}
-    cpus = tuple(_read_cpu(reader, cpu, node_of_cpu.get(cpu), online) for cpu in sorted(online))
+    cpus = tuple(
+        _read_cpu(reader, cpu, node_of_cpu.get(cpu), online) for cpu in sorted(online)
+    )
     pci = _read_pci(reader)
-    topology = HostTopology(root=root_text, nodes=nodes, cpus=cpus, online_cpus=online, pci_devices=pci)
-    return TopologyRead(topology=topology, files=dict(reader.files), memory_kb_from_sysconf=memory_from_sysconf)
+    topology = HostTopology(
+        root=root_text, nodes=nodes, cpus=cpus, online_cpus=online, pci_devices=pci
+    )
+    return TopologyRead(
+        topology=topology,
+        files=dict(reader.files),
+        memory_kb_from_sysconf=memory_from_sysconf,
+    )
 
 
 def _read_marker(root: str) -> Optional[dict]:
     path = os.path.join(root, SNAPSHOT_MARKER)
-    if not os.path.lexists(path):  # a marker that is a dangling link or a link loop is an error, not absent
+    if not os.path.lexists(
+        path
+    ):  # a marker that is a dangling link or a link loop is an error, not absent
         return None
     fix = f"re-capture the snapshot with `{CAPTURE_COMMAND}`"
     try:
         marker = json.loads(read_regular_file(path).decode("utf-8"))
     except FileProblem as exc:
         raise TopologyError(f"{path}: {exc}; {fix}") from None
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise TopologyError(f"{path}: is not a readable snapshot marker ({shown(exc, quote=False)}); {fix}") from None
+    except (
+        ValueError,
+        RecursionError,
+    ) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise TopologyError(
+            f"{path}: is not a readable snapshot marker ({shown(exc, quote=False)}); {fix}"
+        ) from None
     if not isinstance(marker, dict) or not isinstance(marker.get("format"), int):
         raise TopologyError(f"{path}: has no integer 'format' field; {fix}")
     if marker["format"] > SNAPSHOT_FORMAT:
@@ -331,7 +382,8 @@ def _read_nodes(reader: _Reader, online: frozenset[int]) -> tuple[NumaNode, ...]
         rel = f"{NODE_DIR}/{name}"
         if not reader.is_dir(rel):
             raise reader.error(
-                rel, "is not a directory; a NUMA node is a directory holding cpulist, meminfo and distance"
+                rel,
+                "is not a directory; a NUMA node is a directory holding cpulist, meminfo and distance",
             )
         node_ids.append(int(match.group(1)))
     if not node_ids:
@@ -346,13 +398,21 @@ def _read_nodes(reader: _Reader, online: frozenset[int]) -> tuple[NumaNode, ...]
         meminfo = reader.read(f"{base}/meminfo")
         match = _MEMTOTAL_RE.search(meminfo)
         if match is None:
-            raise reader.error(f"{base}/meminfo", "has no 'Node N MemTotal: <size> kB' line")
+            raise reader.error(
+                f"{base}/meminfo", "has no 'Node N MemTotal: <size> kB' line"
+            )
         if int(match.group(1)) != node_id:
-            raise reader.error(f"{base}/meminfo", f"describes node {match.group(1)}, not node {node_id}")
+            raise reader.error(
+                f"{base}/meminfo",
+                f"describes node {match.group(1)}, not node {node_id}",
+            )
         row_text = reader.read(f"{base}/distance")
         words = row_text.split()
         if not all(_INTEGER_RE[10].fullmatch(word) for word in words):
-            raise reader.error(f"{base}/distance", f"{shown(row_text.strip())} is not a row of integers")
+            raise reader.error(
+                f"{base}/distance",
+                f"{shown(row_text.strip())} is not a row of integers",
+            )
         row = [int(word) for word in words]
         # The kernel prints one distance per online node, in node id order.
         if len(row) != len(node_ids):
@@ -383,7 +443,9 @@ def _memory_without_numa(reader: _Reader) -> tuple[int, Optional[int]]:
         if blocks == 0:
             raise reader.error(MEMORY_DIR, "holds no online memory block")
         return blocks * block_bytes // 1024, None
-    memory_kb = reader.snapshot.get("memory_kb") if reader.snapshot is not None else None
+    memory_kb = (
+        reader.snapshot.get("memory_kb") if reader.snapshot is not None else None
+    )
     if isinstance(memory_kb, int) and not isinstance(memory_kb, bool) and memory_kb > 0:
         return memory_kb, memory_kb
     if reader.snapshot is None and os.path.realpath(reader.root) == LIVE_SYSFS:
@@ -395,12 +457,20 @@ def _memory_without_numa(reader: _Reader) -> tuple[int, Optional[int]]:
     )
 
 
-def _read_cpu(reader: _Reader, cpu: int, node_id: Optional[int], online: frozenset[int]) -> Cpu:
+def _read_cpu(
+    reader: _Reader, cpu: int, node_id: Optional[int], online: frozenset[int]
+) -> Cpu:
     base = f"devices/system/cpu/cpu{cpu}/topology"
     package_id = reader.integer(f"{base}/physical_package_id")
     core_id = reader.integer(f"{base}/core_id")
     siblings = reader.cpulist(f"{base}/thread_siblings_list") & online
-    return Cpu(cpu_id=cpu, node_id=node_id, package_id=package_id, core_id=core_id, thread_siblings=siblings)
+    return Cpu(
+        cpu_id=cpu,
+        node_id=node_id,
+        package_id=package_id,
+        core_id=core_id,
+        thread_siblings=siblings,
+    )
 
 
 def _read_pci(reader: _Reader) -> tuple[PciDevice, ...]:
@@ -413,7 +483,9 @@ def _read_pci(reader: _Reader) -> tuple[PciDevice, ...]:
         if not _PCI_ADDRESS_RE.match(address):
             raise reader.error(rel, "is not a PCI address such as 0000:18:00.0")
         if not reader.is_dir(rel):
-            raise reader.error(rel, "does not lead to a device directory (a dangling link?)")
+            raise reader.error(
+                rel, "does not lead to a device directory (a dangling link?)"
+            )
         numa_node: Optional[int] = None
         if reader.exists(f"{rel}/numa_node"):
             value = reader.integer(f"{rel}/numa_node")

@@ -11,7 +11,6 @@ from typing import Any, Mapping, Optional
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 
 
-
 class MemPolicy(enum.StrEnum):
     """The memory policy a placement sets: bind to its nodes, prefer its node, or leave memory alone."""
 
@@ -133,7 +132,13 @@ class HostTopology:
 
     def nodes_of_packages(self, packages: frozenset[int]) -> tuple[int, ...]:
         return tuple(
-            sorted({cpu.node_id for cpu in self.cpus if cpu.package_id in packages and cpu.node_id is not None})
+            sorted(
+                {
+                    cpu.node_id
+                    for cpu in self.cpus
+                    if cpu.package_id in packages and cpu.node_id is not None
+                }
+            )
         )
 
 
@@ -199,7 +204,10 @@ class ProcessPlacement:
 
     def __post_init__(self) -> None:
         # Accept the enums' string values too (JSON, older callers); store the enums.
-        for name, kind, allowed in (("mem_policy", MemPolicy, MEM_POLICIES), ("strategy", Strategy, STRATEGIES)):
+        for name, kind, allowed in (
+            ("mem_policy", MemPolicy, MEM_POLICIES),
+            ("strategy", Strategy, STRATEGIES),
+        ):
             value = getattr(self, name)
             try:
                 object.__setattr__(self, name, kind(value))

@@ -23,7 +23,12 @@ import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.types import MemPolicy, ProcessPlacement, RankIdentity, Strategy
+from sglang.srt.placement.types import (
+    MemPolicy,
+    ProcessPlacement,
+    RankIdentity,
+    Strategy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +58,12 @@ def probe_main(label: str, writer: Any) -> None:
     """A probe rank's target (top level, so a spawned child can import it): report, then exit."""
     try:
         writer.send({"status": "ready", "label": label, **observe_rank()})
-    except BaseException as exc:  # noqa: BLE001 - the launcher must hear about every failure
-        writer.send({"status": "error", "label": label, "error": f"{type(exc).__name__}: {exc}"})
+    except (
+        BaseException
+    ) as exc:  # noqa: BLE001 - the launcher must hear about every failure
+        writer.send(
+            {"status": "error", "label": label, "error": f"{type(exc).__name__}: {exc}"}
+        )
         raise
     finally:
         writer.close()
@@ -68,10 +77,14 @@ def _target_nodes(placement: ProcessPlacement) -> frozenset[int]:
         return frozenset()
     if placement.mem_nodes:
         return placement.mem_nodes
-    return frozenset() if placement.numa_node is None else frozenset([placement.numa_node])
+    return (
+        frozenset() if placement.numa_node is None else frozenset([placement.numa_node])
+    )
 
 
-def differences(placement: ProcessPlacement, observed: Any, *, unbound_cpus: frozenset[int]) -> list[str]:
+def differences(
+    placement: ProcessPlacement, observed: Any, *, unbound_cpus: frozenset[int]
+) -> list[str]:
     """Every way a rank's observed binding differs from its placement.
 
     An unbound rank must have been left alone: the launcher's CPUs and the
@@ -88,13 +101,20 @@ def differences(placement: ProcessPlacement, observed: Any, *, unbound_cpus: fro
                 f"{format_cpulist(unbound_cpus)} expected for an unbound rank"
             )
         if observed.policy != "default":
-            found.append(f"memory policy {observed.policy} observed, default expected for an unbound rank")
+            found.append(
+                f"memory policy {observed.policy} observed, default expected for an unbound rank"
+            )
         return found
     found = list(compare_binding(placement, observed))
     minimum = MIN_LOCAL_PAGE_RATIO.get(placement.strategy)
     nodes = _target_nodes(placement)
     ratio = observed.local_page_ratio(nodes, anon_only=True) if nodes else None
-    if minimum is not None and placement.mem_policy == MemPolicy.BIND and ratio is not None and ratio < minimum:
+    if (
+        minimum is not None
+        and placement.mem_policy == MemPolicy.BIND
+        and ratio is not None
+        and ratio < minimum
+    ):
         found.append(
             f"{ratio:.1%} of the rank's resident anonymous memory is on node(s) {format_cpulist(nodes)}, "
             f"at least {minimum:.0%} expected for strategy {placement.strategy}"
@@ -102,8 +122,13 @@ def differences(placement: ProcessPlacement, observed: Any, *, unbound_cpus: fro
     return found
 
 
-def verify_row(placement: ProcessPlacement, report: dict, *, launcher: str,
-               unbound_cpus: frozenset[int]) -> dict:
+def verify_row(
+    placement: ProcessPlacement,
+    report: dict,
+    *,
+    launcher: str,
+    unbound_cpus: frozenset[int],
+) -> dict:
     """One output row: the plan's fields, then what the rank observed, and whether they agree."""
     from sglang.srt.placement.observe import ObservedBinding
 
@@ -118,8 +143,12 @@ def verify_row(placement: ProcessPlacement, report: dict, *, launcher: str,
             "observed_pid": report.get("pid"),
             "observed_cpus": format_cpulist(observed.cpus),
             "observed_mems": format_cpulist(observed.mems),
-            "observed_policy": f"{observed.policy}:{policy_nodes}" if policy_nodes else observed.policy,
-            "local_page_ratio": observed.local_page_ratio(nodes, anon_only=True) if nodes else None,
+            "observed_policy": (
+                f"{observed.policy}:{policy_nodes}" if policy_nodes else observed.policy
+            ),
+            "local_page_ratio": (
+                observed.local_page_ratio(nodes, anon_only=True) if nodes else None
+            ),
             "local_page_ratio_all": observed.local_page_ratio(nodes) if nodes else None,
             "ok": not found,
             "differences": found,
@@ -177,7 +206,11 @@ def run_mp_probes(
     def spawn(rank: RankIdentity) -> None:
         reader, writer = ctx.Pipe(duplex=False)
         with _reindexed(rank.gpu_id, device=device) as gpu_id:
-            proc = ctx.Process(target=probe_main, args=(rank.label, writer), name=f"verify-{rank.label}")
+            proc = ctx.Process(
+                target=probe_main,
+                args=(rank.label, writer),
+                name=f"verify-{rank.label}",
+            )
             with configure(server_args, gpu_id):
                 proc.start()
         writer.close()
@@ -196,8 +229,10 @@ def run_mp_probes(
             groups: dict[int, list[RankIdentity]] = {}
             for rank in ranks:
                 groups.setdefault(rank.dp_rank, []).append(rank)
-            threads = [threading.Thread(target=spawn_group, args=(g,), name=f"verify-dp{d}")
-                       for d, g in groups.items()]
+            threads = [
+                threading.Thread(target=spawn_group, args=(g,), name=f"verify-dp{d}")
+                for d, g in groups.items()
+            ]
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -217,20 +252,30 @@ def run_mp_probes(
                 proc.join()
 
 
-def _collect(started: Sequence[tuple[RankIdentity, Any, Any]], *, timeout_s: float) -> list[tuple[RankIdentity, dict]]:
+def _collect(
+    started: Sequence[tuple[RankIdentity, Any, Any]], *, timeout_s: float
+) -> list[tuple[RankIdentity, dict]]:
     from multiprocessing.connection import wait
 
     deadline = time.monotonic() + timeout_s
     reports: dict[int, dict] = {}
     while len(reports) < len(started):
-        pending = {id(reader): (i, rank, proc, reader) for i, (rank, proc, reader) in enumerate(started)
-                   if i not in reports}
+        pending = {
+            id(reader): (i, rank, proc, reader)
+            for i, (rank, proc, reader) in enumerate(started)
+            if i not in reports
+        }
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             who = ", ".join(rank.label for _, rank, _, _ in pending.values())
-            raise VerifyError(f"{who}: no report within {timeout_s:g} s (see the rank's output above)")
-        ready = wait([entry[3] for entry in pending.values()] + [entry[2].sentinel for entry in pending.values()],
-                     timeout=remaining)
+            raise VerifyError(
+                f"{who}: no report within {timeout_s:g} s (see the rank's output above)"
+            )
+        ready = wait(
+            [entry[3] for entry in pending.values()]
+            + [entry[2].sentinel for entry in pending.values()],
+            timeout=remaining,
+        )
         for i, rank, proc, reader in pending.values():
             if reader in ready or reader.poll():
                 try:
@@ -238,7 +283,9 @@ def _collect(started: Sequence[tuple[RankIdentity, Any, Any]], *, timeout_s: flo
                 except EOFError:
                     report = None
                 if report is None or report.get("status") != "ready":
-                    why = (report or {}).get("error") or f"it exited with status {proc.exitcode}"
+                    why = (report or {}).get(
+                        "error"
+                    ) or f"it exited with status {proc.exitcode}"
                     raise VerifyError(f"{rank.label}: the probe rank failed: {why}")
                 reports[i] = report
             elif proc.sentinel in ready and not reader.poll():
@@ -250,18 +297,29 @@ def _collect(started: Sequence[tuple[RankIdentity, Any, Any]], *, timeout_s: flo
     return [(rank, reports[i]) for i, (rank, _, _) in enumerate(started)]
 
 
-def verify_mp(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S, dp_threads: bool = False,
-              configure: Optional[Callable[[Any, int], Any]] = None) -> list[dict]:
+def verify_mp(
+    server_args: Any,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    dp_threads: bool = False,
+    configure: Optional[Callable[[Any, int], Any]] = None,
+) -> list[dict]:
     """One row per local rank: what ``plan`` says sglang's spawn does, against what the spawned rank observed."""
     from sglang.srt.placement.plan import plan_engine
     from sglang.srt.placement.topology import read_process_affinity
 
     placements = plan_engine(server_args, launcher="mp")
-    reports = run_mp_probes(server_args, timeout_s=timeout_s, dp_threads=dp_threads, configure=configure)
+    reports = run_mp_probes(
+        server_args, timeout_s=timeout_s, dp_threads=dp_threads, configure=configure
+    )
     unbound_cpus = read_process_affinity().cpus
     by_label = {p.label: p for p in placements}
-    return [verify_row(by_label[rank.label], report, launcher="mp", unbound_cpus=unbound_cpus)
-            for rank, report in reports]
+    return [
+        verify_row(
+            by_label[rank.label], report, launcher="mp", unbound_cpus=unbound_cpus
+        )
+        for rank, report in reports
+    ]
 
 
 # --------------------------------------------------------------------------- output
@@ -289,5 +347,8 @@ def format_verify_rows(rows: Sequence[dict]) -> str:
         if row.get("ok"):
             lines.append(f"{head}: OK")
         else:
-            lines.append(f"{head}: MISMATCH: " + "; ".join(row.get("differences") or ["unknown difference"]))
+            lines.append(
+                f"{head}: MISMATCH: "
+                + "; ".join(row.get("differences") or ["unknown difference"])
+            )
     return "\n".join(lines)

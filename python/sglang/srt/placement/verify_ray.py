@@ -279,10 +279,10 @@ def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> lis
     it applied. Ends within ``timeout_s``; every actor is killed and the
     placement group removed on every exit.
     """
+    import sglang.srt.ray.engine as engine
     from sglang.srt.placement import settings
     from sglang.srt.placement.plan_args import placement_view
     from sglang.srt.placement.policy import PlacementPolicy
-    import sglang.srt.ray.engine as engine
     from sglang.srt.scheduler_placement import ray_actors
 
     deadline = ray_actors.Deadline(timeout_s)

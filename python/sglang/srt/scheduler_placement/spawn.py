@@ -55,7 +55,9 @@ def spawn_placement(server_args: Any, gpu_id: int) -> ProcessPlacement:
     """Where the scheduler spawned for ``gpu_id`` runs, from this host's facts and this process's environment."""
     view = placement_view(server_args)
     policy = PlacementPolicy.from_env(view, launcher="mp")
-    return place_gpu_id(view, gpu_id, policy=policy, facts=HostFacts.live(), env=os.environ)
+    return place_gpu_id(
+        view, gpu_id, policy=policy, facts=HostFacts.live(), env=os.environ
+    )
 
 
 def enforce_failure_policy(placement: ProcessPlacement, *, who: str) -> None:
@@ -64,9 +66,13 @@ def enforce_failure_policy(placement: ProcessPlacement, *, who: str) -> None:
         return
     reasons = "; ".join(placement.reasons)
     if placement.bound:
-        handle_bind_failure(f"{who}: bound less tightly than planned: {reasons}", log=logger)
+        handle_bind_failure(
+            f"{who}: bound less tightly than planned: {reasons}", log=logger
+        )
     else:
-        handle_bind_failure(f"{who}: {reasons}; skipping NUMA binding for {who}.", log=logger)
+        handle_bind_failure(
+            f"{who}: {reasons}; skipping NUMA binding for {who}.", log=logger
+        )
 
 
 @contextlib.contextmanager
@@ -86,7 +92,9 @@ def placed_spawn(server_args: Any, gpu_id: int) -> Iterator[None]:
     executable_before = os.fsdecode(multiprocessing.spawn.get_executable())
     logger.info(f"{who}: the scheduler starts under {' '.join(prefix)}")
     failed = False
-    with spawn_with_prefix(prefix, after_spawn=lambda pid: _watch_exec(pid, prefix=prefix, who=who)) as use:
+    with spawn_with_prefix(
+        prefix, after_spawn=lambda pid: _watch_exec(pid, prefix=prefix, who=who)
+    ) as use:
         try:
             yield
         except BaseException:
@@ -94,10 +102,17 @@ def placed_spawn(server_args: Any, gpu_id: int) -> Iterator[None]:
             raise
         finally:
             if not failed:
-                _check_block(use.applied, prefix=prefix, who=who, executable_before=executable_before)
+                _check_block(
+                    use.applied,
+                    prefix=prefix,
+                    who=who,
+                    executable_before=executable_before,
+                )
 
 
-def _check_block(applied: int, *, prefix: list[str], who: str, executable_before: str) -> None:
+def _check_block(
+    applied: int, *, prefix: list[str], who: str, executable_before: str
+) -> None:
     problems = []
     executable_after = os.fsdecode(multiprocessing.spawn.get_executable())
     if executable_after != executable_before:
@@ -132,7 +147,9 @@ def _watch_exec(pid: int, *, prefix: list[str], who: str) -> threading.Thread:
         if status is not None:
             _report_exec_failure(pid, status, prefix=prefix, who=who)
 
-    thread = threading.Thread(target=watch, name=f"sglang-numactl-watch-{pid}", daemon=True)
+    thread = threading.Thread(
+        target=watch, name=f"sglang-numactl-watch-{pid}", daemon=True
+    )
     thread.start()
     return thread
 
@@ -143,8 +160,16 @@ def _report_exec_failure(pid: int, status: int, *, prefix: list[str], who: str) 
     numactl's own complaint went to the child's stderr, mixed with every other
     process's; asking numactl again, with the same options, ties it to the rank.
     """
-    result = run_numactl([*prefix, shutil.which("true") or "/bin/true"]) if os.path.exists(prefix[0]) else None
-    why = result.message if result is not None and not result.ok else "see the numactl message above"
+    result = (
+        run_numactl([*prefix, shutil.which("true") or "/bin/true"])
+        if os.path.exists(prefix[0])
+        else None
+    )
+    why = (
+        result.message
+        if result is not None and not result.ok
+        else "see the numactl message above"
+    )
     # The child is gone already: the launcher's own wait reports its death; this says why.
     logger.error(
         f"{who}: numactl refused to start the scheduler process (pid {pid}, exit status {status}) under "
@@ -152,9 +177,12 @@ def _report_exec_failure(pid: int, status: int, *, prefix: list[str], who: str) 
     )
 
 
-def _wait_past_numactl(pid: int, *, numactl: str, timeout_s: float = EXEC_WAIT_S) -> Optional[int]:
+def _wait_past_numactl(
+    pid: int, *, numactl: str, timeout_s: float = EXEC_WAIT_S
+) -> Optional[int]:
     """None once ``pid`` runs another program than numactl (or the wait ran out); its exit status if it died
-    while still numactl. The child is not reaped: multiprocessing waits for it as usual."""
+    while still numactl. The child is not reaped: multiprocessing waits for it as usual.
+    """
     deadline = time.monotonic() + timeout_s
     pause = 0.0005
     while True:
@@ -164,10 +192,14 @@ def _wait_past_numactl(pid: int, *, numactl: str, timeout_s: float = EXEC_WAIT_S
             status = _exit_status(pid)
             if status is not None or time.monotonic() >= deadline:
                 return status
-        elif numactl not in argv[:2]:  # [numactl, ...], or [interpreter, numactl, ...] for a script
+        elif (
+            numactl not in argv[:2]
+        ):  # [numactl, ...], or [interpreter, numactl, ...] for a script
             return None
         if time.monotonic() >= deadline:
-            logger.debug(f"pid {pid} still runs {numactl} after {timeout_s} s; not waiting longer")
+            logger.debug(
+                f"pid {pid} still runs {numactl} after {timeout_s} s; not waiting longer"
+            )
             return None
         time.sleep(pause)
         pause = min(pause * 2, 0.05)

@@ -89,7 +89,9 @@ _installs = 0
 
 
 def _layer(below: SpawnFunction) -> SpawnFunction:
-    def placed_spawnv_passfds(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
+    def placed_spawnv_passfds(
+        path: Any, args: Sequence[Any], passfds: Sequence[int]
+    ) -> int:
         use = _state.use
         if _state.inside or use is None or not is_spawned_child(args):
             return below(path, args, passfds)
@@ -154,7 +156,9 @@ def spawn_with_prefix(
     """
     prefix = tuple(str(part) for part in prefix)
     if not prefix:
-        raise ValueError("spawn_with_prefix needs a non-empty argv prefix (the program to exec first)")
+        raise ValueError(
+            "spawn_with_prefix needs a non-empty argv prefix (the program to exec first)"
+        )
     if ensure_hook():
         logger.info(
             "multiprocessing.util.spawnv_passfds no longer led to sglang's spawn hook (another library "

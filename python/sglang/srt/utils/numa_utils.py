@@ -89,7 +89,9 @@ def get_numa_node_if_available(server_args: Any, gpu_id: int) -> Optional[int]:
         return None
     if len(nodes) > 1:
         # Upstream's wording, which operators search for.
-        logger.warning(f"Multiple NUMA nodes found for GPU {gpu_id}: {nodes}. Using the first one.")
+        logger.warning(
+            f"Multiple NUMA nodes found for GPU {gpu_id}: {nodes}. Using the first one."
+        )
     return nodes[0]
 
 
@@ -117,7 +119,9 @@ def numa_bind_to_node(node: int) -> None:
 
     libnuma = get_libnuma()
     if libnuma is None or libnuma.numa_available() < 0:
-        _handle_numa_bind_failure(node, reason="numa not available on this system, skip bind action")
+        _handle_numa_bind_failure(
+            node, reason="numa not available on this system, skip bind action"
+        )
         return
     node_cpus = _node_cpus(node)
     if node_cpus:
@@ -127,15 +131,23 @@ def numa_bind_to_node(node: int) -> None:
             _handle_numa_bind_failure(node, allowed)
             return
         try:
-            set_all_threads_affinity(frozenset(target), setaffinity=os.sched_setaffinity)
+            set_all_threads_affinity(
+                frozenset(target), setaffinity=os.sched_setaffinity
+            )
         except OSError as exc:
-            _handle_numa_bind_failure(node, reason=f"cannot bind to the CPUs of NUMA node {node} ({exc}), "
-                                                   "skipping NUMA binding.")
+            _handle_numa_bind_failure(
+                node,
+                reason=f"cannot bind to the CPUs of NUMA node {node} ({exc}), "
+                "skipping NUMA binding.",
+            )
             return
     elif _node_exists(node):
         libnuma.numa_run_on_node(ctypes.c_int(node))
     else:
-        _handle_numa_bind_failure(node, reason=f"NUMA node {node} does not exist on this host, skipping NUMA binding.")
+        _handle_numa_bind_failure(
+            node,
+            reason=f"NUMA node {node} does not exist on this host, skipping NUMA binding.",
+        )
         return
     # CPU affinity alone keeps first-touch allocations local where the memory policy may not be set.
     if _can_set_mempolicy():
@@ -160,14 +172,18 @@ def init_threads_binding(*, numa_index: int, world_size: int) -> str:
     setting = settings.cpu_threads_bind()
     topology = read_topology(settings.sysfs_root())
     n_nodes = len(topology.cpu_nodes)
-    cpus = rank_cpus(setting, index=numa_index, topology=topology, affinity=read_process_affinity())
+    cpus = rank_cpus(
+        setting, index=numa_index, topology=topology, affinity=read_process_affinity()
+    )
     if setting == "all":
         if world_size < n_nodes:
             logger.warning(
                 f"Detected the current machine has {n_nodes} numa nodes available, but the total number of ranks "
                 f"(dp_size * tp_size * pp_size) is {world_size}, so only {world_size} numa nodes are used."
             )
-        local_omp_cpuid = ",".join(str(cpu) for cpu in sorted(topology.one_cpu_per_core(cpus)))
+        local_omp_cpuid = ",".join(
+            str(cpu) for cpu in sorted(topology.one_cpu_per_core(cpus))
+        )
     else:
         local_omp_cpuid = setting.split("|")[numa_index].strip()
         if world_size > n_nodes:
@@ -248,7 +264,9 @@ def _is_numa_available() -> bool:
     """
     if not (_platform_flag("_is_cuda") or _platform_flag("_is_xpu")):
         return False
-    if not os.path.isdir(os.path.join(settings.sysfs_root(), "devices/system/node/node1")):
+    if not os.path.isdir(
+        os.path.join(settings.sysfs_root(), "devices/system/node/node1")
+    ):
         return False
     if not shutil.which("numactl") and settings.bind_v2():
         logger.debug(
@@ -261,12 +279,21 @@ def _is_numa_available() -> bool:
 
 def _query_numa_node_for_gpu(device_id: int) -> list[int]:
     """The NUMA node(s) of logical device ``device_id``: the node of its PCI address, found through the
-    visibility variable in force (``CUDA_VISIBLE_DEVICES``, ``ZE_AFFINITY_MASK``) and NVML when present."""
+    visibility variable in force (``CUDA_VISIBLE_DEVICES``, ``ZE_AFFINITY_MASK``) and NVML when present.
+    """
     from sglang.srt.placement.plan import device_node
 
-    device = "xpu" if _platform_flag("_is_xpu") and not _platform_flag("_is_cuda") else "cuda"
-    node, why = device_node(device_id, device=device, topology=_host_topology(), env=os.environ)
+    device = (
+        "xpu"
+        if _platform_flag("_is_xpu") and not _platform_flag("_is_cuda")
+        else "cuda"
+    )
+    node, why = device_node(
+        device_id, device=device, topology=_host_topology(), env=os.environ
+    )
     if node is None:
-        logger.warning(f"GPU {device_id}: no NUMA node ({why}), skipping NUMA node configuration for GPU")
+        logger.warning(
+            f"GPU {device_id}: no NUMA node ({why}), skipping NUMA node configuration for GPU"
+        )
         return []
     return [node]
