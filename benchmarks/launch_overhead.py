@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import time
-import types
 
 GOAL = 1.05
 
@@ -65,17 +64,9 @@ def main() -> int:
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
         str(cpus[i % len(cpus)]) for i in range(args.ranks)
     )
-    server_args = types.SimpleNamespace(
-        tp_size=args.ranks,
-        pp_size=1,
-        dp_size=1,
-        nnodes=1,
-        node_rank=0,
-        base_gpu_id=0,
-        gpu_id_step=1,
-        numa_node=None,
-        device="cpu",
-    )
+    from sglang.srt.placement.plan_args import PlanArgs
+
+    server_args = PlanArgs(device="cpu", tp_size=args.ranks)
     times: dict[str, list[float]] = {"placed": [], "upstream": []}
 
     def run(mode: str) -> None:

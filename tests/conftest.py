@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -31,6 +33,23 @@ def full_import_env() -> dict[str, str]:
     else:
         env.pop("PYTHONPATH", None)
     return env
+
+
+@contextlib.contextmanager
+def setting(name: str, value) -> Iterator[None]:
+    """Environment variable ``name`` set for the block and restored on any exit.
+
+    (upstream's ``envs.X.override`` does not restore it when the block raises.)
+    """
+    saved = os.environ.get(name)
+    os.environ[name] = str(int(value)) if isinstance(value, bool) else str(value)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from typing import Iterator
 
 import fakesys
 import pytest
+from conftest import setting
 from spawn_support import args
 
 from sglang.srt.placement.types import PlacementError
@@ -23,21 +24,6 @@ from sglang.srt.utils.numa_utils import (
     get_numa_node_if_available,
     init_threads_binding,
 )
-
-
-@contextlib.contextmanager
-def setting(name: str, value) -> Iterator[None]:
-    """``name`` set for the block and restored on any exit (upstream's ``envs.X.override`` is not, on an error)."""
-    saved = os.environ.get(name)
-    os.environ[name] = str(int(value)) if isinstance(value, bool) else str(value)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
-
 
 ALL_CPUS = sorted(os.sched_getaffinity(0))
 CPU_RANK = args(device="cpu", tp_size=2)

@@ -7,6 +7,7 @@ import os
 import stat
 
 import pytest
+from conftest import setting
 
 from sglang.srt.environ import envs
 from sglang.srt.placement import resolve, settings
@@ -27,20 +28,6 @@ from sglang.srt.placement.types import (
     ProcessAffinity,
     RankIdentity,
 )
-
-
-@contextlib.contextmanager
-def setting(name, value):
-    """``name`` set for the block and restored on any exit (upstream's ``envs.X.override`` is not, on an error)."""
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
 
 
 def make_topology(nodes, *, pci=(), smt=1, packages=None, root="/fake/sys"):

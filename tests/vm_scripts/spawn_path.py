@@ -31,6 +31,10 @@ import sglang_light  # noqa: E402
 
 sglang_light.bare_package("sglang.srt.utils")
 
+from spawn_support import (  # noqa: E402  (the ServerArgs fields placement reads)
+    args as engine,
+)
+
 
 def rank_report(queue, touch_mb: int) -> None:
     """A spawned rank (top level, so the child can import it): touch memory, then report its binding."""
@@ -56,21 +60,6 @@ def spawn(server_args, gpu_id: int, *, touch_mb: int) -> dict:
         return queue.get(timeout=240)
     finally:
         proc.join(60)
-
-
-def engine(**fields) -> types.SimpleNamespace:
-    base = dict(
-        tp_size=1,
-        pp_size=1,
-        dp_size=1,
-        nnodes=1,
-        node_rank=0,
-        base_gpu_id=0,
-        gpu_id_step=1,
-        numa_node=None,
-        device="cuda",
-    )
-    return types.SimpleNamespace(**{**base, **fields})
 
 
 def run_engine(

@@ -109,20 +109,8 @@ def _unbound(
     failure: bool,
     pci: Optional[str] = None,
 ) -> ProcessPlacement:
-    return ProcessPlacement(
-        dp_rank=rank.dp_rank,
-        pp_rank=rank.pp_rank,
-        tp_rank=rank.tp_rank,
-        gpu_id=rank.gpu_id,
-        pci=pci,
-        numa_node=None,
-        cpus=frozenset(),
-        mem_nodes=frozenset(),
-        mem_policy=MemPolicy.NONE,
-        strategy=Strategy.NONE,
-        reasons=tuple(reasons),
-        launcher=policy.launcher,
-        warning=failure,
+    return ProcessPlacement.unbound(
+        rank, reasons=reasons, launcher=policy.launcher, failure=failure, pci=pci
     )
 
 

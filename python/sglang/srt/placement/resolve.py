@@ -218,22 +218,8 @@ def placement_intent(
     pci = accelerator.pci if accelerator is not None else None
 
     def unbound(reasons: Sequence[str], *, failure: bool) -> ProcessPlacement:
-        # ``failure`` marks the rank less bound than intended; what that costs (a warning,
-        # or an error under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1) is decided where it is applied.
-        return ProcessPlacement(
-            dp_rank=rank.dp_rank,
-            pp_rank=rank.pp_rank,
-            tp_rank=rank.tp_rank,
-            gpu_id=rank.gpu_id,
-            pci=pci,
-            numa_node=None,
-            cpus=frozenset(),
-            mem_nodes=frozenset(),
-            mem_policy=MemPolicy.NONE,
-            strategy=Strategy.NONE,
-            reasons=tuple(reasons),
-            launcher=policy.launcher,
-            warning=failure,
+        return ProcessPlacement.unbound(
+            rank, reasons=reasons, launcher=policy.launcher, failure=failure, pci=pci
         )
 
     def intent(

@@ -146,20 +146,12 @@ def choose_strategy(
         reasons.append(
             f"the {policy.launcher} launcher binds only by exec: running unbound"
         )
-        return ProcessPlacement(
-            dp_rank=rank.dp_rank,
-            pp_rank=rank.pp_rank,
-            tp_rank=rank.tp_rank,
-            gpu_id=rank.gpu_id,
-            pci=intent.pci,
-            numa_node=None,
-            cpus=frozenset(),
-            mem_nodes=frozenset(),
-            mem_policy=MemPolicy.NONE,
-            strategy=Strategy.NONE,
-            reasons=tuple(reasons),
+        return ProcessPlacement.unbound(
+            rank,
+            reasons=reasons,
             launcher=policy.launcher,
-            warning=True,
+            failure=True,
+            pci=intent.pci,
         )
     if capabilities.libnuma:
         reasons.append("in-process bind with libnuma")

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 
@@ -221,6 +221,34 @@ class ProcessPlacement:
     @property
     def label(self) -> str:
         return f"DP{self.dp_rank} PP{self.pp_rank} TP{self.tp_rank}"
+
+    @classmethod
+    def unbound(
+        cls,
+        rank: "RankIdentity",
+        *,
+        reasons: Sequence[str],
+        launcher: str,
+        failure: bool,
+        pci: Optional[str] = None,
+    ) -> "ProcessPlacement":
+        """``rank`` left unbound, and why; ``failure`` marks it less bound than intended
+        (what that costs, a warning or an error, is decided where it is applied)."""
+        return cls(
+            dp_rank=rank.dp_rank,
+            pp_rank=rank.pp_rank,
+            tp_rank=rank.tp_rank,
+            gpu_id=rank.gpu_id,
+            pci=pci,
+            numa_node=None,
+            cpus=frozenset(),
+            mem_nodes=frozenset(),
+            mem_policy=MemPolicy.NONE,
+            strategy=Strategy.NONE,
+            reasons=tuple(reasons),
+            launcher=launcher,
+            warning=failure,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
