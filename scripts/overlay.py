@@ -798,6 +798,13 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         "--diff", action="store_true", help="print the unified diff; write nothing"
     )
     parser.add_argument(
+        "--series",
+        type=Path,
+        metavar="OUT",
+        help="write the change as a patch series into OUT (new or empty); TARGET, a pristine "
+        "package, is left untouched",
+    )
+    parser.add_argument(
         "--repo-python",
         type=Path,
         default=REPO_ROOT / "python",
@@ -829,7 +836,24 @@ def run(args: argparse.Namespace) -> int:
             target.tests, args.repo_python.resolve().parent / UPSTREAM_TESTS, manifest
         )
         changes += test_changes
-    if args.diff:
+    if args.series is not None:
+        if (pkg / MANIFEST_NAME).exists():
+            raise Refusal(
+                f"--series needs a pristine sglang package; {pkg} holds an earlier overlay "
+                f"({MANIFEST_NAME})"
+            )
+        if target.tests is not None:
+            raise Refusal(
+                "--series takes a package dir (python/sglang of a checkout), not a checkout"
+            )
+        import overlay_series
+
+        built = overlay_series.build(
+            changes, change_type=Change, unified_diff=unified_diff, refuse=Refusal
+        )
+        for line in overlay_series.write(args.series, built):
+            print(line)
+    elif args.diff:
         print(print_diff(changes), file=sys.stderr)
     else:
         apply(target, changes, manifest)
