@@ -195,10 +195,10 @@ SERIES: Tuple[Patch, ...] = (
         "read-back",
         "placement: read a rank's binding back from inside it",
         "CPUs, allowed memory nodes, memory policy and where the pages are, compared "
-        "with the placement, every thread included.",
+        "with the placement.",
         "tests/test_observe.py",
         "Nothing yet.",
-        files=(P + "observe.py", G + "in_rank.py"),
+        files=(P + "observe.py",),
     ),
     Patch(
         "ray-node-plan",
@@ -207,14 +207,15 @@ SERIES: Tuple[Patch, ...] = (
         "them, resolved on the node; the py_executable string checked token by token.",
         "tests/test_ray_plan.py, tests/test_ray_node_plan.py",
         "Nothing yet.",
-        files=(G + "ray_plan.py", G + "ray_node.py"),
+        files=(G + "ray_plan.py",),
     ),
     Patch(
         "ray-actor",
         "ray: scheduler actors start under the placement planned on their node",
         "_create_scheduler_actor plans the placement group on its nodes (keyed by all "
-        "it depends on) and starts each actor under numactl or binds it in-process; "
-        "SchedulerActor keeps upstream's contract.",
+        "it depends on) and starts each actor under numactl or binds it in-process, "
+        "then reads its binding back, every thread included; SchedulerActor keeps "
+        "upstream's contract.",
         "tests/test_ray_actors.py, tests/test_upstream_shapes.py (Ray)",
         "Ray scheduler actors are bound (they were silently unbound).",
         files=(

@@ -7,7 +7,6 @@ the same way (``OSError`` with the errno the kernel returns):
 * a memory policy (bind or preferred) naming no node with memory -> EINVAL, as the
   kernel intersects the mask with the nodes that have memory and rejects an empty result;
 * ``migrate_pages`` to a node that is not a memory node -> EINVAL;
-* ``node_of_cpu`` for a CPU no node owns -> EINVAL;
 * ``fail={"set_membind": errno.EPERM}`` makes one call fail like a kernel or seccomp
   profile that refuses it.
 """
@@ -59,13 +58,6 @@ class FakeLibNuma:
 
     def configured_nodes(self) -> frozenset[int]:
         return frozenset(self.node_cpus)
-
-    def node_of_cpu(self, cpu: int) -> int:
-        self._call("node_of_cpu", cpu)
-        for node, cpus in self.node_cpus.items():
-            if cpu in cpus:
-                return node
-        raise self._error("numa_node_of_cpu", errno.EINVAL)
 
     def set_membind(self, nodes: Iterable[int]) -> None:
         node_set = frozenset(nodes)

@@ -79,7 +79,7 @@ def no_libnuma(monkeypatch):
 
     monkeypatch.setattr(apply_mod, "load_libnuma", missing)
     yield
-    libnuma_mod.clear_cache()
+    libnuma_mod.load_libnuma.cache_clear()
 
 
 def test_binds_every_thread_sets_membind_and_migrates():

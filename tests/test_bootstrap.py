@@ -7,6 +7,7 @@ CPU path, in real ranks, is in test_bootstrap_engines.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -28,7 +29,6 @@ from sglang.srt.distributed.shm_collective import (
     release_shm_collective,
     remove_stale_segments,
 )
-from sglang.srt.distributed.shm_namespace import format_host_port
 from sglang.srt.utils.network import NetworkAddress
 
 SHM = "/dev/shm"
@@ -70,6 +70,7 @@ def test_segment_name_matches_cpu_kernel_format():
     assert ns.rank_of(ns.segment_name(12)) == 12
     assert ns.rank_of(ns.segment_name(1) + "_0") is None
     assert ns.rank_of(ns.prefix + "_01") is None
+    assert ns.rank_of(ns.prefix + "_\u00b2") is None  # a digit to str.isdigit, not to int()
 
 
 @pytest.mark.parametrize(
@@ -100,9 +101,9 @@ def test_ipv6_and_stages():
     ns = ShmNamespace.from_init_method("tcp://[::1]:29500")
     assert (ns.addr, ns.port) == ("::1", 29500)
     assert ns.segment_name(0) == f"deepspeed_allreduce_buffer_{UID}_::1_29500_0"
-    stage1 = ns.for_stage(1)
+    stage1 = ShmNamespace.from_init_method("tcp://[::1]:29500", pp_rank=1)
     assert stage1.segment_name(0) == f"deepspeed_allreduce_buffer_{UID}_::1@pp1_29500_0"
-    assert ns.for_stage(0) == ns
+    assert ShmNamespace.from_init_method("tcp://[::1]:29500", pp_rank=0) == ns
     assert stage1.rank_of(ns.segment_name(0)) is None
     assert ns.rank_of(stage1.segment_name(0)) is None
 
@@ -224,7 +225,7 @@ def test_upstreams_init_methods_name_the_same_address(dist_init_addr, expected):
     ):
         ns = ShmNamespace.from_init_method(method)
         assert (ns.addr, ns.port) == expected
-        assert format_host_port(ns.addr, ns.port) == dist_init_addr
+        assert NetworkAddress(ns.addr, ns.port).to_host_port_str() == dist_init_addr
 
 
 # -------------------------------------------------------------------- init_shm_collective
@@ -293,7 +294,7 @@ def test_released_schema_restores_environment_on_error(namespace, master_env):
 
 
 def test_namespaced_schema_gets_the_prefix_and_no_environment(namespace, master_env):
-    stage = namespace.for_stage(2)
+    stage = dataclasses.replace(namespace, pp_rank=2)
     try:
         with kernel.registered("namespaced") as calls:
             assert init_shm_collective(stage, tp_size=1, tp_rank=0) is True

@@ -10,6 +10,7 @@ says yes, so its sum and the kernel's call log show which path every rank took.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -266,7 +267,7 @@ def test_every_pipeline_stage_of_a_cpu_engine_gets_its_own_segments(namespaces):
     """PP 2 x TP 2: the stages' TP ranks share an address, yet no segment or record."""
     [port] = _free_ports(1)
     base = ShmNamespace(addr="127.0.0.1", port=port)
-    namespaces.extend([base, base.for_stage(1)])
+    namespaces.extend([base, dataclasses.replace(base, pp_rank=1)])
     reports = run_ranks(
         _specs(engine=0, port=port, tp_size=2, pp_size=2, schema="released")
     )
@@ -274,7 +275,7 @@ def test_every_pipeline_stage_of_a_cpu_engine_gets_its_own_segments(namespaces):
     assert len({r["segment"] for r in reports}) == 4
     assert len({r["pid"] for r in reports}) == 4
     for report in reports:
-        stage = base.for_stage(report["pp_rank"])
+        stage = dataclasses.replace(base, pp_rank=report["pp_rank"])
         assert report["segment"] == stage.segment_name(report["tp_rank"])
         assert report["peer_prefixes"] == {"0": stage.prefix, "1": stage.prefix}
         # Each rank holds its own owner record; none was refused as another's.

@@ -170,7 +170,6 @@ def plan_cases(rng: random.Random, tree: Path) -> list[Case]:
         "--base-gpu-id",
         "--gpu-id-step",
         "--numa-node",
-        "--port",
     ):
         cases += [
             flag_case(base, flag, value) for value in rng.sample(number_values(rng), 12)

@@ -9,7 +9,6 @@ import pytest
 
 from sglang.srt.placement.devices import (
     NvmlRuntime,
-    TorchCudaRuntime,
     accelerator_pci_devices,
     canonical_pci_address,
     default_runtime,
@@ -152,29 +151,6 @@ def fake_pynvml(
     module.NVMLError = FakeNVMLError
     module.state = state
     return module
-
-
-class FakeTorchCuda:
-    """torch.cuda's shape for one process: indices after this process's CUDA_VISIBLE_DEVICES."""
-
-    def __init__(self, visible: tuple[int, ...]):
-        self.visible = visible
-
-    def is_available(self):
-        return bool(self.visible)
-
-    def device_count(self):
-        return len(self.visible)
-
-    def get_device_properties(self, index):
-        physical = self.visible[index]
-        domain, bus, rest = GPU_ADDRS[physical].split(":")
-        return types.SimpleNamespace(
-            pci_domain_id=int(domain, 16),
-            pci_bus_id=int(bus, 16),
-            pci_device_id=int(rest.split(".")[0], 16),
-            uuid=UUIDS[physical][4:],  # torch prints the UUID without the GPU- prefix
-        )
 
 
 # --- addresses and --gpus --------------------------------------------------------------------
@@ -346,7 +322,7 @@ def test_uuid_without_runtime_has_no_pci_and_says_why():
     (acc,) = cuda([0], {"CUDA_VISIBLE_DEVICES": UUIDS[1]})
     assert acc.pci is None and acc.physical_id == UUIDS[1]
     assert acc.source.startswith(f"unknown: {UUIDS[1]}")
-    assert "needs NVML or torch to map a UUID to a PCI address" in acc.source
+    assert "needs NVML to map a UUID to a PCI address" in acc.source
 
 
 def test_mig_entry_without_runtime_maps_to_nothing_with_reason():
@@ -427,24 +403,6 @@ def test_empty_ray_ids_fall_back_to_visible_devices():
     assert acc.pci == GPU_ADDRS[1]
 
 
-def test_torch_runtime_uses_this_process_logical_index():
-    # This process sees physical 3 and 1 as cuda:0 and cuda:1; torch answers directly.
-    runtime = TorchCudaRuntime(cuda=FakeTorchCuda((3, 1)))
-    accs = cuda([0, 1], {"CUDA_VISIBLE_DEVICES": f"{UUIDS[3]},1"}, runtime=runtime)
-    assert [a.pci for a in accs] == [GPU_ADDRS[3], GPU_ADDRS[1]]
-    assert accs[0].source.startswith("torch: device 0 of this process")
-    assert runtime.uuid_by_index(0) == UUIDS[3]
-    assert (
-        runtime.pci_by_uuid("GPU-8932") is None
-    )  # physical 0 is not visible to this process
-    assert runtime.pci_by_uuid(UUIDS[1][:12]) == GPU_ADDRS[1]
-
-
-def test_torch_runtime_refuses_without_cuda():
-    with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
-        TorchCudaRuntime(cuda=FakeTorchCuda(()))
-
-
 def test_bad_gpu_ids_and_device():
     with pytest.raises(ValueError, match="GPU id -1 is not a device index"):
         cuda([-1], {})
@@ -469,14 +427,15 @@ def test_nvml_bus_id_canonicalised(bytes_ids):
     module = fake_pynvml(
         addrs=("0000:81:00.0", "0001:C1:1F.0"), uuids=UUIDS[:2], bytes_ids=bytes_ids
     )
-    with NvmlRuntime(module=module) as runtime:
-        assert module.state["init"] == 1
-        assert runtime.pci_by_index(0) == "0000:81:00.0"
-        assert runtime.pci_by_index(1) == "0001:c1:1f.0"
-        assert runtime.pci_by_index(2) is None
-        assert runtime.pci_by_uuid(UUIDS[1]) == "0001:c1:1f.0"
-        assert runtime.pci_by_uuid("GPU-00000000") is None
-        assert runtime.device_count() == 2 and runtime.uuid_by_index(0) == UUIDS[0]
+    runtime = NvmlRuntime(module=module)
+    assert module.state["init"] == 1
+    assert runtime.pci_by_index(0) == "0000:81:00.0"
+    assert runtime.pci_by_index(1) == "0001:c1:1f.0"
+    assert runtime.pci_by_index(2) is None
+    assert runtime.pci_by_uuid(UUIDS[1]) == "0001:c1:1f.0"
+    assert runtime.pci_by_uuid("GPU-00000000") is None
+    runtime.close()
+    runtime.close()  # idempotent: NVML is shut down once
     assert module.state["init"] == 0
 
 

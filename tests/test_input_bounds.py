@@ -30,7 +30,7 @@ from cli_limits import (
 
 from sglang.srt.placement.__main__ import build_parser, main
 from sglang.srt.placement.capture import capture_sysfs
-from sglang.srt.placement.cpulist import CpuListError, parse_cpulist, parse_cpumask
+from sglang.srt.placement.cpulist import CpuListError, parse_cpulist
 from sglang.srt.placement.topology import SNAPSHOT_MARKER
 
 ONLINE = "devices/system/cpu/online"
@@ -142,11 +142,6 @@ def test_cpulist_takes_ascii_cpu_ids_below_8192():
             kind,
             message[:200],
         )
-    kind, message = in_child(parse_cpumask, "1" + "0" * 2048)
-    assert kind == "CpuListError" and "8191" in message
-    assert parse_cpumask("8" + "0" * 2047) == {8191}
-    with pytest.raises(CpuListError):
-        parse_cpumask("٣")
 
 
 def test_cpulist_of_many_overlapping_ranges_is_quick():
@@ -172,7 +167,6 @@ def test_cpulist_of_many_overlapping_ranges_is_quick():
         ("--base-gpu-id", "4095"),
         ("--gpu-id-step", "4095"),
         ("--numa-node", "1023"),
-        ("--port", "65535"),
     ],
 )
 def test_integer_flags_have_a_ceiling(tree, flag, limit):

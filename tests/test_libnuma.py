@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -53,18 +52,10 @@ def test_real_libnuma_loads_once_and_reports_this_host():
     assert lib.available
     assert lib.configured_nodes() == _sys_nodes()
     assert lib.max_node() == max(_sys_nodes())
-    assert lib.node_of_cpu(0) == _node_of_cpu0()
-
-
-def test_node_of_unknown_cpu_raises_oserror_naming_the_call():
-    lib = load_libnuma()
-    with pytest.raises(OSError) as info:
-        lib.node_of_cpu(1_000_000)
-    assert "numa_node_of_cpu" in str(info.value)
 
 
 def test_missing_library_gives_none_and_one_log_line(caplog):
-    libnuma_mod.clear_cache()
+    libnuma_mod.load_libnuma.cache_clear()
     try:
         with caplog.at_level(logging.DEBUG, logger=libnuma_mod.__name__):
             assert load_libnuma(name="libnuma-absent.so.9") is None
@@ -72,7 +63,7 @@ def test_missing_library_gives_none_and_one_log_line(caplog):
         lines = [r for r in caplog.records if "libnuma-absent.so.9" in r.getMessage()]
         assert len(lines) == 1
     finally:
-        libnuma_mod.clear_cache()
+        libnuma_mod.load_libnuma.cache_clear()
 
 
 def test_policies_and_migration_through_the_real_library():
@@ -121,7 +112,6 @@ def test_fake_follows_the_kernel_where_memory_is_missing():
     fake = FakeLibNuma(node_cpus={0: (0, 1), 1: (2, 3), 2: ()}, memory_nodes={0, 1})
     assert fake.configured_nodes() == {0, 1, 2}
     assert fake.max_node() == 2
-    assert fake.node_of_cpu(3) == 1
     with pytest.raises(OSError) as info:
         fake.set_membind([2])
     assert info.value.errno == 22
@@ -134,7 +124,6 @@ def test_fake_follows_the_kernel_where_memory_is_missing():
     with pytest.raises(OSError):
         fake.migrate_pages(0, [0], [2])
     assert [name for name, _ in fake.calls] == [
-        "node_of_cpu",
         "set_membind",
         "set_membind",
         "migrate_pages",

@@ -1,4 +1,4 @@
-"""A Ray node's plan for its bundles' GPU ids (``ray_node.plan_ids``), on fake sysfs trees, without Ray.
+"""A Ray node's plan for its bundles' GPU ids (``ray_plan.plan_ids``), on fake sysfs trees, without Ray.
 
 The numactl here is a stand-in that accepts every option: the trees describe
 NUMA nodes this host does not have.
@@ -16,7 +16,7 @@ from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.strategy import HostCapabilities
 from sglang.srt.placement.topology import read_topology
 from sglang.srt.placement.types import ProcessAffinity
-from sglang.srt.scheduler_placement.ray_node import plan_ids
+from sglang.srt.scheduler_placement.ray_plan import plan_ids
 
 GPUS = [fakesys.gpu_address(i) for i in range(4)]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
 import stat
 
@@ -358,7 +358,7 @@ def test_launcher_that_cannot_exec_uses_in_process(two_sockets):
 
 def test_placement_json_round_trip(two_sockets):
     for p in plan(two_sockets):
-        assert type(p).from_json(p.to_json()) == p
+        assert type(p).from_dict(json.loads(json.dumps(p.to_dict()))) == p
 
 
 def test_plan_node_uses_ray_accelerator_ids(two_sockets):
@@ -615,7 +615,6 @@ def test_data_parallel_controller_formula_gives_upstreams_gpu_ids():
         ),
         (dict(numa_node=[0, -1]), r"--numa-node contains -1"),
         (dict(numa_node=[]), r"--numa-node=\[\] is not valid"),
-        (dict(port=70000), r"--port=70000 is not valid"),
         (dict(base_gpu_id=-1), r"--base-gpu-id=-1 is not valid"),
     ],
 )

@@ -6,6 +6,7 @@ SIGKILL, real uids (tests that need another uid fail when not run as root).
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -346,7 +347,7 @@ def test_longest_accepted_host_claims_and_one_more_character_is_rejected(shm_dir
     for make in (
         lambda: ShmNamespace(addr=longest + "h", port=65535),
         lambda: ShmNamespace.from_init_method(f"tcp://{longest}h:65535"),
-        lambda: ns.for_stage(1),
+        lambda: dataclasses.replace(ns, pp_rank=1),
     ):
         with pytest.raises(ShmNamespaceError, match="too long.*--dist-init-addr"):
             make()

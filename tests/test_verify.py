@@ -224,3 +224,23 @@ def test_verify_agrees_with_sglangs_path_without_numactl(cpu_groups, monkeypatch
     rows = verify_mp(args(device="cpu", tp_size=2), timeout_s=120)
     assert [(row["strategy"], row["ok"]) for row in rows] == [("none", True)] * 2
     assert all("numactl is not installed" in row["reasons"] for row in rows)
+
+
+def test_verify_under_the_crash_setting_fails_in_one_line_naming_the_rank(cpu_groups):
+    """sglang's spawn path refuses to start a rank it cannot bind: verify fails (status 1), no traceback."""
+    path = [d for d in os.environ["PATH"].split(os.pathsep) if d]
+    env = {
+        **os.environ,
+        "SGLANG_CRASH_ON_NUMA_BIND_FAILURE": "1",
+        "PATH": os.pathsep.join(
+            d for d in path if not os.path.exists(os.path.join(d, "numactl"))
+        ),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "sglang.srt.placement", "verify", "--device", "cpu",
+         "--tp-size", "2"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    (line,) = [l for l in done.stderr.splitlines() if l.startswith("error: ")]
+    assert "CPU rank 0" in line and "numactl is not installed" in line, line

@@ -201,7 +201,6 @@ def torch_facts() -> dict[str, Any]:
 def identify_matrix(uuid: str | None) -> dict[str, Any]:
     from sglang.srt.placement.devices import (
         NvmlRuntime,
-        TorchCudaRuntime,
         default_runtime,
         identify_accelerators,
     )
@@ -210,11 +209,10 @@ def identify_matrix(uuid: str | None) -> dict[str, Any]:
     topo = read_topology("/sys")
     runtimes: dict[str, Any] = {"none": None}
     out: dict[str, Any] = {}
-    for name, make in (("nvml", NvmlRuntime), ("torch", TorchCudaRuntime)):
-        try:
-            runtimes[name] = make()
-        except BaseException as exc:
-            out[f"runtime_{name}"] = f"{type(exc).__name__}: {exc}"
+    try:
+        runtimes["nvml"] = NvmlRuntime()
+    except BaseException as exc:
+        out["runtime_nvml"] = f"{type(exc).__name__}: {exc}"
     try:
         out["default_runtime"] = type(default_runtime("cuda")).__name__
     except BaseException as exc:
@@ -251,41 +249,6 @@ def identify_matrix(uuid: str | None) -> dict[str, Any]:
     return out
 
 
-CHILD = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-from sglang.srt.placement.devices import TorchCudaRuntime, identify_accelerators
-from sglang.srt.placement.topology import read_topology
-import os
-rt = TorchCudaRuntime()
-accs = identify_accelerators(device="cuda", topology=read_topology("/sys"), gpu_ids=[0], env=dict(os.environ), runtime=rt)
-print(json.dumps({"cvd": os.environ.get("CUDA_VISIBLE_DEVICES"), "torch_count": __import__("torch").cuda.device_count(),
-                  "uuid_0": rt.uuid_by_index(0), "accelerators": [a.__dict__ for a in accs]}))
-"""
-
-
-def torch_child_with_uuid_prefix(uuid: str | None, budget: float) -> dict[str, Any]:
-    # torch's logical index follows the process's own CUDA_VISIBLE_DEVICES; check that in a fresh process.
-    if not uuid:
-        return {"skipped": "no GPU UUID known"}
-    if budget < 15:
-        return {"skipped": f"only {budget:.0f} s left"}
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": uuid[:12]}
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, os.path.join(REPO, "python")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=max(5.0, budget - 5),
-    )
-    last = proc.stdout.strip().splitlines()[-1:] or [""]
-    try:
-        parsed: Any = json.loads(last[0])
-    except ValueError:
-        parsed = None
-    return {"rc": proc.returncode, "result": parsed, "stderr_tail": proc.stderr[-1500:]}
-
-
 def _try(fn: Callable[[], Any]) -> Any:
     try:
         value = fn()
@@ -310,7 +273,6 @@ SECTIONS = (
     "nvml",
     "torch",
     "identify",
-    "torch_child_uuid_prefix",
 )
 
 
@@ -330,10 +292,6 @@ def run_checks(deadline: float) -> None:
         uuid = None
     section("uuid_used", lambda: uuid)
     section("identify", lambda: identify_matrix(uuid))
-    remaining = deadline - (time.monotonic() - START)
-    section(
-        "torch_child_uuid_prefix", lambda: torch_child_with_uuid_prefix(uuid, remaining)
-    )
 
 
 def supervise(deadline: float) -> int:

@@ -2,13 +2,12 @@
 
 Bootstrap's ``_init_cpu_threads_env`` (AMX or arm64 hosts) calls
 :func:`start_shm_collective` where upstream set ``MASTER_ADDR``/``MASTER_PORT``
-and called ``sgl_kernel::initialize``. ``LOCAL_SIZE`` stays as upstream sets it
-there: ``parallel_state``'s ``GroupCoordinator`` reads it to turn the
-shared-memory all-reduce on. The segments are named by
-:class:`~sglang.srt.distributed.shm_namespace.ShmNamespace` and owned through
-:mod:`sglang.srt.distributed.shm_segments`; both are re-exported here for the
-import bootstrap gains (``from sglang.srt.distributed.bootstrap import
-ShmNamespace, init_shm_collective``).
+and called ``sgl_kernel::initialize``, after setting ``LOCAL_SIZE`` as upstream
+does (``parallel_state``'s ``GroupCoordinator`` reads it to turn the
+shared-memory all-reduce on). ``ShmNamespace`` and the owners' API of
+:mod:`~sglang.srt.distributed.shm_segments` are re-exported here, for the import
+bootstrap gains (``from sglang.srt.distributed.bootstrap import ShmNamespace,
+init_shm_collective``).
 
 Kernel schemas
     ``initialize(int size, int rank) -> ()`` (the released CPU build) reads the
@@ -26,7 +25,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, Iterator, Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 from sglang.srt.distributed.shm_errors import (
     SHM_DIR,
@@ -35,20 +34,17 @@ from sglang.srt.distributed.shm_errors import (
 )
 from sglang.srt.distributed.shm_namespace import (
     NAME_MAX,
-    SHM_SEGMENT_PREFIX,
     ShmNamespace,
     ShmNamespaceError,
     quoted,
 )
 from sglang.srt.distributed.shm_segments import (
-    StaleSweep,
     claim_segment,
     release_shm_collective,
     remove_stale_segments,
 )
 
 logger = logging.getLogger(__name__)
-
 
 # os.environ is process-wide: two threads scoping the same names would restore
 # each other's values, so every scoped change holds this lock for its block.
@@ -72,45 +68,6 @@ def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
                     os.environ[name] = value
 
 
-def _find_kernel_op(name: str) -> Optional[Any]:
-    """``torch.ops.sgl_kernel.<name>`` if registered. The kernel package is never
-    imported here: whoever wants the CPU kernel imports it first."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    try:
-        return getattr(torch.ops.sgl_kernel, name)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _initialize_schema(op: Any) -> str:
-    """``"released"`` for ``(int, int)``, ``"namespaced"`` for ``(int, int, str)``."""
-    schema = op.default._schema
-    types = [str(argument.type) for argument in schema.arguments]
-    if types == ["int", "int"]:
-        return "released"
-    if types == ["int", "int", "str"]:
-        return "namespaced"
-    raise ShmCollectiveError(
-        f"sgl_kernel::initialize has schema {schema}; expected initialize(int size, "
-        f"int rank) or initialize(int size, int rank, str namespace): install the "
-        f"sgl-kernel CPU build that matches this sglang"
-    )
-
-
-def _check_ranks(*, tp_size: int, tp_rank: int) -> None:
-    for name, value in (("tp_size", tp_size), ("tp_rank", tp_rank)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ShmNamespaceError(f"{name}={quoted(value)}: expected an integer")
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ShmNamespaceError(
-            f"tp_rank={tp_rank}, tp_size={tp_size}: expected 0 <= tp_rank < tp_size "
-            f"(--tp-size sets tp_size)"
-        )
-
-
 def init_shm_collective(
     namespace: ShmNamespace,
     *,
@@ -122,22 +79,41 @@ def init_shm_collective(
     """Initialise the CPU shared-memory collective of rank ``tp_rank`` in ``namespace``.
 
     Returns True if ``sgl_kernel::initialize`` was called, False (one DEBUG line) if no
-    such op is registered. Before the call this rank locks its owner record, removes
-    its own leftover segment and every segment of this uid whose owner is gone, and
-    checks that ``shm_dir`` has room for the segments its engine has still to write
-    (:class:`ShmCollectiveError`, naming the file and the fix, when it has not or
-    is read-only).
+    such op is registered. Before the call this rank claims its segment
+    (:func:`~sglang.srt.distributed.shm_segments.claim_segment`) and checks that
+    ``shm_dir`` has room for the segments its engine has still to write.
     """
-    _check_ranks(tp_size=tp_size, tp_rank=tp_rank)
-    op = _find_kernel_op("initialize")
+    for name, value in (("tp_size", tp_size), ("tp_rank", tp_rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ShmNamespaceError(f"{name}={quoted(value)}: expected an integer")
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ShmNamespaceError(
+            f"tp_rank={tp_rank}, tp_size={tp_size}: expected 0 <= tp_rank < tp_size "
+            f"(--tp-size sets tp_size)"
+        )
+    # The kernel package is never imported here: whoever wants the CPU kernel
+    # imports it first.
+    op = None
+    with contextlib.suppress(ImportError):
+        import torch
+
+        with contextlib.suppress(AttributeError, RuntimeError):
+            op = torch.ops.sgl_kernel.initialize
     if op is None:
         logger.debug(
             f"rank {tp_rank}: no sgl_kernel::initialize op is registered; "
             f"the CPU shared-memory collective is not set up"
         )
         return False
-    kind = _initialize_schema(op)
-    segment = namespace.segment_name(tp_rank)
+    schema = op.default._schema
+    types = tuple(str(argument.type) for argument in schema.arguments)
+    kind = {("int", "int"): "released", ("int", "int", "str"): "namespaced"}.get(types)
+    if kind is None:
+        raise ShmCollectiveError(
+            f"sgl_kernel::initialize has schema {schema}; expected initialize(int "
+            f"size, int rank) or initialize(int size, int rank, str namespace): "
+            f"install the sgl-kernel CPU build that matches this sglang"
+        )
 
     claim_segment(namespace, rank=tp_rank, shm_dir=shm_dir, wait_s=owner_wait_s)
     try:
@@ -148,7 +124,7 @@ def init_shm_collective(
             with scoped_environ(
                 {
                     "MASTER_ADDR": namespace.kernel_addr,
-                    "MASTER_PORT": namespace.kernel_port,
+                    "MASTER_PORT": str(namespace.port),
                     "LOCAL_SIZE": str(tp_size),
                 }
             ):
@@ -157,8 +133,8 @@ def init_shm_collective(
         release_shm_collective(namespace, rank=tp_rank)
         raise
     logger.info(
-        f"rank {tp_rank}: CPU shared-memory collective initialised "
-        f"(segment {segment}, tp_size={tp_size}, {kind} kernel schema)"
+        f"rank {tp_rank}: CPU shared-memory collective initialised (segment "
+        f"{namespace.segment_name(tp_rank)}, tp_size={tp_size}, {kind} kernel schema)"
     )
     return True
 
@@ -170,15 +146,9 @@ def start_shm_collective(
     tp_rank: int,
     pp_rank: int,
 ) -> bool:
-    """Bootstrap's CPU path: this rank's shared-memory collective, named by the
-    engine's own init method and this rank's pipeline stage.
-
-    Upstream's ``_init_cpu_threads_env`` calls this instead of
-    ``_set_shm_master_env`` and ``sgl_kernel::initialize``, after setting
-    ``LOCAL_SIZE`` itself. Each stage of an engine gets its own segments
-    (``<addr>@pp<k>``). Returns whether the kernel op was called (see
-    :func:`init_shm_collective`).
-    """
+    """Bootstrap's CPU path: :func:`init_shm_collective` in the namespace of the
+    engine's own init method and this rank's pipeline stage (each stage of an engine
+    gets its own segments, ``<addr>@pp<k>``)."""
     namespace = ShmNamespace.from_init_method(
         dist_init_method or "env://", pp_rank=pp_rank
     )
@@ -187,14 +157,12 @@ def start_shm_collective(
 
 __all__ = [
     "NAME_MAX",
-    "SHM_DIR",
-    "SHM_SEGMENT_PREFIX",
     "ShmCollectiveError",
     "ShmNamespace",
     "ShmNamespaceError",
-    "StaleSweep",
     "init_shm_collective",
     "release_shm_collective",
     "remove_stale_segments",
+    "scoped_environ",
     "start_shm_collective",
 ]

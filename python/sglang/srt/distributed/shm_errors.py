@@ -3,8 +3,6 @@
 A full ``/dev/shm`` (the bytes needed and how to grow it), a read-only one, and
 an owner record that is still locked: by a live engine on the same address, or
 by a process that inherited a dead engine's lock (named, with its command line).
-The messages are pure functions of what was found; the few readings of the host
-(``statvfs``, ``/proc/<pid>/fd``) sit beside them.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from typing import Iterator, Optional, Sequence
 from sglang.srt.distributed.shm_namespace import ShmNamespace, quoted
 
 SHM_DIR = "/dev/shm"
-PROC_DIR = "/proc"
 # sizeof(struct allreduce_workspace) in sgl-kernel's CPU shm.cpp: two int states,
 # then a double buffer of NAIVE_ALLREDUCE_THRESHOLD (1 MiB) and one of MAX_BUF_SIZE
 # (32 MiB). The kernel write()s this much into each rank's segment.
@@ -43,9 +40,6 @@ class BusyRecord:
     recorded_pid: str
 
 
-# ------------------------------------------------------------- who holds a record
-
-
 @dataclasses.dataclass(frozen=True)
 class LockHolder:
     """A process with an open file that holds a flock on an owner record."""
@@ -54,27 +48,24 @@ class LockHolder:
     command: str
 
 
-def _command_line(proc_dir: str, pid: str) -> str:
+def _listdir(path: str) -> list[str]:
     try:
-        with open(os.path.join(proc_dir, pid, "cmdline"), "rb") as f:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _command_line(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
             raw = f.read(4096)
     except OSError:
         return "?"
-    words = [w.decode("utf-8", "replace") for w in raw.split(b"\0") if w]
-    return " ".join(words) or "?"
+    return " ".join(w.decode("utf-8", "replace") for w in raw.split(b"\0") if w) or "?"
 
 
-def _holds_flock(fdinfo: str) -> bool:
-    # fdinfo lists, as "lock:" lines, the locks that this open file holds.
-    return any(
-        line.startswith("lock:") and " FLOCK " in line for line in fdinfo.splitlines()
-    )
-
-
-def find_lock_holders(
-    *, dev: int, ino: int, proc_dir: str = PROC_DIR
-) -> list[LockHolder]:
-    """Every process whose open file ``(dev, ino)`` holds a flock on it.
+def _lock_holders(busy: BusyRecord) -> list[LockHolder]:
+    """Every process whose open file of ``busy``'s record holds a flock on it.
 
     ``/proc/locks`` names the process that took a flock, which may be long dead
     when a child it forked inherited the open file (and with it the lock), so the
@@ -82,27 +73,20 @@ def find_lock_holders(
     this user may not inspect are passed over.
     """
     holders: list[LockHolder] = []
-    try:
-        pids = [p for p in os.listdir(proc_dir) if p.isascii() and p.isdigit()]
-    except OSError:
-        return holders
+    pids = [p for p in _listdir("/proc") if p.isascii() and p.isdigit()]
     for pid in sorted(pids, key=int):
-        fd_dir = os.path.join(proc_dir, pid, "fd")
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
+        for fd in _listdir(f"/proc/{pid}/fd"):
             try:
-                info = os.stat(os.path.join(fd_dir, fd))
-                if (info.st_dev, info.st_ino) != (dev, ino):
+                info = os.stat(f"/proc/{pid}/fd/{fd}")
+                if (info.st_dev, info.st_ino) != (busy.dev, busy.ino):
                     continue
-                with open(os.path.join(proc_dir, pid, "fdinfo", fd)) as f:
-                    fdinfo = f.read(65536)
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    fdinfo = f.read(65536).splitlines()
             except OSError:
                 continue
-            if _holds_flock(fdinfo):
-                holders.append(LockHolder(int(pid), _command_line(proc_dir, pid)))
+            # fdinfo lists, as "lock:" lines, the locks that this open file holds.
+            if any(line.startswith("lock:") and " FLOCK " in line for line in fdinfo):
+                holders.append(LockHolder(int(pid), _command_line(pid)))
                 break
     return holders
 
@@ -159,9 +143,8 @@ def describe_busy_owner(
     )
 
 
-def pid_alive(pid: str) -> bool:
-    """Whether ``pid`` (text from a record) names a running process; an unreadable
-    pid counts as running, since nothing says it has gone."""
+def _pid_alive(pid: str) -> bool:
+    # An unreadable pid counts as running, since nothing says it has gone.
     if not pid.isascii() or not pid.isdigit():
         return True
     try:
@@ -169,55 +152,24 @@ def pid_alive(pid: str) -> bool:
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError):
-        return True
+        pass
     return True
 
 
-# ------------------------------------------------------------- a full or read-only /dev/shm
-
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-def _suggested_mib(*, total: int, free: int, needed: int) -> int:
-    """The size, in MiB rounded up, that leaves room for ``needed`` more bytes."""
-    return -(-(total - free + needed) // _MIB)
-
-
-def describe_full_shm(
-    *,
-    rank: int,
-    shm_dir: str,
-    free: int,
-    total: int,
-    needed: int,
-    segment: str,
-    failed: Optional[str] = None,
-) -> str:
-    """The message for a ``shm_dir`` without room for ``needed`` more bytes (pure).
-
-    ``segment`` is the rank's segment path; ``failed`` the file whose write failed,
-    when one did.
-    """
-    size = _suggested_mib(total=total, free=free, needed=needed)
-    what = f"writing {failed!r} failed: " if failed else ""
-    return (
-        f"rank {rank}: {what}{shm_dir!r} has {free} of {total} bytes free, but the "
-        f"CPU shared-memory all-reduce needs {needed} bytes more there: each rank's "
-        f"segment (this rank's is {segment!r}) takes {KERNEL_SEGMENT_BYTES} bytes, "
-        f"about {KERNEL_SEGMENT_BYTES // _MIB} MiB. Grow it to at least {size} MiB: "
-        f"as root, `mount -o remount,size={size}M {shm_dir}`; in a container, start "
-        f"it with `--shm-size={size}m` (docker) or a larger memory-backed volume at "
-        f"{shm_dir}; or remove what else fills it"
-    )
-
-
-def describe_read_only_shm(*, rank: int, shm_dir: str, path: str) -> str:
-    """The message for a read-only ``shm_dir`` (pure)."""
-    return (
-        f"rank {rank}: cannot create {path!r}: {shm_dir!r} is mounted read-only, and "
-        f"the CPU shared-memory all-reduce keeps its segments there. Mount it "
-        f"read-write (as root, `mount -o remount,rw {shm_dir}`); in a container, do "
-        f"not mount {shm_dir} read-only"
+def busy_owner_error(
+    namespace: ShmNamespace, rank: int, busy: Optional[BusyRecord]
+) -> ShmCollectiveError:
+    """The error for ``rank``'s owner record held by someone else (``busy``; None
+    when records kept coming and going), naming who holds it."""
+    return ShmCollectiveError(
+        describe_busy_owner(
+            rank=rank,
+            segment=namespace.segment_name(rank),
+            address=namespace.describe(),
+            busy=busy,
+            holders=[] if busy is None else _lock_holders(busy),
+            recorded_alive=busy is not None and _pid_alive(busy.recorded_pid),
+        )
     )
 
 
@@ -227,32 +179,23 @@ def _usage(shm_dir: str) -> tuple[int, int]:
     return info.f_bavail * info.f_frsize, info.f_blocks * info.f_frsize
 
 
-def _shm_filesystem_error(
-    exc: OSError, *, namespace: ShmNamespace, rank: int, shm_dir: str
-) -> Optional[ShmCollectiveError]:
-    """The error that names the file and the fix for a full or read-only ``shm_dir``,
-    or None when ``exc`` is some other failure."""
-    segment = os.path.join(shm_dir, namespace.segment_name(rank))
-    path = exc.filename if isinstance(exc.filename, str) else segment
-    if exc.errno == errno.EROFS:
-        return ShmCollectiveError(
-            describe_read_only_shm(rank=rank, shm_dir=shm_dir, path=path)
-        )
-    if exc.errno in _FULL:
-        free, total = _usage(shm_dir)
-        # At least this rank's segment; its peers' are counted before the kernel runs.
-        return ShmCollectiveError(
-            describe_full_shm(
-                rank=rank,
-                shm_dir=shm_dir,
-                free=free,
-                total=total,
-                needed=KERNEL_SEGMENT_BYTES,
-                segment=segment,
-                failed=path,
-            )
-        )
-    return None
+def _full_shm_error(
+    *, rank: int, shm_dir: str, needed: int, segment: str, failed: Optional[str] = None
+) -> ShmCollectiveError:
+    """For a ``shm_dir`` without room for ``needed`` more bytes. ``segment`` is the
+    rank's segment path; ``failed`` the file whose write failed, when one did."""
+    free, total = _usage(shm_dir)
+    size = -(-(total - free + needed) // _MIB)  # MiB, rounded up
+    what = f"writing {failed!r} failed: " if failed else ""
+    return ShmCollectiveError(
+        f"rank {rank}: {what}{shm_dir!r} has {free} of {total} bytes free, but the "
+        f"CPU shared-memory all-reduce needs {needed} bytes more there: each rank's "
+        f"segment (this rank's is {segment!r}) takes {KERNEL_SEGMENT_BYTES} bytes, "
+        f"about {KERNEL_SEGMENT_BYTES // _MIB} MiB. Grow it to at least {size} MiB: "
+        f"as root, `mount -o remount,size={size}M {shm_dir}`; in a container, start "
+        f"it with `--shm-size={size}m` (docker) or a larger memory-backed volume at "
+        f"{shm_dir}; or remove what else fills it"
+    )
 
 
 @contextlib.contextmanager
@@ -264,12 +207,25 @@ def explained_shm_errors(
     try:
         yield
     except OSError as exc:
-        explained = _shm_filesystem_error(
-            exc, namespace=namespace, rank=rank, shm_dir=shm_dir
-        )
-        if explained is None:
+        if exc.errno not in (errno.EROFS, errno.ENOSPC, errno.EDQUOT):
             raise
-        raise explained from exc
+        segment = os.path.join(shm_dir, namespace.segment_name(rank))
+        path = exc.filename if isinstance(exc.filename, str) else segment
+        if exc.errno == errno.EROFS:
+            raise ShmCollectiveError(
+                f"rank {rank}: cannot create {path!r}: {shm_dir!r} is mounted "
+                f"read-only, and the CPU shared-memory all-reduce keeps its segments "
+                f"there. Mount it read-write (as root, `mount -o remount,rw "
+                f"{shm_dir}`); in a container, do not mount {shm_dir} read-only"
+            ) from exc
+        # At least this rank's segment; its peers' are counted before the kernel runs.
+        raise _full_shm_error(
+            rank=rank,
+            shm_dir=shm_dir,
+            needed=KERNEL_SEGMENT_BYTES,
+            segment=segment,
+            failed=path,
+        ) from exc
 
 
 def segment_bytes_missing(
@@ -281,11 +237,7 @@ def segment_bytes_missing(
 
 
 def ensure_segment_space(
-    namespace: ShmNamespace,
-    *,
-    rank: int,
-    tp_size: int,
-    shm_dir: str = SHM_DIR,
+    namespace: ShmNamespace, *, rank: int, tp_size: int, shm_dir: str = SHM_DIR
 ) -> None:
     """Raise :class:`ShmCollectiveError` unless ``shm_dir`` has room for the segments
     that the ``tp_size`` ranks of ``namespace`` have still to write.
@@ -298,21 +250,15 @@ def ensure_segment_space(
     sizes = []
     for peer in range(tp_size):
         try:
-            sizes.append(
-                os.lstat(os.path.join(shm_dir, namespace.segment_name(peer))).st_size
-            )
+            path = os.path.join(shm_dir, namespace.segment_name(peer))
+            sizes.append(os.lstat(path).st_size)
         except FileNotFoundError:
             sizes.append(None)
     needed = segment_bytes_missing(sizes)
-    free, total = _usage(shm_dir)
-    if free < needed:
-        raise ShmCollectiveError(
-            describe_full_shm(
-                rank=rank,
-                shm_dir=shm_dir,
-                free=free,
-                total=total,
-                needed=needed,
-                segment=os.path.join(shm_dir, namespace.segment_name(rank)),
-            )
+    if _usage(shm_dir)[0] < needed:
+        raise _full_shm_error(
+            rank=rank,
+            shm_dir=shm_dir,
+            needed=needed,
+            segment=os.path.join(shm_dir, namespace.segment_name(rank)),
         )

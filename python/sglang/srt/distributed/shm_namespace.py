@@ -20,7 +20,7 @@ import dataclasses
 import hashlib
 import os
 import re
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 from urllib.parse import urlparse
 
 from sglang.srt.utils.network import NetworkAddress
@@ -31,8 +31,8 @@ NAME_MAX = 255
 OWNER_RECORD_SUFFIX = ".owner"
 # Room for ranks up to 99999 and for the owner record's suffix is reserved in every
 # name, so a namespace that passes validation never yields an over-long name later.
-_RANK_DIGITS = 5
-_MAX_RANK = 10**_RANK_DIGITS - 1
+_MAX_RANK = 99999
+_RANK_RE = re.compile(r"0|[1-9][0-9]{0,4}")  # 0 to _MAX_RANK, as the kernel writes it
 # Reserved for the pipeline-stage suffix; never valid in a host name or address.
 _STAGE_MARK = "@pp"
 _ADDR_RE = re.compile(r"[A-Za-z0-9._:%-]+")
@@ -42,6 +42,8 @@ _MAX_PORT = 65535
 _PORT_RE = re.compile(r"[0-9]+")
 _SHOWN_MAX = 80
 _TCP_FORMS = "'tcp://host:port' or 'tcp://[ipv6]:port'"
+_ALL_FORMS = f"{_TCP_FORMS}, 'env://' or 'file:///path'"
+_SHORTER = "give --dist-init-addr (or --host) as an IP address or a shorter host name"
 
 
 class ShmNamespaceError(ValueError):
@@ -57,9 +59,13 @@ def quoted(value: object) -> str:
     return f"{text[:_SHOWN_MAX]}... ({len(text)} characters)"
 
 
-def _printable(text: str) -> str:
-    """``text`` with every unprintable character escaped, as ``repr`` would."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if not is_int or not low <= value <= high:
+        raise ShmNamespaceError(
+            f"{name}={quoted(value)}: expected an integer from {low} to {high}"
+        )
+    return value
 
 
 def parse_port(text: str, *, what: str) -> int:
@@ -80,11 +86,6 @@ def parse_port(text: str, *, what: str) -> int:
     return int(digits)
 
 
-def format_host_port(host: str, port: int) -> str:
-    """``host:port``, with IPv6 hosts in brackets (upstream's formatting)."""
-    return NetworkAddress(host, port).to_host_port_str()
-
-
 def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
     """``(host, port)`` of ``tcp://host:port`` or ``tcp://[ipv6]:port``.
 
@@ -97,15 +98,14 @@ def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
     if len(rest) > NAME_MAX:
         raise ShmNamespaceError(
             f"{what} is too long: no /dev/shm segment name can hold a {len(rest)}-"
-            f"character address; give --dist-init-addr (or --host) as an IP address or "
-            f"a shorter host name"
+            f"character address; {_SHORTER}"
         )
     try:
         address = NetworkAddress.parse(rest)
     except ValueError as exc:
-        raise ShmNamespaceError(
-            f"{what}: {_printable(str(exc))}; expected {_TCP_FORMS}"
-        ) from None
+        # Upstream's message shows the value as it is: escape what is unprintable.
+        shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(exc))
+        raise ShmNamespaceError(f"{what}: {shown}; expected {_TCP_FORMS}") from None
     if ":" in address.host and not rest.startswith("["):
         raise ShmNamespaceError(
             f"{what}: host {quoted(address.host)} has ':' but no brackets; write an IPv6 "
@@ -130,44 +130,31 @@ class ShmNamespace:
     pp_rank: int = 0
 
     def __post_init__(self) -> None:
+        what = f"ShmNamespace.addr={quoted(self.addr)}"
         if not isinstance(self.addr, str) or not self.addr:
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={quoted(self.addr)}: expected a non-empty host "
-                f"name or address"
+                f"{what}: expected a non-empty host name or address"
             )
         if "/" in self.addr:
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={quoted(self.addr)} contains '/', which cannot "
-                f"appear in a /dev/shm segment name; use the host's name or IP address"
+                f"{what} contains '/', which cannot appear in a /dev/shm segment name; "
+                f"use the host's name or IP address"
             )
         if not _ADDR_RE.fullmatch(self.addr):
             bad = sorted({c for c in self.addr if not _ADDR_RE.fullmatch(c)})
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={quoted(self.addr)} contains "
-                f"{quoted(''.join(bad))}; only letters, digits and . _ - : % are "
-                f"allowed in a /dev/shm segment name"
+                f"{what} contains {quoted(''.join(bad))}; only letters, digits and "
+                f". _ - : % are allowed in a /dev/shm segment name"
             )
-        for name, value, low, high in (
-            ("port", self.port, 0, _MAX_PORT),
-            ("uid", self.uid, 0, 2**32 - 1),
-            ("pp_rank", self.pp_rank, 0, _MAX_RANK),
-        ):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or not low <= value <= high
-            ):
-                raise ShmNamespaceError(
-                    f"ShmNamespace.{name}={quoted(value)}: expected an integer from "
-                    f"{low} to {high}"
-                )
+        _check_int("ShmNamespace.port", self.port, 0, _MAX_PORT)
+        _check_int("ShmNamespace.uid", self.uid, 0, 2**32 - 1)
+        _check_int("ShmNamespace.pp_rank", self.pp_rank, 0, _MAX_RANK)
         longest = len(self.segment_name(_MAX_RANK) + OWNER_RECORD_SUFFIX)
         if longest > NAME_MAX:
             raise ShmNamespaceError(
-                f"ShmNamespace.addr={quoted(self.addr)} is too long: segment names and "
-                f"their owner records would be up to {longest} characters, over the "
-                f"{NAME_MAX} allowed in /dev/shm; give --dist-init-addr (or --host) as "
-                f"an IP address or a shorter host name"
+                f"{what} is too long: segment names and their owner records would be "
+                f"up to {longest} characters, over the {NAME_MAX} allowed in /dev/shm; "
+                f"{_SHORTER}"
             )
 
     @classmethod
@@ -185,123 +172,72 @@ class ShmNamespace:
         ``env://`` reads (never writes) ``MASTER_ADDR``/``MASTER_PORT`` from ``environ``
         (default ``os.environ``), as torch does for that method; ``file:///path`` has no
         address, so the address becomes ``file.<16 hex of sha256(path)>`` and the port 0,
-        where ``path`` is the file torch's rendezvous uses (see :func:`_file_address`).
+        where ``path`` is the file torch's rendezvous uses.
         """
         what = f"dist_init_method={quoted(method)}"
-        extra: dict[str, Any] = {"pp_rank": pp_rank}
-        if uid is not None:
-            extra["uid"] = uid
         if not isinstance(method, str) or not method.strip():
-            raise ShmNamespaceError(
-                f"dist_init_method={quoted(method)}: expected {_TCP_FORMS}, 'env://' "
-                f"or 'file:///path'"
-            )
+            raise ShmNamespaceError(f"{what}: expected {_ALL_FORMS}")
         method = method.strip()
         scheme = method.split("://", 1)[0].lower() if "://" in method else ""
         if scheme == "tcp":
             host, port = _tcp_address(method, what=what)
         elif scheme == "env":
-            host, port = _env_address(what, os.environ if environ is None else environ)
+            # torch reads the rendezvous address from MASTER_ADDR/MASTER_PORT.
+            environ = os.environ if environ is None else environ
+            host = environ.get("MASTER_ADDR", "")
+            port_text = environ.get("MASTER_PORT", "")
+            if not host or not port_text:
+                raise ShmNamespaceError(
+                    f"{what} takes the address from MASTER_ADDR and MASTER_PORT, but "
+                    f"MASTER_ADDR={quoted(host)}, MASTER_PORT={quoted(port_text)}; set "
+                    f"both, or use a tcp://host:port init method"
+                )
+            port = parse_port(port_text, what="MASTER_PORT")
+            # NetworkAddress drops the brackets of an IPv6 MASTER_ADDR, as upstream does.
+            host = NetworkAddress(host, port).host
         elif scheme == "file":
-            host, port = _file_address(what, method), 0
+            # No address, so a digest of the store's path stands in for one. The path
+            # is the one torch's _file_rendezvous_handler opens: urlparse(url).path,
+            # taken as it is. That drops the netloc (file://tmp/x is /x) and the query,
+            # and never depends on the working directory, so every rank of one engine
+            # gets the same name wherever it starts.
+            path = urlparse(method).path
+            if not path:
+                raise ShmNamespaceError(
+                    f"{what} names no file; expected 'file:///path'"
+                )
+            digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()
+            host, port = f"file.{digest[:16]}", 0
         else:
             raise ShmNamespaceError(
-                f"{what}: unsupported scheme; expected {_TCP_FORMS}, 'env://' or "
-                f"'file:///path'"
+                f"{what}: unsupported scheme; expected {_ALL_FORMS}"
             )
+        uid = os.getuid() if uid is None else uid
         try:
-            return cls(addr=host, port=port, **extra)
+            return cls(addr=host, port=port, uid=uid, pp_rank=pp_rank)
         except ShmNamespaceError as exc:
             raise ShmNamespaceError(f"{what}: {exc}") from None
-
-    def for_stage(self, pp_rank: int) -> "ShmNamespace":
-        """The namespace of pipeline stage ``pp_rank`` of the same engine."""
-        return dataclasses.replace(self, pp_rank=pp_rank)
 
     @property
     def kernel_addr(self) -> str:
         """The address part of segment names (``MASTER_ADDR`` for the released kernel)."""
-        if self.pp_rank == 0:
-            return self.addr
-        return f"{self.addr}{_STAGE_MARK}{self.pp_rank}"
-
-    @property
-    def kernel_port(self) -> str:
-        return str(self.port)
+        stage = f"{_STAGE_MARK}{self.pp_rank}" if self.pp_rank else ""
+        return self.addr + stage
 
     @property
     def prefix(self) -> str:
         """Every segment name of this namespace is ``prefix + "_" + rank``."""
-        return f"{SHM_SEGMENT_PREFIX}_{self.uid}_{self.kernel_addr}_{self.kernel_port}"
+        return f"{SHM_SEGMENT_PREFIX}_{self.uid}_{self.kernel_addr}_{self.port}"
 
     def segment_name(self, rank: int) -> str:
         """The ``/dev/shm`` name the CPU kernel uses for ``rank``."""
-        if (
-            isinstance(rank, bool)
-            or not isinstance(rank, int)
-            or not 0 <= rank <= _MAX_RANK
-        ):
-            raise ShmNamespaceError(
-                f"rank={quoted(rank)}: expected an integer from 0 to {_MAX_RANK}"
-            )
-        return f"{self.prefix}_{rank}"
+        return f"{self.prefix}_{_check_int('rank', rank, 0, _MAX_RANK)}"
 
     def rank_of(self, name: str) -> Optional[int]:
         """The rank if ``name`` is one of this namespace's segment names, else None."""
-        head = self.prefix + "_"
-        if not name.startswith(head):
-            return None
-        tail = name[len(head) :]
-        if (
-            not tail.isdigit()
-            or len(tail) > _RANK_DIGITS
-            or (len(tail) > 1 and tail[0] == "0")
-        ):
-            return None
-        return int(tail)
+        head, _, tail = name.rpartition("_")
+        return int(tail) if head == self.prefix and _RANK_RE.fullmatch(tail) else None
 
     def describe(self) -> str:
         """``host:port`` of the engine, for messages."""
-        return quoted(format_host_port(self.addr, self.port))
-
-
-def _env_address(what: str, environ: Mapping[str, str]) -> tuple[str, int]:
-    """``env://``: torch reads the rendezvous address from MASTER_ADDR/MASTER_PORT."""
-    host = environ.get("MASTER_ADDR", "")
-    port_text = environ.get("MASTER_PORT", "")
-    if not host or not port_text:
-        raise ShmNamespaceError(
-            f"{what} takes the address from MASTER_ADDR and MASTER_PORT, but "
-            f"MASTER_ADDR={quoted(host)}, MASTER_PORT={quoted(port_text)}; set both, "
-            f"or use a tcp://host:port init method"
-        )
-    port = parse_port(port_text, what="MASTER_PORT")
-    # NetworkAddress drops the brackets of an IPv6 MASTER_ADDR, as upstream does.
-    return NetworkAddress(host, port).host, port
-
-
-def _file_address(what: str, method: str) -> str:
-    """``file://``: no address, so a digest of the store's path stands in for one.
-
-    The path is the one torch's ``_file_rendezvous_handler`` opens:
-    ``urlparse(url).path``, taken as it is. That drops the netloc
-    (``file://tmp/x`` is ``/x``) and the query, and never depends on the working
-    directory, so every rank of one engine gets the same name wherever it starts.
-    """
-    path = urlparse(method).path
-    if not path:
-        raise ShmNamespaceError(f"{what} names no file; expected 'file:///path'")
-    digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    return f"file.{digest}"
-
-
-__all__ = [
-    "NAME_MAX",
-    "OWNER_RECORD_SUFFIX",
-    "SHM_SEGMENT_PREFIX",
-    "ShmNamespace",
-    "ShmNamespaceError",
-    "format_host_port",
-    "parse_port",
-    "quoted",
-]
+        return quoted(NetworkAddress(self.addr, self.port).to_host_port_str())

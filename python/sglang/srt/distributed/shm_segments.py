@@ -4,35 +4,33 @@ Owner records
     The kernel's segments carry no owner pid, so each rank keeps a lock file,
     ``<segment>.owner`` (mode 0600), and holds an exclusive ``flock`` on it for as
     long as it lives. The kernel drops that lock when the process dies, however it
-    dies, and ``flock`` works across pid namespaces that share ``/dev/shm``. A record
-    that someone else can lock therefore proves its owner dead, whatever its
-    namespace: the sweep removes that owner's segment and record. A segment whose
-    record is locked is live and never touched; one with no record at all (made by
-    code that keeps none) is reported and left alone.
+    dies, and ``flock`` works across pid namespaces that share ``/dev/shm``: a
+    record that someone else can lock proves its owner dead, and the sweep removes
+    that owner's segment and record. A segment whose record is locked is live and
+    never touched; one with no record (made by code that keeps none) is reported
+    and left alone.
 
 Where the records live
     ``/dev/shm`` is writable by everyone and sticky: any name in it can be taken
-    first by another user, and only the taker can remove it again. Records
-    therefore live only in *trusted* directories: ``<shm_dir>/sglang_shm_owners_<uid>``
-    or ``<shm_dir>/sglang_shm_owners_<uid>.<random>``, which ``lstat`` shows to be a
-    real directory (not a symlink) owned by this uid with no group or other
-    permissions. No other user can make, rename, remove or write into such a
-    directory, and every directory is opened with ``O_NOFOLLOW`` and checked on its
-    descriptor before a record is made in it. A rank makes its record in
-    ``sglang_shm_owners_<uid>`` when that is trusted or can be made; when something
-    else holds the name (another user's directory, a file, a symlink, or a
-    directory with a group/other mode), it warns, naming that entry and its owner,
-    and uses the first trusted ``sglang_shm_owners_<uid>.<random>`` instead,
-    making one with ``mkdtemp`` when there is none.
+    first by another user, and only the taker can remove it again. Records live
+    only in *trusted* directories, ``sglang_shm_owners_<uid>`` or
+    ``sglang_shm_owners_<uid>.<random>`` in ``shm_dir``: real directories (opened
+    with ``O_NOFOLLOW`` and checked on the descriptor) of this uid with no group or
+    other permissions, which no other user can make, rename, remove or write into.
+    A rank records in ``sglang_shm_owners_<uid>`` when it is trusted or can be made;
+    when something else holds that name (another user's directory, a file, a
+    symlink, a directory with a group/other mode), it warns, naming the entry and
+    its owner, and uses the first trusted ``.<random>`` one, made with ``mkdtemp``
+    when there is none.
 
     Processes of one uid find each other's records by listing every trusted
     directory, so they need not agree on one: a claim locks its own record, then
-    locks the record of the same segment in every other trusted directory,
-    repeating until a pass finds no record it does not hold. A lock it cannot take
-    is a live owner (it backs off and retries); the records it took are dead and
-    are removed. The sweep does the same per segment and unlinks the segment before
-    any record, so a later claimant that finds a record gone knows the segment is
-    gone too. Directories are removed once empty.
+    the same segment's record in every other trusted directory, repeating until a
+    pass finds no record it does not hold. A lock it cannot take is a live owner
+    (it backs off and retries); the records it took are dead and are removed. The
+    sweep does the same per segment and unlinks the segment before any record, so
+    a claimant that finds a record gone knows the segment is gone too. Directories
+    are removed once empty.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import logging
 import os
@@ -55,10 +52,8 @@ from sglang.srt.distributed.shm_errors import (
     SHM_DIR,
     BusyRecord,
     ShmCollectiveError,
-    describe_busy_owner,
+    busy_owner_error,
     explained_shm_errors,
-    find_lock_holders,
-    pid_alive,
 )
 from sglang.srt.distributed.shm_namespace import (
     OWNER_RECORD_SUFFIX,
@@ -75,41 +70,11 @@ _MAX_PASSES = 50
 _WARNED: set[tuple[str, int, int]] = set()
 
 
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
 # --------------------------------------------------------------------- trusted directories
-
-
-def _owner_dir(shm_dir: str, uid: int) -> str:
-    return os.path.join(shm_dir, f"{_OWNER_DIR_PREFIX}_{uid}")
-
-
-def _is_trusted(info: os.stat_result) -> bool:
-    return (
-        stat.S_ISDIR(info.st_mode)
-        and info.st_uid == os.geteuid()
-        and not info.st_mode & 0o077
-    )
-
-
-def _open_trusted(path: str) -> Optional[int]:
-    """A descriptor of ``path`` if it is a trusted directory, else None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    if _is_trusted(os.fstat(fd)):
-        return fd
-    os.close(fd)
-    return None
-
-
-def _candidate_names(shm_dir: str, uid: int) -> list[str]:
-    """The usual owner directory's name first, then the private ones, sorted."""
-    base = os.path.basename(_owner_dir(shm_dir, uid))
-    try:
-        names = os.listdir(shm_dir)
-    except FileNotFoundError:
-        return []
-    return sorted(n for n in names if n == base or n.startswith(base + "."))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,15 +83,38 @@ class _Dir:
     fd: int
 
 
+def _open_trusted(path: str) -> Optional[_Dir]:
+    """``path`` opened, if it is a trusted directory (see the module docstring)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    info = os.fstat(fd)  # a real directory: O_DIRECTORY and O_NOFOLLOW say so
+    if info.st_uid == os.geteuid() and not info.st_mode & 0o077:
+        return _Dir(path, fd)
+    os.close(fd)
+    return None
+
+
+def _candidate_paths(shm_dir: str, uid: int) -> list[str]:
+    """The usual owner directory first, then the private ones, sorted."""
+    base = f"{_OWNER_DIR_PREFIX}_{uid}"
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return []
+    found = sorted(n for n in names if n == base or n.startswith(base + "."))
+    return [os.path.join(shm_dir, name) for name in found]
+
+
 @contextlib.contextmanager
 def _trusted_dirs(shm_dir: str, uid: int) -> Iterator[list[_Dir]]:
     opened: list[_Dir] = []
     try:
-        for name in _candidate_names(shm_dir, uid):
-            path = os.path.join(shm_dir, name)
-            fd = _open_trusted(path)
-            if fd is not None:
-                opened.append(_Dir(path, fd))
+        for path in _candidate_paths(shm_dir, uid):
+            directory = _open_trusted(path)
+            if directory is not None:
+                opened.append(directory)
         yield opened
     finally:
         for directory in opened:
@@ -138,11 +126,8 @@ def _warn_untrusted(path: str, info: os.stat_result, private: str) -> None:
     if key in _WARNED:
         return
     _WARNED.add(key)
-    kind = (
-        "a symlink"
-        if stat.S_ISLNK(info.st_mode)
-        else ("a directory" if stat.S_ISDIR(info.st_mode) else "a file")
-    )
+    kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a file"
+    kind = "a symlink" if stat.S_ISLNK(info.st_mode) else kind
     if info.st_uid == os.geteuid():
         why, who = "its mode lets other users in", "remove"
     else:
@@ -158,32 +143,25 @@ def _warn_untrusted(path: str, info: os.stat_result, private: str) -> None:
 
 def _home_dir(shm_dir: str, uid: int) -> _Dir:
     """The trusted directory this process makes its records in (see the module docstring)."""
-    usual = _owner_dir(shm_dir, uid)
+    usual = os.path.join(shm_dir, f"{_OWNER_DIR_PREFIX}_{uid}")
     while True:
         with contextlib.suppress(FileExistsError):
             os.mkdir(usual, 0o700)
-        fd = _open_trusted(usual)
-        if fd is not None:
-            return _Dir(usual, fd)
+        home = _open_trusted(usual)
+        if home is not None:
+            return home
         try:
             found = os.lstat(usual)
         except FileNotFoundError:
             # Removed as empty by a releasing rank since our mkdir: make it again.
             continue
-        private = None
-        for name in _candidate_names(shm_dir, uid):
-            path = os.path.join(shm_dir, name)
-            if path != usual:
-                fd = _open_trusted(path)
-                if fd is not None:
-                    private = _Dir(path, fd)
-                    break
+        paths = (p for p in _candidate_paths(shm_dir, uid) if p != usual)
+        private = next(filter(None, map(_open_trusted, paths)), None)
         if private is None:
-            path = tempfile.mkdtemp(prefix=os.path.basename(usual) + ".", dir=shm_dir)
-            fd = _open_trusted(path)
-            if fd is None:
+            prefix = os.path.basename(usual) + "."
+            private = _open_trusted(tempfile.mkdtemp(prefix=prefix, dir=shm_dir))
+            if private is None:
                 continue
-            private = _Dir(path, fd)
         _warn_untrusted(usual, found, private.path)
         return private
 
@@ -191,21 +169,12 @@ def _home_dir(shm_dir: str, uid: int) -> _Dir:
 # --------------------------------------------------------------------------- owner records
 
 
-def _read_pid(fd: int) -> str:
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip()
-    except OSError:
-        return "?"
-    return text if text.isascii() and text.isdigit() else "?"
-
-
 def _same_file(fd: int, path: str, dir_fd: Optional[int] = None) -> bool:
     try:
         on_disk = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return False
-    held = os.fstat(fd)
-    return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
+    return _identity(on_disk) == _identity(os.fstat(fd))
 
 
 def _unlink_quiet(path: str) -> bool:
@@ -285,9 +254,13 @@ def _lock_at(
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         info = os.fstat(fd)
-        busy = BusyRecord(path, info.st_dev, info.st_ino, _read_pid(fd))
+        try:
+            pid = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip()
+        except OSError:
+            pid = "?"
         os.close(fd)
-        return None, busy
+        pid = pid if pid.isascii() and pid.isdigit() else "?"
+        return None, BusyRecord(path, info.st_dev, info.st_ino, pid)
     record = _Held(path, fd)
     if not _same_file(fd, name, directory.fd):
         record.close(unlink=False)
@@ -298,19 +271,14 @@ def _lock_at(
 def _lock_records(
     segment: str, shm_dir: str, uid: int, *, own: Optional[int] = None
 ) -> tuple[Optional[list[_Held]], Optional[BusyRecord]]:
-    """Lock the record of ``segment`` in every trusted directory (all but ``own``'s file).
+    """Lock the record of ``segment`` in every trusted directory (all but ``own``'s file),
+    in passes until one finds no record it does not hold.
 
-    Returns ``(records, None)``, every one dead and now held here, or
-    ``(None, busy)`` when someone else holds one (nothing then stays locked;
-    ``busy`` is None when records kept coming and going). Passes repeat with a
-    fresh listing until one finds no record it does not hold, so a directory or
-    record made meanwhile is not missed.
+    ``(records, None)``: every one dead and now held here. ``(None, busy)``: someone
+    else holds one (``busy`` None: records kept coming and going); none stays locked.
     """
     name = segment + OWNER_RECORD_SUFFIX
-    skip = set()
-    if own is not None:
-        info = os.fstat(own)
-        skip.add((info.st_dev, info.st_ino))
+    skip = set() if own is None else {_identity(os.fstat(own))}
     held: list[_Held] = []
     try:
         for _ in range(_MAX_PASSES):
@@ -321,7 +289,7 @@ def _lock_records(
                         info = os.stat(name, dir_fd=directory.fd, follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    if (info.st_dev, info.st_ino) in skip:
+                    if _identity(info) in skip:
                         continue
                     fresh = True
                     record, busy = _lock_at(directory, name, create=False)
@@ -330,8 +298,7 @@ def _lock_records(
                         return None, busy
                     if record is not None:
                         held.append(record)
-                        info = os.fstat(record.fd)
-                        skip.add((info.st_dev, info.st_ino))
+                        skip.add(_identity(os.fstat(record.fd)))
             if not fresh:
                 return held, None
     except BaseException:
@@ -341,50 +308,9 @@ def _lock_records(
     return None, None
 
 
-@dataclasses.dataclass
-class _OwnerRecord:
-    namespace: ShmNamespace
-    rank: int
-    shm_dir: str
-    held: _Held
-    pid: int
-
-    def release(self, *, unlink_segment: bool) -> None:
-        if self.held.fd < 0 or self.pid != os.getpid():
-            return
-        if unlink_segment:
-            segment = self.namespace.segment_name(self.rank)
-            _unlink_segment(os.path.join(self.shm_dir, segment))
-        self.held.close(unlink=True)
-
-
-def _live_owner_error(
-    namespace: ShmNamespace, rank: int, busy: Optional[BusyRecord]
-) -> ShmCollectiveError:
-    holders = [] if busy is None else find_lock_holders(dev=busy.dev, ino=busy.ino)
-    return ShmCollectiveError(
-        describe_busy_owner(
-            rank=rank,
-            segment=namespace.segment_name(rank),
-            address=namespace.describe(),
-            busy=busy,
-            holders=holders,
-            recorded_alive=busy is not None and pid_alive(busy.recorded_pid),
-        )
-    )
-
-
-def _write_pid(record: _Held) -> None:
-    try:
-        os.ftruncate(record.fd, 0)
-        os.pwrite(record.fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, record.path) from None
-
-
 def _claim_owner(
     namespace: ShmNamespace, rank: int, *, shm_dir: str, wait_s: float
-) -> tuple[_OwnerRecord, list[_Held]]:
+) -> tuple[_Held, list[_Held]]:
     """Lock this rank's owner record, waiting up to ``wait_s`` for a short-lived holder.
 
     Also returns the segment's dead records found in other directories, locked.
@@ -404,9 +330,12 @@ def _claim_owner(
                     segment, shm_dir, namespace.uid, own=own.fd
                 )
                 if others is not None:
-                    _write_pid(own)
-                    record = _OwnerRecord(namespace, rank, shm_dir, own, os.getpid())
-                    return record, others
+                    try:
+                        os.ftruncate(own.fd, 0)
+                        os.pwrite(own.fd, f"{os.getpid()}\n".encode(), 0)
+                    except OSError as exc:
+                        raise OSError(exc.errno, exc.strerror, own.path) from None
+                    return own, others
             except BaseException:
                 own.close(unlink=True)
                 raise
@@ -415,7 +344,7 @@ def _claim_owner(
             # The directory was removed as empty, or the record replaced, meanwhile.
             continue
         if time.monotonic() >= deadline:
-            raise _live_owner_error(namespace, rank, busy)
+            raise busy_owner_error(namespace, rank, busy)
         # Two claimants in different directories both back off: a random pause
         # lets one of them win the next round.
         time.sleep(random.uniform(0.02, 0.08))
@@ -433,20 +362,21 @@ class StaleSweep:
     unknown: tuple[str, ...] = ()
 
 
-def _is_segment_of(name: str, uid: int) -> bool:
-    head = f"{SHM_SEGMENT_PREFIX}_{uid}_"
-    rank = name.rpartition("_")[2]
-    return name.startswith(head) and rank.isascii() and rank.isdigit()
-
-
 def _recorded_segments(shm_dir: str, uid: int) -> set[str]:
     """Every segment of ``uid`` with an owner record in a trusted directory."""
+    head = f"{SHM_SEGMENT_PREFIX}_{uid}_"
     found: set[str] = set()
     with _trusted_dirs(shm_dir, uid) as dirs:
         for directory in dirs:
             for name in os.listdir(directory.fd):
                 segment = name[: -len(OWNER_RECORD_SUFFIX)]
-                if name.endswith(OWNER_RECORD_SUFFIX) and _is_segment_of(segment, uid):
+                rank = segment.rpartition("_")[2]
+                if (
+                    name.endswith(OWNER_RECORD_SUFFIX)
+                    and segment.startswith(head)
+                    and rank.isascii()
+                    and rank.isdigit()
+                ):
                     found.add(segment)
     return found
 
@@ -482,19 +412,6 @@ def _unrecorded(
     )
 
 
-def _remove_if_dead(segment: str, shm_dir: str, uid: int) -> Optional[bool]:
-    """True if the segment's owners were all dead and the segment is removed, False if
-    one lives, None if there was no segment of ours to remove (dead records are)."""
-    held, _holder = _lock_records(segment, shm_dir, uid)
-    if held is None:
-        return False
-    try:
-        # The segment goes first: whoever finds a record gone knows its segment is gone.
-        return (bool(held) and _unlink_segment(os.path.join(shm_dir, segment))) or None
-    finally:
-        _close_all(held, unlink=True)
-
-
 def remove_stale_segments(
     namespace: ShmNamespace, *, shm_dir: str = SHM_DIR, skip_rank: Optional[int] = None
 ) -> StaleSweep:
@@ -505,17 +422,22 @@ def remove_stale_segments(
     ``removed`` lists every segment removed; ``live`` and ``unknown`` (segments
     without a record) speak of ``namespace`` only, less ``skip_rank``.
     """
-    uid = namespace.uid
     skip = None if skip_rank is None else namespace.segment_name(skip_rank)
-    recorded = _recorded_segments(shm_dir, uid)
     removed: list[str] = []
     live: list[str] = []
-    for segment in sorted(recorded - {skip}):
-        outcome = _remove_if_dead(segment, shm_dir, uid)
-        if outcome:
-            removed.append(segment)
-        elif outcome is False and namespace.rank_of(segment) is not None:
-            live.append(segment)
+    for segment in sorted(_recorded_segments(shm_dir, namespace.uid) - {skip}):
+        held, _busy = _lock_records(segment, shm_dir, namespace.uid)
+        if held is None:
+            if namespace.rank_of(segment) is not None:
+                live.append(segment)
+            continue
+        try:
+            # The segment goes first: whoever finds a record gone knows its segment is
+            # gone.
+            if held and _unlink_segment(os.path.join(shm_dir, segment)):
+                removed.append(segment)
+        finally:
+            _close_all(held, unlink=True)
     unknown = _unrecorded(namespace, shm_dir, skip)
     for name in removed:
         logger.info(f"Removed stale shared-memory segment {name}: its owner is gone")
@@ -523,8 +445,7 @@ def remove_stale_segments(
         logger.warning(
             f"Shared-memory segments {', '.join(unknown)} in {shm_dir!r} have no owner "
             f"record, so whether they are in use is unknown; they are left alone. If no "
-            f"engine on {namespace.describe()} runs, "
-            f"remove them by hand"
+            f"engine on {namespace.describe()} runs, remove them by hand"
         )
     return StaleSweep(tuple(removed), tuple(live), tuple(unknown))
 
@@ -532,7 +453,9 @@ def remove_stale_segments(
 # ------------------------------------------------------------------------ claim and release
 
 
-_OWNED: dict[tuple[ShmNamespace, int, str], _OwnerRecord] = {}
+# What this process owns, with the pid that claimed it: a forked child inherits the
+# records but is not their owner, and must not release them.
+_OWNED: dict[tuple[ShmNamespace, int, str], tuple[_Held, int]] = {}
 _OWNED_LOCK = threading.Lock()
 _ATEXIT_REGISTERED = False
 
@@ -546,27 +469,15 @@ def release_shm_collective(
     released: list[str] = []
     with _OWNED_LOCK:
         for key in list(_OWNED):
-            ns, owned_rank, _dir = key
-            if namespace is not None and ns != namespace:
-                continue
-            if rank is not None and owned_rank != rank:
-                continue
-            record = _OWNED.pop(key)
-            record.release(unlink_segment=True)
-            released.append(ns.segment_name(owned_rank))
+            owned_ns, owned_rank, shm_dir = key
+            if namespace in (None, owned_ns) and rank in (None, owned_rank):
+                held, pid = _OWNED.pop(key)
+                segment = owned_ns.segment_name(owned_rank)
+                if pid == os.getpid():
+                    _unlink_segment(os.path.join(shm_dir, segment))
+                    held.close(unlink=True)
+                released.append(segment)
     return released
-
-
-def _remember(record: _OwnerRecord) -> None:
-    global _ATEXIT_REGISTERED
-    with _OWNED_LOCK:
-        _OWNED[(record.namespace, record.rank, record.shm_dir)] = record
-        if not _ATEXIT_REGISTERED:
-            atexit.register(release_shm_collective)
-            _ATEXIT_REGISTERED = True
-
-
-# ------------------------------------------------------------------------ claiming
 
 
 def claim_segment(
@@ -582,13 +493,13 @@ def claim_segment(
     another user made a file under the segment's name, or when ``shm_dir`` is full
     or read-only.
     """
+    global _ATEXIT_REGISTERED
     key = (namespace, rank, shm_dir)
     with _OWNED_LOCK:
-        record = _OWNED.get(key)
-    if record is not None:
-        return
+        if key in _OWNED:
+            return
     with explained_shm_errors(namespace=namespace, rank=rank, shm_dir=shm_dir):
-        record, dead = _claim_owner(namespace, rank, shm_dir=shm_dir, wait_s=wait_s)
+        own, dead = _claim_owner(namespace, rank, shm_dir=shm_dir, wait_s=wait_s)
     segment = namespace.segment_name(rank)
     path = os.path.join(shm_dir, segment)
     try:
@@ -614,14 +525,10 @@ def claim_segment(
             _close_all(dead, unlink=True)
         remove_stale_segments(namespace, shm_dir=shm_dir, skip_rank=rank)
     except BaseException:
-        record.release(unlink_segment=False)
+        own.close(unlink=True)
         raise
-    _remember(record)
-
-
-__all__ = [
-    "StaleSweep",
-    "claim_segment",
-    "release_shm_collective",
-    "remove_stale_segments",
-]
+    with _OWNED_LOCK:
+        _OWNED[key] = (own, os.getpid())
+        if not _ATEXIT_REGISTERED:
+            atexit.register(release_shm_collective)
+            _ATEXIT_REGISTERED = True

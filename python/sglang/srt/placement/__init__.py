@@ -4,7 +4,7 @@ from sglang.srt.placement.cpulist import CpuListError, format_cpulist, parse_cpu
 from sglang.srt.placement.plan import HostFacts, place_gpu_id, plan_engine, plan_node
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.ranks import local_ranks
-from sglang.srt.placement.resolve import describe, log_placements, resolve_placement
+from sglang.srt.placement.resolve import describe, resolve_placement
 from sglang.srt.placement.strategy import HostCapabilities
 from sglang.srt.placement.types import (
     Accelerator,
@@ -31,7 +31,6 @@ __all__ = [
     "describe",
     "format_cpulist",
     "local_ranks",
-    "log_placements",
     "parse_cpulist",
     "place_gpu_id",
     "plan_engine",

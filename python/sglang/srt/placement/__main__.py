@@ -43,7 +43,6 @@ INT_FLAGS: dict[str, tuple[str, int, int]] = {
     "base_gpu_id": ("--base-gpu-id", 0, MAX_GPU_ID),
     "gpu_id_step": ("--gpu-id-step", 1, MAX_GPU_ID),
     "numa_node": ("--numa-node", 0, MAX_NUMA_NODES - 1),
-    "port": ("--port", 1, 65535),
 }
 """Each integer flag's name in messages and accepted range, by its dest; any other one gets OTHER_INT_RANGE."""
 OTHER_INT_RANGE = (-(2**31 - 1), 2**31 - 1)
@@ -293,6 +292,13 @@ def plan_inputs(args: argparse.Namespace) -> dict:
     )
 
 
+PLAN_JSON_KEYS = (
+    "dp_rank pp_rank tp_rank gpu_id pci numa_node cpus mem_policy strategy reasons "
+    "numactl_args mem_nodes"
+).split()
+"""What ``plan --json`` prints of each rank's placement, in this order."""
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from sglang.srt.placement.plan import plan_engine
     from sglang.srt.placement.resolve import describe
@@ -300,25 +306,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     server_args = PlanArgs.from_cli_args(args)
     placements = plan_engine(server_args, launcher=args.launcher, **plan_inputs(args))
     if args.json:
-        keys = (
-            "dp_rank",
-            "pp_rank",
-            "tp_rank",
-            "gpu_id",
-            "pci",
-            "numa_node",
-            "cpus",
-            "mem_policy",
-            "strategy",
-            "reasons",
-        )
-        rows = []
-        for p in placements:
-            d = p.to_dict()
-            rows.append(
-                {k: d[k] for k in keys}
-                | {"numactl_args": d["numactl_args"], "mem_nodes": d["mem_nodes"]}
-            )
+        rows = [{key: p.to_dict()[key] for key in PLAN_JSON_KEYS} for p in placements]
         print(json.dumps({"ranks": rows}, indent=2))
     else:
         for p in placements:
@@ -466,9 +454,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except RuntimeError as exc:
                 from sglang.srt.placement.verify import VerifyError
 
-                if not isinstance(exc, VerifyError):
+                if not isinstance(exc, (VerifyError, PlacementError)):
                     raise
-                # A rank that could not be checked fails the check: one line, status 1.
+                # A rank that could not be checked, or that sglang's launch path refuses to
+                # start (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1), fails the check: one line, status 1.
                 print(f"error: {one_line(exc)}", file=sys.stderr)
                 return 1
         return cmd_capture(args)

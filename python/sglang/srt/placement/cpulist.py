@@ -8,15 +8,14 @@ from typing import Iterable
 
 MAX_CPUS = 8192
 """CPU ids run from 0 to ``MAX_CPUS - 1``: 8192 is the largest ``CONFIG_NR_CPUS`` Linux allows (x86-64
-``MAXSMP``; other architectures allow fewer), so no kernel names a CPU at or above it. A cpulist or
-cpumask naming one is refused before any range is built."""
+``MAXSMP``; other architectures allow fewer), so no kernel names a CPU at or above it. A cpulist
+naming one is refused before any range is built."""
 
 MAX_CPULIST_CHARS = 64 * 1024
 """The longest cpulist text parsed: every even CPU id below ``MAX_CPUS``, listed one by one, takes 20 KiB."""
 
 _NUMBER = r"[ \t]*([0-9]+)[ \t]*"
 _PART_RE = re.compile(rf"{_NUMBER}(?:-{_NUMBER})?(?::{_NUMBER})?")
-_HEX_RE = re.compile(r"[0-9a-fA-F]*")
 
 
 class CpuListError(ValueError):
@@ -115,19 +114,3 @@ def format_cpulist(cpus: Iterable[int]) -> str:
         parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
         i = j + 1
     return ",".join(parts)
-
-
-def parse_cpumask(text: str, *, what: str = "cpumask") -> frozenset[int]:
-    """Parse a Linux hex mask such as ``"00000000,0000000f"`` (as in ``Cpus_allowed``)."""
-    digits = text.strip().replace(",", "")
-    if len(digits) > MAX_CPULIST_CHARS or _HEX_RE.fullmatch(digits) is None:
-        raise CpuListError(
-            f"{what}: {shown(text.strip())} is not a hexadecimal CPU mask"
-        )
-    value = int(digits, 16) if digits else 0
-    if value.bit_length() > MAX_CPUS:
-        raise CpuListError(
-            f"{what}: {shown(text.strip())} sets CPU {value.bit_length() - 1}, above the largest CPU id Linux "
-            f"supports ({MAX_CPUS - 1})"
-        )
-    return frozenset(i for i in range(value.bit_length()) if value >> i & 1)

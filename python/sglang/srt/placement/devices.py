@@ -85,19 +85,15 @@ def parse_gpus_option(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
 
 
 class AcceleratorRuntime(Protocol):
-    """What identification needs from a driver library; tests pass stand-ins."""
+    """What identification asks of a driver library (NVML, or a stand-in in tests): the PCI
+    address of a physical device index (PCI bus order), or of a ``GPU-``/``MIG-`` UUID or
+    unique UUID prefix."""
 
     name: str
-    """Names the source of an answer ("nvml", "torch")."""
-    logical_indices: bool
-    """True when ``pci_by_index`` takes this process's logical index (torch),
-    False when it takes a physical index in PCI bus order (NVML)."""
 
     def pci_by_index(self, index: int) -> Optional[str]: ...
 
-    def pci_by_uuid(self, uuid: str) -> Optional[str]:
-        """The PCI address of the device with this ``GPU-``/``MIG-`` UUID or unique UUID prefix."""
-        ...
+    def pci_by_uuid(self, uuid: str) -> Optional[str]: ...
 
 
 class NvmlRuntime:
@@ -108,7 +104,6 @@ class NvmlRuntime:
     """
 
     name = "nvml"
-    logical_indices = False
 
     def __init__(self, *, module: Any = None) -> None:
         if module is None:
@@ -126,25 +121,6 @@ class NvmlRuntime:
                 self._nvml.nvmlShutdown()
             except self._error as exc:
                 logger.debug(f"nvmlShutdown failed: {exc}")
-
-    def __enter__(self) -> "NvmlRuntime":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def device_count(self) -> int:
-        return int(self._nvml.nvmlDeviceGetCount())
-
-    def uuid_by_index(self, index: int) -> Optional[str]:
-        try:
-            return _text(
-                self._nvml.nvmlDeviceGetUUID(
-                    self._nvml.nvmlDeviceGetHandleByIndex(index)
-                )
-            )
-        except self._error:
-            return None
 
     def pci_by_index(self, index: int) -> Optional[str]:
         try:
@@ -175,7 +151,7 @@ class NvmlRuntime:
         wanted = prefix.lower()
         found = []
         try:
-            count = self.device_count()
+            count = int(self._nvml.nvmlDeviceGetCount())
         except self._error:
             return None
         for index in range(count):
@@ -202,58 +178,10 @@ class NvmlRuntime:
         return address
 
 
-class TorchCudaRuntime:
-    """Logical device index to PCI address through ``torch.cuda`` device properties.
-
-    torch numbers devices after this process's own ``CUDA_VISIBLE_DEVICES``, so
-    use it only for ranks that run in the calling process. It initialises CUDA,
-    which a launcher that forks afterwards must not do: it is never the default.
-    ``cuda`` replaces ``torch.cuda`` in tests.
-    """
-
-    name = "torch"
-    logical_indices = True
-
-    def __init__(self, *, cuda: Any = None) -> None:
-        if cuda is None:
-            import torch
-
-            cuda = torch.cuda
-        if not cuda.is_available():
-            raise RuntimeError(
-                "torch.cuda.is_available() is False: torch sees no CUDA device"
-            )
-        self._cuda = cuda
-
-    def pci_by_index(self, index: int) -> Optional[str]:
-        if not 0 <= index < self._cuda.device_count():
-            return None
-        props = self._cuda.get_device_properties(index)
-        # GPUs are PCI function 0; torch does not report the function number.
-        return f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-
-    def uuid_by_index(self, index: int) -> Optional[str]:
-        if not 0 <= index < self._cuda.device_count():
-            return None
-        return _torch_uuid(self._cuda.get_device_properties(index))
-
-    def pci_by_uuid(self, uuid: str) -> Optional[str]:
-        wanted = uuid.lower()
-        matches = [
-            index
-            for index in range(self._cuda.device_count())
-            if _torch_uuid(self._cuda.get_device_properties(index))
-            .lower()
-            .startswith(wanted)
-        ]
-        return self.pci_by_index(matches[0]) if len(matches) == 1 else None
-
-
 def default_runtime(device: str) -> Optional[AcceleratorRuntime]:
     """NVML for CUDA when it imports and initialises, else None (sysfs order is the fallback).
 
-    torch is never chosen here: initialising CUDA in a launcher breaks the
-    children it forks later. Pass ``TorchCudaRuntime()`` explicitly where that is safe.
+    Never torch: initialising CUDA in a launcher breaks the children it forks later.
     """
     if device != "cuda":
         return None
@@ -389,12 +317,6 @@ class _Physical:
     """Physical index, when the entry is one."""
     origin: str
     """Where the entry came from, for the source text."""
-
-    @property
-    def kind(self) -> str:
-        if self.index is not None:
-            return "index"
-        return "mig" if self.text.upper().startswith("MIG-") else "uuid"
 
 
 def _from_gpus_option(
@@ -573,15 +495,7 @@ def _locate(
 
     missed = ""
     if runtime is not None:
-        if runtime.logical_indices:
-            pci = runtime.pci_by_index(gpu_id)
-            if pci is not None:
-                return made(
-                    pci,
-                    f"{runtime.name}: device {gpu_id} of this process ({physical.origin})",
-                )
-            missed = f"{runtime.name} has no device {gpu_id}; "
-        elif physical.index is not None:
+        if physical.index is not None:
             pci = runtime.pci_by_index(physical.index)
             if pci is not None:
                 note = _order_note(device=device, env=env, listed=listed)
@@ -601,17 +515,12 @@ def _locate(
             )
     index = physical.index
     if index is None:
-        if physical.kind == "mig":
-            return made(
-                None,
-                f"unknown: {missed}{physical.text} is a MIG instance ({physical.origin}); "
-                f"NVML or torch is needed to find its parent GPU's PCI address",
-            )
-        return made(
-            None,
-            f"unknown: {missed}{physical.text} ({physical.origin}) needs NVML or torch "
-            f"to map a UUID to a PCI address",
+        needs = (
+            "is a MIG instance ({}); NVML is needed to find its parent GPU's PCI address"
+            if physical.text.upper().startswith("MIG-")
+            else "({}) needs NVML to map a UUID to a PCI address"
         )
+        return made(None, f"unknown: {physical.text} {needs.format(physical.origin)}")
     vendor = "NVIDIA" if device == "cuda" else "Intel"
     if index >= len(listed):
         hint = ""
@@ -651,11 +560,6 @@ def _order_note(
             "so CUDA's fastest-first order may differ (set CUDA_DEVICE_ORDER=PCI_BUS_ID)"
         )
     return ""
-
-
-def _torch_uuid(props: Any) -> str:
-    text = str(props.uuid).strip()
-    return text if text[:4].upper() in ("GPU-", "MIG-") else f"GPU-{text}"
 
 
 def _text(value: Any) -> str:

@@ -10,12 +10,13 @@ same arguments those functions would pass, so a rejected policy raises
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno as errno_mod
 import functools
 import logging
 import os
-from typing import Iterable, Optional, Protocol, runtime_checkable
+from typing import Iterable, Iterator, Optional, Protocol, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,6 @@ class LibNumaApi(Protocol):
     def max_node(self) -> int: ...
 
     def configured_nodes(self) -> frozenset[int]: ...
-
-    def node_of_cpu(self, cpu: int) -> int: ...
 
     def set_membind(self, nodes: Iterable[int]) -> None: ...
 
@@ -74,7 +73,6 @@ class LibNuma:
             "numa_available": (ctypes.c_int, []),
             "numa_max_node": (ctypes.c_int, []),
             "numa_num_configured_nodes": (ctypes.c_int, []),
-            "numa_node_of_cpu": (ctypes.c_int, [ctypes.c_int]),
             "numa_allocate_nodemask": (_BitmaskPtr, []),
             "numa_bitmask_setbit": (_BitmaskPtr, [_BitmaskPtr, ctypes.c_uint]),
             "numa_bitmask_isbitset": (ctypes.c_int, [_BitmaskPtr, ctypes.c_uint]),
@@ -112,15 +110,6 @@ class LibNuma:
             for node in range(self.max_node() + 1)
             if self._lib.numa_bitmask_isbitset(nodes_ptr, node)
         )
-
-    def node_of_cpu(self, cpu: int) -> int:
-        ctypes.set_errno(0)
-        node = self._lib.numa_node_of_cpu(cpu)
-        if node < 0:
-            raise _oserror(
-                "numa_node_of_cpu", ctypes.get_errno() or errno_mod.EINVAL, f"cpu {cpu}"
-            )
-        return int(node)
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -168,39 +157,26 @@ class LibNuma:
         finally:
             self._lib.numa_bitmask_free(mask)
 
-    def _nodemask(self, nodes: Iterable[int]) -> "_NodemaskContext":
-        return _NodemaskContext(self, frozenset(nodes))
-
-
-class _NodemaskContext:
-    """A libnuma nodemask holding ``nodes``, freed on exit."""
-
-    def __init__(self, owner: LibNuma, nodes: frozenset[int]) -> None:
-        self._owner = owner
-        self._nodes = nodes
-        self._mask: Optional[ctypes._Pointer] = None
-
-    def __enter__(self) -> ctypes._Pointer:
-        lib = self._owner._lib
-        bits = self._owner._mask_bits
-        for node in self._nodes:
+    @contextlib.contextmanager
+    def _nodemask(self, nodes: Iterable[int]) -> Iterator[ctypes._Pointer]:
+        """A libnuma nodemask holding ``nodes``, freed on exit."""
+        nodes = frozenset(nodes)
+        bits = self._mask_bits
+        for node in nodes:
             if node < 0 or node >= bits:
                 raise OSError(
                     errno_mod.EINVAL,
                     f"libnuma nodemask: node {node} is outside 0-{bits - 1}, the nodes this kernel supports",
                 )
-        mask = lib.numa_allocate_nodemask()
+        mask = self._lib.numa_allocate_nodemask()
         if not mask:
             raise _oserror("numa_allocate_nodemask", errno_mod.ENOMEM)
-        for node in sorted(self._nodes):
-            lib.numa_bitmask_setbit(mask, node)
-        self._mask = mask
-        return mask
-
-    def __exit__(self, *exc: object) -> None:
-        if self._mask is not None:
-            self._owner._lib.numa_bitmask_free(self._mask)
-            self._mask = None
+        try:
+            for node in sorted(nodes):
+                self._lib.numa_bitmask_setbit(mask, node)
+            yield mask
+        finally:
+            self._lib.numa_bitmask_free(mask)
 
 
 def _nodes_text(nodes: Iterable[int]) -> str:
@@ -232,18 +208,10 @@ def _open(name: str) -> Optional[LibNuma]:
 
 
 @functools.lru_cache(maxsize=None)
-def _load_cached(name: str) -> Optional[LibNuma]:
-    return _open(name)
-
-
 def load_libnuma(*, name: str = LIBNUMA_NAME) -> Optional[LibNuma]:
     """libnuma for this process, or None (logged once) when it is missing or NUMA is unavailable.
 
-    ``name`` is a seam: tests point it at a library that does not exist.
+    ``name`` is a seam: tests point it at a library that does not exist (and
+    ``load_libnuma.cache_clear()`` forgets what was loaded).
     """
-    return _load_cached(name)
-
-
-def clear_cache() -> None:
-    """Forget the loaded library (tests only; a process normally loads it once)."""
-    _load_cached.cache_clear()
+    return _open(name)

@@ -129,16 +129,12 @@ class NumactlProber:
     ) -> LadderOutcome:
         """Try bind, then preferred, then CPU only; stop at the first the kernel accepts."""
         mem_nodes = tuple(sorted(mem_nodes))
-        steps: list[str] = []
-        if mem_policy == MemPolicy.BIND:
-            steps = ["bind", "preferred", "none"]
-        elif mem_policy == MemPolicy.PREFERRED:
-            steps = ["preferred", "none"]
-        else:
-            steps = ["none"]
-        tried: list[tuple[tuple[str, ...], str]] = (
-            []
-        )  # (options, numactl's refusal), strongest first
+        ladder = ("bind", "preferred", "none")
+        steps = (
+            ladder[ladder.index(mem_policy) :] if mem_policy in ladder else ("none",)
+        )
+        # (options, numactl's refusal), strongest first
+        tried: list[tuple[tuple[str, ...], str]] = []
         for step in steps:
             if step == "preferred" and preferred_node is None:
                 continue

@@ -1,8 +1,8 @@
 """Read a process's effective NUMA binding back from the kernel, and compare it with its placement.
 
-Sources: ``/proc/<pid>/status`` (``Cpus_allowed_list``, ``Mems_allowed_list``),
+Sources: ``/proc/self/status`` (``Cpus_allowed_list``, ``Mems_allowed_list``),
 the ``get_mempolicy`` system call (the memory policy of the calling thread), and
-``/proc/<pid>/numa_maps`` (where resident pages really are).
+``/proc/self/numa_maps`` (where resident pages really are).
 
 Page counts: every mapping's ``N<node>=<pages>`` fields are summed, weighted by
 its ``kernelpagesize_kB``, so the totals are kB resident per node over all mapped
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import os
 import platform
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
@@ -65,22 +64,13 @@ class ObservedBinding:
     mems: frozenset[int]
     """Nodes the process may allocate from at all (its cpuset's ``Mems_allowed_list``)."""
     policy: str
-    """"default", "bind", "preferred", "interleave", "local", "preferred_many", "weighted_interleave",
-    or "unknown" when it could not be read (another process without a policy reader)."""
+    """"default", "bind", "preferred", "interleave", "local", "preferred_many" or
+    "weighted_interleave"."""
     policy_nodes: frozenset[int]
     resident_kb: tuple[tuple[int, int], ...] = ()
     """(node, kB resident on it) over every mapping, sorted by node."""
     anon_kb: tuple[tuple[int, int], ...] = ()
     """The same over anonymous mappings only."""
-    pid: str = "self"
-
-    @property
-    def resident_kb_by_node(self) -> dict[int, int]:
-        return dict(self.resident_kb)
-
-    @property
-    def anon_kb_by_node(self) -> dict[int, int]:
-        return dict(self.anon_kb)
 
     def local_page_ratio(
         self, nodes: Iterable[int], *, anon_only: bool = False
@@ -95,7 +85,6 @@ class ObservedBinding:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "pid": self.pid,
             "cpus": format_cpulist(self.cpus),
             "mems": format_cpulist(self.mems),
             "policy": self.policy,
@@ -103,9 +92,6 @@ class ObservedBinding:
             "resident_kb": {str(node): kb for node, kb in self.resident_kb},
             "anon_kb": {str(node): kb for node, kb in self.anon_kb},
         }
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ObservedBinding":
@@ -122,12 +108,7 @@ class ObservedBinding:
             anon_kb=tuple(
                 sorted((int(n), int(kb)) for n, kb in data.get("anon_kb", {}).items())
             ),
-            pid=str(data.get("pid", "self")),
         )
-
-    @classmethod
-    def from_json(cls, text: str) -> "ObservedBinding":
-        return cls.from_dict(json.loads(text))
 
 
 # -- numa_maps --------------------------------------------------------------------------------
@@ -135,63 +116,24 @@ class ObservedBinding:
 _NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
 
 
-@dataclass(frozen=True)
-class NumaMapsTotals:
-    resident_kb: dict[int, int] = field(default_factory=dict)
-    anon_kb: dict[int, int] = field(default_factory=dict)
-
-
-def parse_numa_maps(text: str) -> NumaMapsTotals:
-    """Sum ``N<node>=<pages>`` over every mapping, in kB (pages times ``kernelpagesize_kB``)."""
+def parse_numa_maps(text: str) -> tuple[dict[int, int], dict[int, int]]:
+    """kB resident per node over every mapping, and over anonymous ones only: ``N<node>=<pages>``
+    summed, times each mapping's ``kernelpagesize_kB``."""
     resident: dict[int, int] = {}
     anon: dict[int, int] = {}
     for line in text.splitlines():
-        fields = line.split()
-        if len(fields) < 2:
-            continue
+        fields = line.split()[2:]
         page_kb = 4
-        is_file = False
-        per_node: list[tuple[int, int]] = []
-        for item in fields[2:]:
-            match = _NODE_FIELD.match(item)
-            if match:
-                per_node.append((int(match.group(1)), int(match.group(2))))
-            elif item.startswith("kernelpagesize_kB="):
+        for item in fields:
+            if item.startswith("kernelpagesize_kB="):
                 page_kb = int(item.split("=", 1)[1])
-            elif item.startswith("file="):
-                is_file = True
-        for node, pages in per_node:
-            resident[node] = resident.get(node, 0) + pages * page_kb
+        is_file = any(item.startswith("file=") for item in fields)
+        for match in filter(None, map(_NODE_FIELD.match, fields)):
+            node, kb = int(match[1]), int(match[2]) * page_kb
+            resident[node] = resident.get(node, 0) + kb
             if not is_file:
-                anon[node] = anon.get(node, 0) + pages * page_kb
-    return NumaMapsTotals(resident_kb=resident, anon_kb=anon)
-
-
-_MAPS_POLICY = re.compile(
-    r"^(default|prefer \(many\)|prefer|bind|weighted interleave|interleave|local)(=[a-z]+)?(?::(\S+))?"
-)
-_MAPS_POLICY_NAMES = {
-    "default": "default",
-    "prefer": "preferred",
-    "prefer (many)": "preferred_many",
-    "bind": "bind",
-    "interleave": "interleave",
-    "weighted interleave": "weighted_interleave",
-    "local": "local",
-}
-
-
-def policy_from_numa_maps(text: str) -> tuple[str, frozenset[int]]:
-    """The task policy as numa_maps shows it on its first mapping (mappings without a policy of their own
-    show the task's); for processes other than the caller, where get_mempolicy cannot be used.
-    """
-    for line in text.splitlines():
-        _, _, rest = line.partition(" ")
-        match = _MAPS_POLICY.match(rest)
-        if match:
-            nodes = parse_cpulist(match.group(3) or "", what="numa_maps policy")
-            return _MAPS_POLICY_NAMES[match.group(1)], nodes
-    return "unknown", frozenset()
+                anon[node] = anon.get(node, 0) + kb
+    return resident, anon
 
 
 # -- get_mempolicy ----------------------------------------------------------------------------
@@ -260,61 +202,36 @@ def read_mempolicy() -> tuple[str, frozenset[int]]:
 # -- observe ----------------------------------------------------------------------------------
 
 
-def _status_field(text: str, key: str, path: str) -> str:
-    for line in text.splitlines():
-        name, sep, value = line.partition(":")
-        if sep and name == key:
-            return value.strip()
-    raise OSError(f"{path} has no {key} line")
-
-
 def observe_self(
-    *,
-    proc_root: str = "/proc",
-    pid: str = "self",
-    mempolicy: Optional[MemPolicyReader] = None,
+    *, proc_root: str = "/proc", mempolicy: Optional[MemPolicyReader] = None
 ) -> ObservedBinding:
-    """The binding of this process (or ``pid``) as the kernel sees it.
-
-    The memory policy comes from get_mempolicy for this process (the calling thread's
-    policy), or from the policy numa_maps shows for another pid; ``mempolicy`` replaces
-    that reader (tests).
-    """
-    base = os.path.join(proc_root, str(pid))
+    """The binding of this process as the kernel sees it; ``proc_root`` and ``mempolicy``
+    (the get_mempolicy reader) are replaced in tests."""
+    base = os.path.join(proc_root, "self")
     status_path = os.path.join(base, "status")
     with open(status_path, encoding="ascii") as f:
-        status = f.read()
-    cpus = parse_cpulist(
-        _status_field(status, "Cpus_allowed_list", status_path), what=status_path
-    )
-    mems = parse_cpulist(
-        _status_field(status, "Mems_allowed_list", status_path), what=status_path
-    )
-
-    maps_path = os.path.join(base, "numa_maps")
+        status = dict(line.partition(":")[::2] for line in f.read().splitlines())
     try:
-        with open(maps_path, encoding="utf-8", errors="replace") as f:
-            maps_text = f.read()
+        cpus, mems = (
+            parse_cpulist(status[key].strip(), what=status_path)
+            for key in ("Cpus_allowed_list", "Mems_allowed_list")
+        )
+    except KeyError as exc:
+        raise OSError(f"{status_path} has no {exc.args[0]} line") from None
+    try:
+        with open(os.path.join(base, "numa_maps"), errors="replace") as f:
+            resident, anon = parse_numa_maps(f.read())
     except FileNotFoundError:
         # Kernels built without CONFIG_NUMA have no numa_maps: nothing to count.
-        maps_text = ""
-    totals = parse_numa_maps(maps_text)
-
-    if mempolicy is not None:
-        policy, policy_nodes = mempolicy()
-    elif str(pid) == "self" and proc_root == "/proc":
-        policy, policy_nodes = read_mempolicy()
-    else:
-        policy, policy_nodes = policy_from_numa_maps(maps_text)
-
+        resident, anon = {}, {}
+    policy, policy_nodes = (mempolicy or read_mempolicy)()
     return ObservedBinding(
         cpus=cpus,
         mems=mems,
         policy=policy,
         policy_nodes=policy_nodes,
-        resident_kb=tuple(sorted(totals.resident_kb.items())),
-        anon_kb=tuple(sorted(totals.anon_kb.items())),
-        pid=str(pid),
+        resident_kb=tuple(sorted(resident.items())),
+        anon_kb=tuple(sorted(anon.items())),
     )
 
 

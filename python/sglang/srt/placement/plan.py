@@ -14,6 +14,7 @@ the reason; nothing here raises for it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence
@@ -32,11 +33,9 @@ from sglang.srt.placement.strategy import HostCapabilities
 from sglang.srt.placement.types import (
     Accelerator,
     HostTopology,
-    MemPolicy,
     ProcessAffinity,
     ProcessPlacement,
     RankIdentity,
-    Strategy,
 )
 
 _ACCELERATOR_DEVICES = ("cuda", "xpu")
@@ -68,50 +67,26 @@ class HostFacts:
         )
 
 
-def _runtime_for(
-    runtime: Any, *, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]
-) -> Any:
-    if runtime != LIVE_RUNTIME:
-        return runtime
-    if (
-        device != "cuda"
-        or gpus is not None
-        or os.path.realpath(topology.root) != "/sys"
-    ):
-        return None
-    from sglang.srt.placement.devices import default_runtime
-
-    return default_runtime(device)
-
-
 @contextlib.contextmanager
 def _opened(
     runtime: Any, *, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]
 ) -> Iterator[Any]:
-    """The runtime to identify devices with; one opened here (NVML) is shut down afterwards, as upstream does."""
+    """The runtime to identify devices with. ``LIVE_RUNTIME`` opens NVML for this host's own
+    /sys (and shuts it down afterwards, as upstream does); a snapshot or ``--gpus`` needs none.
+    """
     if runtime != LIVE_RUNTIME:
         yield runtime
         return
-    opened = _runtime_for(runtime, device=device, topology=topology, gpus=gpus)
+    opened = None
+    if device == "cuda" and gpus is None and os.path.realpath(topology.root) == "/sys":
+        from sglang.srt.placement.devices import default_runtime
+
+        opened = default_runtime(device)
     try:
         yield opened
     finally:
-        close = getattr(opened, "close", None)
-        if close is not None:
-            close()
-
-
-def _unbound(
-    rank: RankIdentity,
-    policy: PlacementPolicy,
-    reasons: Sequence[str],
-    *,
-    failure: bool,
-    pci: Optional[str] = None,
-) -> ProcessPlacement:
-    return ProcessPlacement.unbound(
-        rank, reasons=reasons, launcher=policy.launcher, failure=failure, pci=pci
-    )
+        if opened is not None:
+            opened.close()
 
 
 def _identify(
@@ -127,47 +102,59 @@ def _identify(
     """The device behind ``gpu_id`` (or Ray's id ``ray_id``) and None, or None and why it was not found."""
     from sglang.srt.placement.devices import DeviceIdentityError, identify_accelerators
 
+    ask: dict[str, Any] = dict(gpu_ids=[gpu_id], gpus=gpus, runtime=runtime)
+    if ray_id is not None and gpus is not None:
+        # --gpus lists PCI addresses by physical device index, which is what an index id names.
+        if not ray_id.isdigit():
+            return None, (
+                f"--gpus lists devices by index, but Ray's id for GPU {gpu_id} is {ray_id!r}"
+            )
+        ask.update(gpu_ids=[int(ray_id)])
+    elif ray_id is not None:
+        ask.update(gpu_ids=[0], ray_accelerator_ids=[ray_id])
     try:
-        if ray_id is not None and gpus is not None:
-            # --gpus lists PCI addresses by physical device index, which is what an index id names.
-            if not ray_id.isdigit():
-                return (
-                    None,
-                    f"--gpus lists devices by index, but Ray's id for GPU {gpu_id} is {ray_id!r}",
-                )
-            (found,) = identify_accelerators(
-                device=policy.device,
-                topology=topology,
-                gpu_ids=[int(ray_id)],
-                env=env,
-                gpus=gpus,
-            )
-        elif ray_id is not None:
-            (found,) = identify_accelerators(
-                device=policy.device,
-                topology=topology,
-                gpu_ids=[0],
-                env=env,
-                ray_accelerator_ids=[ray_id],
-                runtime=runtime,
-            )
-        else:
-            (found,) = identify_accelerators(
-                device=policy.device,
-                topology=topology,
-                gpu_ids=[gpu_id],
-                env=env,
-                gpus=gpus,
-                runtime=runtime,
-            )
+        (found,) = identify_accelerators(
+            device=policy.device, topology=topology, env=env, **ask
+        )
     except DeviceIdentityError as exc:
         return None, str(exc)
     physical = ray_id if ray_id is not None else found.physical_id
-    return (
-        Accelerator(
-            gpu_id=gpu_id, physical_id=physical, pci=found.pci, source=found.source
-        ),
-        None,
+    return dataclasses.replace(found, gpu_id=gpu_id, physical_id=physical), None
+
+
+def _exclusive_slices(
+    found: Sequence[tuple[RankIdentity, Optional[Accelerator]]],
+    *,
+    topology: HostTopology,
+    policy: PlacementPolicy,
+) -> dict[Hashable, tuple[int, int]]:
+    """(index, count) of each device among the distinct devices of its node, in the order given."""
+    by_node: dict[int, list[Hashable]] = {}
+    for rank, accelerator in found:
+        if accelerator is None:
+            continue
+        node = choose_node(
+            topology=topology, rank=rank, accelerator=accelerator, policy=policy
+        ).node
+        key = accelerator.pci or accelerator.physical_id
+        if node is not None and key not in by_node.setdefault(node, []):
+            by_node[node].append(key)
+    return {
+        key: (index, len(members))
+        for members in by_node.values()
+        for index, key in enumerate(members)
+    }
+
+
+def _unbound(
+    rank: RankIdentity,
+    policy: PlacementPolicy,
+    reasons: Sequence[str],
+    *,
+    failure: bool,
+) -> ProcessPlacement:
+    return ProcessPlacement.unbound(
+        rank, reasons=reasons, launcher=policy.launcher, failure=failure
     )
 
 
@@ -210,16 +197,12 @@ def _exclusive_slice(
     same environment; when one cannot be (a narrowed ``CUDA_VISIBLE_DEVICES``),
     the slices cannot be agreed and the rank binds to its whole node instead.
     """
-    rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=target.gpu_id)
-    mine = choose_node(
-        topology=topology, rank=rank, accelerator=target, policy=policy
-    ).node
-    members: list[Hashable] = []
+    found: list[tuple[RankIdentity, Optional[Accelerator]]] = []
     for other in local_ranks(server_args):
-        if other.gpu_id == target.gpu_id:
-            found = target
-        else:
-            found, problem = _identify(
+        accelerator, problem = (
+            (target, None)
+            if other.gpu_id == target.gpu_id
+            else _identify(
                 other.gpu_id,
                 policy=policy,
                 topology=topology,
@@ -227,21 +210,15 @@ def _exclusive_slice(
                 gpus=gpus,
                 runtime=runtime,
             )
-            if found is None:
-                return None, (
-                    f"exclusive mode needs the device of every local rank, but GPU {other.gpu_id} cannot be "
-                    f"identified here ({problem}): binding to the whole node instead"
-                )
-        node = choose_node(
-            topology=topology, rank=other, accelerator=found, policy=policy
-        ).node
-        key = found.pci or found.physical_id
-        if node == mine and key not in members:
-            members.append(key)
-    key = target.pci or target.physical_id
-    if mine is None or key not in members:
-        return None, None
-    return (members.index(key), len(members)), None
+        )
+        if accelerator is None:
+            return None, (
+                f"exclusive mode needs the device of every local rank, but GPU {other.gpu_id} cannot be "
+                f"identified here ({problem}): binding to the whole node instead"
+            )
+        found.append((other, accelerator))
+    slices = _exclusive_slices(found, topology=topology, policy=policy)
+    return slices.get(target.pci or target.physical_id), None
 
 
 def place_gpu_id(
@@ -261,22 +238,14 @@ def place_gpu_id(
     arithmetic gives ``gpu_id``). For the CPU device ``gpu_id`` is the rank's
     ``numa_index``, as bootstrap uses it.
     """
-    if rank is None:
-        rank = rank_of_gpu_id(server_args, gpu_id) or RankIdentity(
-            dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=gpu_id
-        )
-    rank = RankIdentity(
-        dp_rank=rank.dp_rank,
-        pp_rank=rank.pp_rank,
-        tp_rank=rank.tp_rank,
+    rank = dataclasses.replace(
+        rank
+        or rank_of_gpu_id(server_args, gpu_id)
+        or RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=gpu_id),
         gpu_id=gpu_id,
-        global_rank=rank.global_rank,
     )
     topology, affinity = facts.topology, facts.affinity
     if policy.device == "cpu":
-        cpus = rank_cpus(
-            policy.cpu_threads_bind, index=gpu_id, topology=topology, affinity=affinity
-        )
         placement = resolve_placement(
             topology=topology,
             affinity=affinity,
@@ -284,51 +253,43 @@ def place_gpu_id(
             accelerator=None,
             policy=policy,
             capabilities=facts.capabilities,
-            cpu_rank_set=cpus,
+            cpu_rank_set=rank_cpus(
+                policy.cpu_threads_bind,
+                index=gpu_id,
+                topology=topology,
+                affinity=affinity,
+            ),
         )
         note = shared_cpus(policy.cpu_threads_bind, index=gpu_id)
         return (
-            placement
-            if note is None
-            else placement.replace(reasons=(note, *placement.reasons))
+            placement.replace(reasons=(note, *placement.reasons)) if note else placement
         )
+    # sglang's own preconditions, checked before any device is asked about.
+    not_placed = None
     if policy.device not in _ACCELERATOR_DEVICES:
-        return _unbound(
-            rank,
-            policy,
-            [f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"],
-            failure=False,
+        not_placed = (
+            f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"
         )
-    if policy.numa_nodes is None:
-        # sglang's own preconditions, checked before any device is asked about.
-        if not policy.auto_numa_bind:
-            return _unbound(
-                rank,
-                policy,
-                ["no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"],
-                failure=False,
-            )
-        if policy.affinity_mode == "node" and len(topology.cpu_nodes) < 2:
-            return _unbound(
-                rank,
-                policy,
-                [
-                    "this host has one NUMA node with CPUs: node binding cannot help "
-                    "(exclusive mode still splits it between ranks)"
-                ],
-                failure=False,
-            )
+    elif policy.numa_nodes is None and not policy.auto_numa_bind:
+        not_placed = "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
+    elif (
+        policy.numa_nodes is None
+        and policy.affinity_mode == "node"
+        and len(topology.cpu_nodes) < 2
+    ):
+        not_placed = (
+            "this host has one NUMA node with CPUs: node binding cannot help "
+            "(exclusive mode still splits it between ranks)"
+        )
+    if not_placed is not None:
+        return _unbound(rank, policy, [not_placed], failure=False)
     with _opened(runtime, device=policy.device, topology=topology, gpus=gpus) as opened:
         accelerator, problem = _identify(
             gpu_id, policy=policy, topology=topology, env=env, gpus=gpus, runtime=opened
         )
         if accelerator is None and policy.numa_nodes is None:
-            return _unbound(
-                rank,
-                policy,
-                [f"GPU {gpu_id} cannot be identified: {problem}"],
-                failure=True,
-            )
+            why = f"GPU {gpu_id} cannot be identified: {problem}"
+            return _unbound(rank, policy, [why], failure=True)
         exclusive, degraded = None, None
         if policy.affinity_mode == "exclusive" and accelerator is not None:
             exclusive, degraded = _exclusive_slice(
@@ -372,13 +333,8 @@ def spawn_environment(
         return gpu_id, dict(env), ""
     spawned_id, spawned_env = reindexed(gpu_id, env)
     visible = spawned_env["CUDA_VISIBLE_DEVICES"]
-    return (
-        spawned_id,
-        spawned_env,
-        (
-            f"{ONE_VISIBLE_DEVICE_VAR}=1: GPU {gpu_id} is spawned as GPU {spawned_id} with CUDA_VISIBLE_DEVICES={visible}"
-        ),
-    )
+    why = f"GPU {gpu_id} is spawned as GPU {spawned_id} with CUDA_VISIBLE_DEVICES={visible}"
+    return spawned_id, spawned_env, f"{ONE_VISIBLE_DEVICE_VAR}=1: {why}"
 
 
 def plan_engine(
@@ -421,11 +377,9 @@ def plan_engine(
                 runtime=opened,
                 rank=rank,
             )
-            placements.append(
-                placement.replace(reasons=(note, *placement.reasons))
-                if note
-                else placement
-            )
+            if note:
+                placement = placement.replace(reasons=(note, *placement.reasons))
+            placements.append(placement)
     return tuple(placements)
 
 
@@ -466,56 +420,40 @@ def plan_node(
         for rank, accelerator_id in ranks_with_ids:
             text = str(accelerator_id).strip() if accelerator_id is not None else ""
             if not text:
-                found.append(
-                    (
-                        rank,
-                        None,
-                        f"{rank.label}: Ray gave no GPU id for a --device {policy.device} "
-                        "rank (its bundle must hold one GPU: {'GPU': 1})",
-                    )
+                problem = (
+                    f"{rank.label}: Ray gave no GPU id for a --device {policy.device} "
+                    "rank (its bundle must hold one GPU: {'GPU': 1})"
                 )
+                found.append((rank, None, problem))
                 continue
-            accelerator, problem = _identify(
-                rank.gpu_id,
-                policy=policy,
-                topology=topology,
-                env={},
-                gpus=gpus,
-                runtime=opened,
-                ray_id=text,
+            found.append(
+                (
+                    rank,
+                    *_identify(
+                        rank.gpu_id,
+                        policy=policy,
+                        topology=topology,
+                        env={},
+                        gpus=gpus,
+                        runtime=opened,
+                        ray_id=text,
+                    ),
+                )
             )
-            found.append((rank, accelerator, problem))
-    slices: dict[Hashable, tuple[int, int]] = {}
-    if policy.affinity_mode == "exclusive":
-        by_node: dict[int, list[Hashable]] = {}
-        for rank, accelerator, _ in found:
-            node = choose_node(
-                topology=topology, rank=rank, accelerator=accelerator, policy=policy
-            ).node
-            key = (
-                None
-                if accelerator is None
-                else accelerator.pci or accelerator.physical_id
-            )
-            if (
-                node is not None
-                and key is not None
-                and key not in by_node.setdefault(node, [])
-            ):
-                by_node[node].append(key)
-        for members in by_node.values():
-            slices.update(
-                {key: (index, len(members)) for index, key in enumerate(members)}
-            )
-    placements = []
-    for rank, accelerator, problem in found:
-        if accelerator is None:
-            placements.append(
-                _unbound(rank, policy, [problem or "no device"], failure=True)
-            )
-            continue
-        placements.append(
-            resolve_placement(
+    slices = (
+        _exclusive_slices(
+            [(rank, accelerator) for rank, accelerator, _ in found],
+            topology=topology,
+            policy=policy,
+        )
+        if policy.affinity_mode == "exclusive"
+        else {}
+    )
+    return tuple(
+        (
+            _unbound(rank, policy, [problem or "no device"], failure=True)
+            if accelerator is None
+            else resolve_placement(
                 topology=topology,
                 affinity=facts.affinity,
                 rank=rank,
@@ -525,4 +463,5 @@ def plan_node(
                 exclusive_slice=slices.get(accelerator.pci or accelerator.physical_id),
             )
         )
-    return tuple(placements)
+        for rank, accelerator, problem in found
+    )

@@ -32,9 +32,6 @@ class PlanArgs:
     gpu_id_step: int = 1
     numa_node: Optional[List[int]] = None
     device: str = "cuda"
-    host: str = "127.0.0.1"
-    port: int = 30000
-    dist_init_addr: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.check_server_args()
@@ -84,98 +81,19 @@ class PlanArgs:
                         f"--numa-node contains {node!r}: NUMA node ids are non-negative integers, e.g. --numa-node 0 0 1 1."
                     )
             self.numa_node = list(self.numa_node)
-        if (
-            not isinstance(self.port, int)
-            or isinstance(self.port, bool)
-            or not 0 < self.port < 65536
-        ):
-            raise PlanArgsError(
-                f"--port={self.port!r} is not valid: it must be between 1 and 65535."
-            )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        defaults = PlanArgs.__new__(PlanArgs)
-        for f in dataclasses.fields(PlanArgs):
-            setattr(defaults, f.name, f.default)
         group = parser.add_argument_group("parallelism and placement")
-        group.add_argument(
-            "--tensor-parallel-size",
-            "--tp-size",
-            "--tp",
-            dest="tp_size",
-            type=int,
-            default=defaults.tp_size,
-            help="Tensor parallel size.",
-        )
-        group.add_argument(
-            "--pipeline-parallel-size",
-            "--pp-size",
-            dest="pp_size",
-            type=int,
-            default=defaults.pp_size,
-            help="Pipeline parallel size.",
-        )
-        group.add_argument(
-            "--data-parallel-size",
-            "--dp-size",
-            "--dp",
-            dest="dp_size",
-            type=int,
-            default=defaults.dp_size,
-            help="Data parallel size.",
-        )
-        group.add_argument(
-            "--nnodes", type=int, default=defaults.nnodes, help="Number of nodes."
-        )
-        group.add_argument(
-            "--node-rank",
-            type=int,
-            default=defaults.node_rank,
-            help="This node's rank.",
-        )
-        group.add_argument(
-            "--base-gpu-id",
-            type=int,
-            default=defaults.base_gpu_id,
-            help="The first GPU id to use; ranks count up from it.",
-        )
-        group.add_argument(
-            "--gpu-id-step",
-            type=int,
-            default=defaults.gpu_id_step,
-            help="The distance between the GPU ids of consecutive ranks.",
-        )
-        group.add_argument(
-            "--numa-node",
-            type=int,
-            nargs="+",
-            default=defaults.numa_node,
-            help="The NUMA node of each GPU, indexed by GPU id, e.g. --numa-node 0 0 1 1.",
-        )
-        group.add_argument(
-            "--device", type=str, default=defaults.device, help="cuda, xpu or cpu."
-        )
-        group.add_argument(
-            "--host",
-            type=str,
-            default=defaults.host,
-            help="The host of the HTTP server.",
-        )
-        group.add_argument(
-            "--port",
-            type=int,
-            default=defaults.port,
-            help="The port of the HTTP server.",
-        )
-        group.add_argument(
-            "--dist-init-addr",
-            "--nccl-init-addr",
-            dest="dist_init_addr",
-            type=str,
-            default=defaults.dist_init_addr,
-            help="host:port of the torch.distributed initialisation address.",
-        )
+        for names, dest, help_text in _CLI_FLAGS:
+            group.add_argument(
+                *names,
+                dest=dest,
+                type=str if dest == "device" else int,
+                nargs="+" if dest == "numa_node" else None,
+                default=_FIELD_DEFAULTS[dest],
+                help=help_text,
+            )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "PlanArgs":
@@ -183,6 +101,37 @@ class PlanArgs:
         return cls(
             **{name: getattr(args, name) for name in names if hasattr(args, name)}
         )
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanArgs)}
+_CLI_FLAGS = (
+    (
+        ("--tensor-parallel-size", "--tp-size", "--tp"),
+        "tp_size",
+        "Tensor parallel size.",
+    ),
+    (("--pipeline-parallel-size", "--pp-size"), "pp_size", "Pipeline parallel size."),
+    (("--data-parallel-size", "--dp-size", "--dp"), "dp_size", "Data parallel size."),
+    (("--nnodes",), "nnodes", "Number of nodes."),
+    (("--node-rank",), "node_rank", "This node's rank."),
+    (
+        ("--base-gpu-id",),
+        "base_gpu_id",
+        "The first GPU id to use; ranks count up from it.",
+    ),
+    (
+        ("--gpu-id-step",),
+        "gpu_id_step",
+        "The distance between the GPU ids of consecutive ranks.",
+    ),
+    (
+        ("--numa-node",),
+        "numa_node",
+        "The NUMA node of each GPU, indexed by GPU id, e.g. --numa-node 0 0 1 1.",
+    ),
+    (("--device",), "device", "cuda, xpu or cpu."),
+)
+"""sglang's own flag names for the PlanArgs fields: (names, dest, help)."""
 
 
 # The ServerArgs fields placement reads, with upstream's defaults: upstream's helpers only

@@ -144,11 +144,6 @@ def rank_of_gpu_id(server_args: Any, gpu_id: int) -> Optional[RankIdentity]:
     return None
 
 
-def world_size(server_args: Any) -> int:
-    """Every scheduler process of the engine, as bootstrap counts them for CPU threads."""
-    return server_args.tp_size * server_args.pp_size * server_args.dp_size
-
-
 ONE_VISIBLE_DEVICE_VAR = "SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS"
 
 

@@ -8,9 +8,8 @@ every launcher, so a rank gets the same answer whichever path asked.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.policy import PlacementPolicy
@@ -22,7 +21,6 @@ from sglang.srt.placement.strategy import (
 from sglang.srt.placement.types import (
     Accelerator,
     HostTopology,
-    MemPolicy,
     NumaNode,
     PlacementError,
     ProcessAffinity,
@@ -30,8 +28,6 @@ from sglang.srt.placement.types import (
     RankIdentity,
     Strategy,
 )
-
-logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # Node choice and CPU sets
@@ -392,16 +388,6 @@ def resolve_placement(
 
 # ---------------------------------------------------------------------------------------------
 # How a placement reads
-
-
-def log_placements(placements: Iterable[ProcessPlacement]) -> None:
-    """One line per rank: what will be bound and why; a warning for a rank left unbound by a fault."""
-    for p in placements:
-        line = describe(p)
-        if p.warning:
-            logger.warning(line)
-        else:
-            logger.info(line)
 
 
 def describe(p: ProcessPlacement) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -28,8 +27,6 @@ class Strategy(enum.StrEnum):
     NONE = "none"
 
 
-MEM_POLICIES = tuple(p.value for p in MemPolicy)
-STRATEGIES = tuple(s.value for s in Strategy)
 LAUNCHERS = ("mp", "ray")
 AFFINITY_MODES = ("node", "exclusive", "socket")
 
@@ -204,14 +201,12 @@ class ProcessPlacement:
 
     def __post_init__(self) -> None:
         # Accept the enums' string values too (JSON, older callers); store the enums.
-        for name, kind, allowed in (
-            ("mem_policy", MemPolicy, MEM_POLICIES),
-            ("strategy", Strategy, STRATEGIES),
-        ):
+        for name, kind in (("mem_policy", MemPolicy), ("strategy", Strategy)):
             value = getattr(self, name)
             try:
                 object.__setattr__(self, name, kind(value))
             except ValueError:
+                allowed = tuple(member.value for member in kind)
                 raise ValueError(f"{name} {value!r} is not one of {allowed}") from None
 
     @property
@@ -286,13 +281,6 @@ class ProcessPlacement:
             launcher=data.get("launcher", "mp"),
             warning=bool(data.get("warning", False)),
         )
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "ProcessPlacement":
-        return cls.from_dict(json.loads(text))
 
     def replace(self, **changes: Any) -> "ProcessPlacement":
         return dataclasses.replace(self, **changes)

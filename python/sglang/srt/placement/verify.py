@@ -47,17 +47,21 @@ class VerifyError(RuntimeError):
 # --------------------------------------------------------------------------- inside a probe rank
 
 
-def observe_rank() -> dict:
-    """What a probe rank reports: its binding as the kernel sees it (CPUs, memory nodes, policy, pages)."""
+def probe_main(label: str, writer: Any) -> None:
+    """A probe rank's target (top level, so a spawned child can import it): report its binding as
+    the kernel sees it (CPUs, memory nodes, policy, pages), then exit."""
     from sglang.srt.placement.observe import observe_self
 
-    return {"pid": os.getpid(), "observed": observe_self().to_dict()}
-
-
-def probe_main(label: str, writer: Any) -> None:
-    """A probe rank's target (top level, so a spawned child can import it): report, then exit."""
     try:
-        writer.send({"status": "ready", "label": label, **observe_rank()})
+        observed = observe_self().to_dict()
+        writer.send(
+            {
+                "status": "ready",
+                "label": label,
+                "pid": os.getpid(),
+                "observed": observed,
+            }
+        )
     except (
         BaseException
     ) as exc:  # noqa: BLE001 - the launcher must hear about every failure

@@ -1,46 +1,33 @@
 """verify --launcher ray: start probe ranks as sglang's RayEngine starts schedulers, and read each binding back.
 
-``RayEngine._launch_scheduler_processes`` (sglang 0.5.23, ``ray/engine.py``)
-reserves one bundle per node, ``{"CPU": 1, "GPU": <GPUs per node>}``
-(``STRICT_PACK`` on one node, ``SPREAD`` over several), puts rank 0 in the bundle
-on the driver's node, and creates every rank's actor with
-``_create_scheduler_actor(pg=, bundle_idx=, gpu_id=, ...)``, ``gpu_id`` being the
-rank's index among its node's GPUs; its data-parallel controller does the same
-for each dp rank in turn. verify does exactly that, through the overlaid
-``sglang.srt.ray.engine._create_scheduler_actor``, so each rank is planned on
-its node and started (under numactl, or bound in-process) by sglang's own path.
-
-The probe is the only thing that differs from a real rank: ``PlacementProbe``
-is built on the body of sglang's ``SchedulerActor`` (``SchedulerRank``: the
-same arguments, placement, failure policy and read-back) with the
-model-bearing bring-up replaced by a report of what its process observes (and
-its worker does not import sglang's engine). ``create_scheduler_actor`` creates it instead of
-``SchedulerActor`` inside ``scheduler_actor_class``, a scope of the calling
-thread. Every row compares the placement the actor applied with what its
-process observes, and says whether the rank was planned on its node (only the
-overlaid path plans). Everything verify starts (actors, placement group) is
-stopped on every exit, within ``timeout_s``.
+As ``RayEngine._launch_scheduler_processes`` (sglang 0.5.23) does, verify
+reserves one bundle of a node's GPUs per node, puts rank 0 in the bundle on the
+driver's node and creates every rank through the overlaid
+``_create_scheduler_actor``, with the per-node GPU index RayEngine passes (its
+data-parallel controller does the same for each dp rank in turn). Only the
+actor differs: ``PlacementProbe`` is placed as sglang's ``SchedulerActor`` is
+(``SchedulerRank``), then reports what its process observes instead of loading
+a model. Everything verify starts is stopped on every exit, within ``timeout_s``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import (
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.ranks import rank_ranges
-from sglang.srt.placement.types import (
-    MemPolicy,
-    ProcessPlacement,
-    RankIdentity,
-    Strategy,
-)
+from sglang.srt.placement.types import ProcessPlacement, RankIdentity
 from sglang.srt.placement.verify import DEFAULT_TIMEOUT_S, VerifyError, verify_row
 from sglang.srt.scheduler_placement.ray_rank import SchedulerRank
 
@@ -50,22 +37,8 @@ logger = logging.getLogger(__name__)
 _EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(\w+(?:Error|Exception)): (.*)$")
 
 
-# --------------------------------------------------------------------------- inside a probe rank
-
-
 class PlacementProbe(SchedulerRank):
     """A scheduler rank without a model: placed as a real one, then reporting what its process observes."""
-
-    def _start_scheduler(
-        self,
-        server_args: Any,
-        port_args: Any,
-        *,
-        gpu_id: int,
-        dp_rank: Optional[int],
-        dist_init_addr: Optional[str],
-    ) -> None:
-        self._place(server_args)
 
     def get_info(self) -> dict:
         from sglang.srt.placement.observe import observe_self
@@ -92,88 +65,35 @@ class PlacementProbe(SchedulerRank):
 ProbeActor = ray.remote(PlacementProbe)
 
 
-# --------------------------------------------------------------------------- RayEngine's shape
-
-
-def ray_engine_bundles(server_args: Any) -> tuple[list[dict[str, float]], str]:
-    """The placement group RayEngine reserves when it has none: its bundles and strategy."""
-    total_gpus = server_args.dp_size * server_args.tp_size * server_args.pp_size
-    nnodes = server_args.nnodes
-    if total_gpus % nnodes:
-        raise ValueError(
-            f"--dp-size x --tp-size x --pp-size = {total_gpus} GPUs cannot be split evenly over "
-            f"--nnodes={nnodes}: RayEngine reserves the same number of GPUs on every node"
-        )
-    bundles = [{"CPU": 1, "GPU": total_gpus // nnodes}] * nnodes
-    return bundles, "STRICT_PACK" if nnodes == 1 else "SPREAD"
-
-
 def ray_engine_ranks(
     server_args: Any, bundle_for_node: Sequence[int]
 ) -> list[tuple[RankIdentity, int]]:
-    """(rank with the gpu_id RayEngine passes, bundle index) for every rank, in RayEngine's launch order.
-
-    One replica is launched by the engine (dp_rank 0); several by its
-    data-parallel controller, one dp rank after another, each with the same
-    per-node GPU indices (Ray picks which GPU of the bundle each actor gets).
-    """
-    tp, pp, dp = server_args.tp_size, server_args.pp_size, server_args.dp_size
+    """(rank with the gpu_id RayEngine passes, bundle index) for every rank, in RayEngine's launch order:
+    one dp rank after another (its data-parallel controller's), each with the same per-node GPU indices
+    (Ray picks which GPU of the bundle each actor gets)."""
+    tp, pp, nnodes = server_args.tp_size, server_args.pp_size, server_args.nnodes
     out = []
-    for dp_rank in range(dp):
+    for dp_rank in range(server_args.dp_size):
         for node_idx, bundle_idx in enumerate(bundle_for_node):
-            ranges = rank_ranges(
-                tp_size=tp, pp_size=pp, nnodes=server_args.nnodes, node_rank=node_idx
-            )
-            for pp_rank in ranges.pp_ranks:
-                for tp_rank in ranges.tp_ranks:
-                    local_gpu_idx = (
-                        pp_rank % ranges.pp_per_node
-                    ) * ranges.tp_per_node + (tp_rank % ranges.tp_per_node)
-                    rank = RankIdentity(
-                        dp_rank=dp_rank,
-                        pp_rank=pp_rank,
-                        tp_rank=tp_rank,
-                        gpu_id=local_gpu_idx,
-                        global_rank=dp_rank * tp * pp + pp_rank * tp + tp_rank,
-                    )
-                    out.append((rank, bundle_idx))
+            r = rank_ranges(tp_size=tp, pp_size=pp, nnodes=nnodes, node_rank=node_idx)
+            for pp_rank, tp_rank in itertools.product(r.pp_ranks, r.tp_ranks):
+                gpu_id = (pp_rank % r.pp_per_node) * r.tp_per_node + (
+                    tp_rank % r.tp_per_node
+                )
+                rank = RankIdentity(
+                    dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, gpu_id=gpu_id
+                )
+                out.append((rank, bundle_idx))
     return out
 
 
-def _node_ip() -> str:
-    return ray.util.get_node_ip_address()
-
-
-_node_ip_task = ray.remote(_node_ip)
-
-
-def _engine_bundle_order(
-    pg: Any, nnodes: int, *, deadline: Any
-) -> tuple[list[int], str]:
-    """RayEngine's ``_find_engine_bundle``: the bundle on the driver's node first, then the others."""
-    from sglang.srt.scheduler_placement.ray_actors import PlanningError, gather
-
-    refs = {
-        _node_ip_task.options(
-            num_cpus=0,
-            num_gpus=0,
-            max_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=i
-            ),
-        ).remote(): i
-        for i in range(nnodes)
-    }
-    try:
-        found = gather(
-            {ref: f"bundle {i}" for ref, i in refs.items()},
-            deadline=deadline,
-            late="node address not found",
-            failed="its node address could not be read",
-        )
-    except PlanningError as exc:
-        raise VerifyError(str(exc)) from exc
-    bundle_ips = [found[ref] for ref in sorted(refs, key=refs.get)]
+def _engine_bundle_order(pg: Any, nnodes: int) -> tuple[list[int], str]:
+    """RayEngine's ``_find_engine_bundle``: the bundle on the driver's node first, then the others
+    (each bundle's node address read from Ray's tables, where RayEngine asks a task in the bundle).
+    """
+    node_of = placement_group_table(pg)["bundles_to_node_id"]
+    address = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    bundle_ips = [address.get(node_of[i]) for i in range(nnodes)]
     engine_ip = ray.util.get_node_ip_address()
     if engine_ip not in bundle_ips:
         raise VerifyError(
@@ -185,34 +105,21 @@ def _engine_bundle_order(
     return order, engine_ip
 
 
-# --------------------------------------------------------------------------- the run
-
-
-def _placement_off(rank: RankIdentity) -> ProcessPlacement:
-    return ProcessPlacement(
-        dp_rank=rank.dp_rank,
-        pp_rank=rank.pp_rank,
-        tp_rank=rank.tp_rank,
-        gpu_id=rank.gpu_id,
-        pci=None,
-        numa_node=None,
-        cpus=frozenset(),
-        mem_nodes=frozenset(),
-        mem_policy=MemPolicy.NONE,
-        strategy=Strategy.NONE,
-        reasons=(
-            "SGLANG_NUMA_BIND_V2=0: the legacy bind runs in sglang's configure_scheduler_process, "
-            "which the probe does not run",
-        ),
-        launcher="ray",
-    )
-
-
 def _row(rank: RankIdentity, report: dict) -> dict:
     binding = report.get("binding") or {}
     on = binding.get("placement") is not None
     placement = (
-        ProcessPlacement.from_dict(binding["placement"]) if on else _placement_off(rank)
+        ProcessPlacement.from_dict(binding["placement"])
+        if on
+        else ProcessPlacement.unbound(
+            rank,
+            reasons=[
+                "SGLANG_NUMA_BIND_V2=0: the legacy bind runs in sglang's "
+                "configure_scheduler_process, which the probe does not run"
+            ],
+            launcher="ray",
+            failure=False,
+        )
     )
     unbound = parse_cpulist(report["unbound_cpus"])
     row = verify_row(placement, report, launcher="ray", unbound_cpus=unbound)
@@ -253,7 +160,7 @@ def _collect(
     reports: dict[int, dict] = {}
     while len(reports) < len(started):
         pending = [ref for ref, i in refs.items() if i not in reports]
-        if deadline.expired():
+        if not deadline.remaining():
             who = ", ".join(started[refs[ref]][0].label for ref in pending)
             raise VerifyError(
                 f"{who}: no report within {deadline.text()} (see the raylet's worker logs)"
@@ -271,13 +178,8 @@ def _collect(
 
 
 def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict]:
-    """One row per rank of the engine, each started as RayEngine starts it, on the connected Ray cluster.
-
-    Reserves RayEngine's placement group, creates every probe rank through
-    the overlaid ``_create_scheduler_actor`` with the gpu_ids RayEngine's own
-    arithmetic gives, and compares what each rank observes with the placement
-    it applied. Ends within ``timeout_s``; every actor is killed and the
-    placement group removed on every exit.
+    """One row per rank of the engine, each started as RayEngine starts it on the connected Ray cluster,
+    comparing what the rank observes with the placement it applied (and whether its node planned it).
     """
     import sglang.srt.ray.engine as engine
     from sglang.srt.placement import settings
@@ -286,7 +188,16 @@ def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> lis
     from sglang.srt.scheduler_placement import ray_actors
 
     deadline = ray_actors.Deadline(timeout_s)
-    bundles, strategy = ray_engine_bundles(server_args)
+    # The placement group RayEngine reserves when it has none.
+    total_gpus = server_args.dp_size * server_args.tp_size * server_args.pp_size
+    nnodes = server_args.nnodes
+    if total_gpus % nnodes:
+        raise ValueError(
+            f"--dp-size x --tp-size x --pp-size = {total_gpus} GPUs cannot be split evenly over "
+            f"--nnodes={nnodes}: RayEngine reserves the same number of GPUs on every node"
+        )
+    bundles = [{"CPU": 1, "GPU": total_gpus // nnodes}] * nnodes
+    strategy = "STRICT_PACK" if nnodes == 1 else "SPREAD"
     pg = placement_group(bundles, strategy=strategy)
     started: list[tuple[RankIdentity, Any]] = []
     try:
@@ -297,18 +208,16 @@ def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> lis
                 f"{deadline.text()}; the cluster has {ray.cluster_resources()}: RayEngine asks one GPU per "
                 "rank, for --device cpu too (declare GPUs with `ray start --num-gpus N`)"
             )
-        order, rank0_ip = _engine_bundle_order(
-            pg, server_args.nnodes, deadline=deadline
-        )
+        order, rank0_ip = _engine_bundle_order(pg, nnodes)
         if settings.bind_v2():
             # Planned here under verify's deadline; the actors' calls then find the plan kept.
             policy = PlacementPolicy.from_env(
                 placement_view(server_args), launcher="ray"
             )
-            if (
-                ray_actors.group_plan(pg, server_args, policy=policy, deadline=deadline)
-                is None
-            ):
+            plan = ray_actors.group_plan(
+                pg, server_args, policy=policy, deadline=deadline
+            )
+            if plan is None:
                 raise VerifyError(
                     "the placement group could not be planned on its nodes (see above)"
                 )

@@ -1,42 +1,25 @@
 """sglang's Ray scheduler actors, placed: what ``ray/engine.py::_create_scheduler_actor`` delegates to.
 
-sglang's ``RayEngine`` (and its Ray data-parallel controller) reserve a
-placement group and create one ``SchedulerActor`` per rank, one call at a time.
-The first call for a placement group plans the whole group in one round, on
-the nodes themselves (``plan_group``): where each bundle is, which GPU ids Ray
-reserved in it, and each node's placement for every one of those ids. Every
-call then starts its actor with its bundle's plan: under numactl through
-``runtime_env={"py_executable": ...}`` when every id Ray may give it there binds
-alike, else bound in-process once it knows its id.
-
-The failure policy acts here, before the actor exists, when the rank's
-placement is already known (a bundle of one GPU): a rank less bound than
-intended gets one WARNING naming it, or, under
-``SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1``, an error and no actor. Otherwise the
-actor applies it to the id it gets, before it builds its ``Scheduler``. A plan
-that cannot be made (a node that does not answer in time) is a warning, and
-each actor then places its own device on its node, or an error under that
-setting.
-
-A plan is kept for later calls under everything it depends on: the group,
-the placement fields of the server args and the engine's placement settings.
-
-``verify`` starts its probe ranks through sglang's own
-``_create_scheduler_actor``, whose arguments are upstream's; it names the
-probe's actor class with ``scheduler_actor_class``, a scope of the calling
-thread (a ``contextvars`` value), so nothing else ever sees it.
+The first call for a placement group plans the whole group on its own nodes,
+in one round, and keeps the plan under everything it depends on. Each call
+then starts its actor under numactl (``runtime_env["py_executable"]``) when
+every GPU id Ray may give it there binds alike, else bound in-process once it
+knows its id. The failure policy acts here, before the actor exists, when the
+rank's placement is already known (a bundle of one GPU); otherwise in the
+actor. A plan that cannot be made in time is a warning (each actor then places
+its own GPU), or an error under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import logging
 import os
 import threading
 import time
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from collections import OrderedDict
+from typing import Any, Iterator, Mapping, Optional
 
 import ray
 from ray.util.placement_group import placement_group_table
@@ -49,16 +32,12 @@ from sglang.srt.placement import settings
 from sglang.srt.placement.plan_args import placement_view
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.types import PlacementError, RankIdentity
-from sglang.srt.scheduler_placement.ray_node import (
+from sglang.srt.scheduler_placement.ray_plan import (
     GPU,
+    ActorStart,
+    Candidate,
     plan_on_node_task,
     probe_site_task,
-)
-from sglang.srt.scheduler_placement.ray_plan import (
-    ActorStart,
-    BundlePlan,
-    NodePlan,
-    NodeRequest,
     start_for_rank,
 )
 from sglang.srt.scheduler_placement.spawn import enforce_failure_policy
@@ -70,64 +49,58 @@ PLAN_TIMEOUT_S = 120.0
 
 _PLANS_KEPT = 8
 
-GroupPlan = Mapping[int, tuple[str, BundlePlan]]
-"""bundle index -> (the Ray node it is on, its plan)."""
+GroupPlan = Mapping[int, tuple[str, tuple[Candidate, ...]]]
+"""bundle index -> (the Ray node it is on, a candidate per GPU id Ray reserved in it)."""
 
 
-class PlanningError(RuntimeError):
+class PlanningError(PlacementError):
     """A placement group's plan could not be made in time; the message names the bundles concerned."""
 
 
 class Deadline:
-    """One deadline for a whole step (``timeout_s`` None: wait forever)."""
+    """One deadline for a whole step."""
 
-    def __init__(self, timeout_s: Optional[float]) -> None:
+    def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._at = None if timeout_s is None else time.monotonic() + timeout_s
+        self._at = time.monotonic() + timeout_s
 
-    def remaining(self) -> Optional[float]:
-        return None if self._at is None else max(0.0, self._at - time.monotonic())
-
-    def expired(self) -> bool:
-        return self._at is not None and time.monotonic() >= self._at
+    def remaining(self) -> float:
+        return max(0.0, self._at - time.monotonic())
 
     def text(self) -> str:
-        return "ever" if self.timeout_s is None else f"{self.timeout_s:g} s"
+        return f"{self.timeout_s:g} s"
 
 
 # --------------------------------------------------------------------------- the planning round
 
 
-def gather(
-    labels: Mapping[Any, str], *, deadline: Deadline, late: str, failed: str
-) -> dict[Any, Any]:
-    """``ray.get`` every task ref of ``labels`` (ref -> whom it concerns) within ``deadline``.
-
-    At the first failure, or at the deadline, the unfinished tasks are
-    cancelled (a task stuck on its node must not outlive the step) and a
-    PlanningError names whom they concern.
-    """
+def gather(labels: Mapping[Any, str], *, deadline: Deadline) -> dict[Any, Any]:
+    """``ray.get`` every task ref of ``labels`` (ref -> whom it concerns) within ``deadline``; at the
+    first failure, or at the deadline, cancel the others (a task stuck on its node must not outlive the
+    step) and raise a PlanningError naming whom they concern."""
     values: dict[Any, Any] = {}
     try:
         while len(values) < len(labels):
             pending = [ref for ref in labels if ref not in values]
-            if deadline.expired():
+            if not deadline.remaining():
                 who = ", ".join(labels[ref] for ref in pending)
-                raise PlanningError(f"{who}: {late} within {deadline.text()}")
+                raise PlanningError(
+                    f"{who}: placement not planned on its node within {deadline.text()}"
+                )
             done, _ = ray.wait(pending, num_returns=1, timeout=deadline.remaining())
             for ref in done:
                 try:
                     values[ref] = ray.get(ref)
                 except ray.exceptions.RayError as exc:
-                    raise PlanningError(f"{labels[ref]}: {failed}: {exc}") from exc
+                    raise PlanningError(
+                        f"{labels[ref]}: placement could not be planned on its node: {exc}"
+                    ) from exc
     except BaseException:
         for ref in labels:
             if ref not in values:
                 try:
                     ray.cancel(ref, force=True)
-                except (
-                    Exception
-                ) as exc:  # noqa: BLE001 - the error being raised matters more
+                except Exception as exc:  # noqa: BLE001 - the error raised matters more
                     logger.warning(
                         f"{labels[ref]}: could not cancel its Ray task: {exc}"
                     )
@@ -135,59 +108,50 @@ def gather(
     return values
 
 
-def bundle_nodes(placement_group: Any) -> dict[int, str]:
-    """The Ray node each bundle of a reserved placement group is on, from Ray's placement-group table."""
-    table = placement_group_table(placement_group)["bundles_to_node_id"]
-    return {int(index): node for index, node in table.items()}
-
-
 def plan_group(
-    placement_group: Any,
-    server_args: Any,
-    *,
-    policy: PlacementPolicy,
-    deadline: Deadline,
-) -> tuple[NodePlan, ...]:
-    """Each node's plan for the GPU bundles of a placement group, in one round trip.
+    pg: Any, server_args: Any, *, policy: PlacementPolicy, deadline: Deadline
+) -> GroupPlan:
+    """Each GPU bundle's node and candidates, planned on the nodes in one round trip.
 
-    A group the caller created but Ray has not reserved yet (a custom group
-    handed to RayEngine) is waited for, within the deadline. One probe per bundle holds all of the bundle's GPUs, to learn their ids;
-    a node's probes run one after another (each takes the previous one's site
-    as an argument), since tiny tasks started together make Ray start a worker
-    for each. One zero-resource task per node then plans that node's bundles;
-    Ray starts it once its probes are done (their sites are its arguments), so
-    the driver waits once, for everything.
+    A custom group handed to RayEngine may not be reserved yet: it is waited
+    for, within the deadline. A node's probes run one after another (each takes
+    the previous one's site), since tiny tasks started together make Ray start
+    a worker for each; its plan task takes their sites as arguments, so Ray
+    starts it once they are done and the driver waits once, for everything.
     """
-    view = placement_view(server_args)
-    specs = placement_group.bundle_specs
-    bundles = [index for index, spec in enumerate(specs) if spec.get(GPU, 0) > 0]
-    if placement_group_table(placement_group)["state"] != "CREATED":
-        ready, _ = ray.wait([placement_group.ready()], timeout=deadline.remaining())
+    if placement_group_table(pg)["state"] != "CREATED":
+        ready, _ = ray.wait([pg.ready()], timeout=deadline.remaining())
         if not ready:
             raise PlanningError(
-                f"placement group {placement_group.id.hex()[:8]}: not reserved within "
+                f"placement group {pg.id.hex()[:8]}: not reserved within "
                 f"{deadline.text()}, so where its bundles are is not known yet"
             )
-    node_of = bundle_nodes(placement_group)
-    probes: dict[int, Any] = {}
-    last_on: dict[str, Any] = {}
-    for index in bundles:
-        after = last_on.get(node_of[index])
-        probes[index] = last_on[node_of[index]] = probe_site_task.options(
-            num_cpus=0,
-            num_gpus=specs[index][GPU],
-            max_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=placement_group, placement_group_bundle_index=index
-            ),
-        ).remote(index, *([] if after is None else [after]))
-    labels: dict[Any, str] = {ref: f"bundle {index}" for index, ref in probes.items()}
-    node_refs = []
+    table = placement_group_table(pg)["bundles_to_node_id"]
+    node_of = {int(index): node for index, node in table.items()}
+    specs = pg.bundle_specs
     on_node: dict[str, list[int]] = {}
-    for index in bundles:
-        on_node.setdefault(node_of[index], []).append(index)
+    for index, spec in enumerate(specs):
+        if spec.get(GPU, 0) > 0:
+            on_node.setdefault(node_of[index], []).append(index)
+    probes: dict[int, Any] = {}
+    for members in on_node.values():
+        after: list[Any] = []
+        for index in members:
+            after = [
+                probe_site_task.options(
+                    num_cpus=0,
+                    num_gpus=specs[index][GPU],
+                    max_retries=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=index
+                    ),
+                ).remote(index, *after)
+            ]
+            probes[index] = after[0]
+    labels = {probes[index]: f"bundle {index}" for index in sorted(probes)}
+    view = placement_view(server_args)
+    node_refs = {}
     for node_id, members in on_node.items():
-        request = NodeRequest(server_args=view, bundles=tuple(members), policy=policy)
         ref = plan_on_node_task.options(
             num_cpus=0,
             num_gpus=0,
@@ -195,39 +159,27 @@ def plan_group(
             scheduling_strategy=NodeAffinitySchedulingStrategy(
                 node_id=node_id, soft=False
             ),
-        ).remote(request, *(probes[index] for index in members))
+        ).remote(view, policy, *(probes[index] for index in members))
         labels[ref] = f"bundle(s) {', '.join(map(str, members))} on Ray node {node_id}"
-        node_refs.append(ref)
-    plans = gather(
-        labels,
-        deadline=deadline,
-        late="placement not planned on its node",
-        failed="placement could not be planned on its node",
-    )
-    return tuple(plans[ref] for ref in node_refs)
-
-
-def _by_bundle(plans: Sequence[NodePlan]) -> dict[int, tuple[str, BundlePlan]]:
-    return {b.bundle_index: (plan.node_id, b) for plan in plans for b in plan.bundles}
+        node_refs[ref] = node_id
+    plans = gather(labels, deadline=deadline)
+    return {
+        index: (node_id, candidates)
+        for ref, node_id in node_refs.items()
+        for index, candidates in plans[ref].items()
+    }
 
 
 # --------------------------------------------------------------------------- plans kept for later calls
 
-_plans: "collections.OrderedDict[tuple, Optional[GroupPlan]]" = (
-    collections.OrderedDict()
-)
+_plans: OrderedDict[tuple, Optional[GroupPlan]] = OrderedDict()
 _plans_lock = threading.Lock()
 
 
 def plan_key(placement_group: Any, server_args: Any, policy: PlacementPolicy) -> tuple:
     """Everything a group's plan depends on: the group, the placement fields, the engine's settings."""
-    fields = vars(placement_view(server_args))
-    frozen = tuple(
-        sorted(
-            (name, tuple(value) if isinstance(value, list) else value)
-            for name, value in fields.items()
-        )
-    )
+    fields = sorted(vars(placement_view(server_args)).items())
+    frozen = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in fields)
     return (placement_group.id.hex(), frozen, policy)
 
 
@@ -249,13 +201,11 @@ def group_plan(
             _plans.move_to_end(key)
             return _plans[key]
         try:
-            found: Optional[GroupPlan] = _by_bundle(
-                plan_group(
-                    placement_group,
-                    server_args,
-                    policy=policy,
-                    deadline=deadline or Deadline(PLAN_TIMEOUT_S),
-                )
+            found: Optional[GroupPlan] = plan_group(
+                placement_group,
+                server_args,
+                policy=policy,
+                deadline=deadline or Deadline(PLAN_TIMEOUT_S),
             )
         except PlanningError as exc:
             message = (
@@ -282,12 +232,6 @@ def forget_group(placement_group: Any) -> None:
             del _plans[key]
 
 
-def forget_plans() -> None:
-    """Drop every kept plan."""
-    with _plans_lock:
-        _plans.clear()
-
-
 # --------------------------------------------------------------------------- creating the actor
 
 _actor_class: contextvars.ContextVar[Any] = contextvars.ContextVar(
@@ -297,10 +241,12 @@ _actor_class: contextvars.ContextVar[Any] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def scheduler_actor_class(actor_class: Any) -> Iterator[None]:
-    """Within the block (in this thread), ``create_scheduler_actor`` creates ``actor_class`` actors.
+    """Within the block, ``create_scheduler_actor`` creates ``actor_class`` actors.
 
-    For ``verify``'s probe: a Ray actor class built on ``SchedulerRank`` that
-    reports its binding instead of building sglang's ``Scheduler``.
+    For ``verify``'s probe, which starts through sglang's own
+    ``_create_scheduler_actor`` (upstream's arguments) yet reports its binding
+    instead of building a ``Scheduler``; a ``contextvars`` value, so that
+    nothing outside the calling thread ever sees it.
     """
     token = _actor_class.set(actor_class)
     try:
@@ -310,45 +256,12 @@ def scheduler_actor_class(actor_class: Any) -> Iterator[None]:
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The engine's placement settings set on the driver, for the rank's own sglang code to see too.
-
-    sglang reads them inside the rank as well (bootstrap's CPU thread binding,
-    the legacy bind, the failure policy); the host-local SGLANG_SYSFS_ROOT stays
-    each node's own.
-    """
+    """The engine's placement settings set on the driver, which sglang reads inside the rank too
+    (bootstrap's CPU thread binding, the legacy bind, the failure policy); the host-local
+    SGLANG_SYSFS_ROOT stays each node's own."""
     return {
         name: environ[name] for name in settings.ENGINE_POLICY_VARS if name in environ
     }
-
-
-def actor_start(
-    *, placement_group: Any, bundle_idx: int, rank: RankIdentity, server_args: Any
-) -> tuple[ActorStart, Optional[str]]:
-    """What ``rank``'s actor in bundle ``bundle_idx`` starts with, and its py_executable.
-
-    Applies the failure policy when the rank's placement is certain here;
-    raises the error a setting that does not fit the rank's GPU would raise.
-    """
-    if not settings.bind_v2():
-        # The legacy V1 bind runs inside the actor, in configure_scheduler_process.
-        return ActorStart(rank=rank, policy=None), None
-    policy = PlacementPolicy.from_env(placement_view(server_args), launcher="ray")
-    plans = group_plan(placement_group, server_args, policy=policy)
-    if plans is None or bundle_idx not in plans:
-        why = (
-            "its placement group could not be planned"
-            if plans is None
-            else f"bundle {bundle_idx} holds no GPU that was planned"
-        )
-        return ActorStart(rank=rank, policy=policy, unplanned=why), None
-    node_id, plan = plans[bundle_idx]
-    start, exec_string = start_for_rank(plan, rank=rank, policy=policy, node_id=node_id)
-    if start.enforced:
-        (candidate,) = start.candidates
-        if candidate.error is not None:
-            raise PlacementError(f"{rank.label}: {candidate.error}")
-        enforce_failure_policy(candidate.placement, who=rank.label)
-    return start, exec_string
 
 
 def create_scheduler_actor(
@@ -373,23 +286,36 @@ def create_scheduler_actor(
     rank = RankIdentity(
         dp_rank=dp_rank or 0, pp_rank=pp_rank, tp_rank=tp_rank, gpu_id=gpu_id
     )
-    start, exec_string = actor_start(
-        placement_group=pg, bundle_idx=bundle_idx, rank=rank, server_args=server_args
-    )
-    runtime_env: dict[str, Any] = {}
-    env = forwarded_env(os.environ)
-    if env:
-        runtime_env["env_vars"] = env
-    if exec_string is not None:
-        runtime_env["py_executable"] = exec_string
-    if exec_string is not None:
-        how = f"under {exec_string}"
-    elif start.candidates:
-        how = "bound in the actor"
-    elif start.policy is not None:
-        how = f"placing itself ({start.unplanned})"
+    exec_string = None
+    if not settings.bind_v2():
+        # The legacy V1 bind runs inside the actor, in configure_scheduler_process.
+        start, how = ActorStart(policy=None), "unplaced (SGLANG_NUMA_BIND_V2=0)"
     else:
-        how = "unplaced (SGLANG_NUMA_BIND_V2=0)"
+        policy = PlacementPolicy.from_env(placement_view(server_args), launcher="ray")
+        plans = group_plan(pg, server_args, policy=policy)
+        if plans is None or bundle_idx not in plans:
+            why = (
+                "its placement group could not be planned"
+                if plans is None
+                else f"bundle {bundle_idx} holds no GPU that was planned"
+            )
+            start = ActorStart(policy=policy, unplanned=why)
+            how = f"placing itself ({why})"
+        else:
+            node_id, candidates = plans[bundle_idx]
+            start, exec_string = start_for_rank(
+                candidates, rank=rank, policy=policy, node_id=node_id
+            )
+            how = (
+                "bound in the actor" if exec_string is None else f"under {exec_string}"
+            )
+        if start.enforced:
+            (candidate,) = start.candidates
+            if candidate.error is not None:
+                raise PlacementError(f"{rank.label}: {candidate.error}")
+            enforce_failure_policy(candidate.placement, who=rank.label)
+    runtime_env = {"env_vars": forwarded_env(os.environ), "py_executable": exec_string}
+    runtime_env = {key: value for key, value in runtime_env.items() if value}
     logger.info(
         f"{rank.label}: scheduler actor in bundle {bundle_idx} of placement group "
         f"{pg.id.hex()[:8]}, {how}"
@@ -405,8 +331,7 @@ def create_scheduler_actor(
                 f"_pg{pg.id.hex()[:8]}_bundle{bundle_idx}"
             ),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg,
-                placement_group_bundle_index=bundle_idx,
+                placement_group=pg, placement_group_bundle_index=bundle_idx
             ),
             **({"runtime_env": runtime_env} if runtime_env else {}),
         )
@@ -423,4 +348,4 @@ def create_scheduler_actor(
     )
 
 
-__all__ = ["create_scheduler_actor", "forget_group", "forget_plans", "group_plan"]
+__all__ = ["create_scheduler_actor", "forget_group", "group_plan"]

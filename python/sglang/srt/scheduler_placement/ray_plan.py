@@ -1,40 +1,40 @@
-"""The values that pass between the Ray driver, each node and each actor, and the pure decisions on them.
+"""Ray's planning round: the values passed between driver, nodes and actors, the decisions on them, the node tasks.
 
-sglang's ``RayEngine`` reserves a placement group and calls
-``_create_scheduler_actor`` once per rank. The first call plans the whole
-group: where each bundle is and which GPU ids Ray reserved in it
-(``BundleSite``), then, on each node, one ``Candidate`` placement per id
-(``BundlePlan``, in a ``NodePlan``). Each call then decides what its rank's
-actor starts with (``ActorStart``) and, when it starts under numactl, the
-``py_executable``; the actor takes the candidate of the id Ray gives it
-(``actor_choice``). Nothing here imports Ray.
-
-Ray 2.60 does not exec ``py_executable`` as an argv: the worker is started by
-``bash -c "exec <py_executable> <quoted worker args>"``
-(``RuntimeEnvContext.exec_worker``), so the string is split and expanded by a
-shell. Every token is therefore checked against a strict pattern (an absolute
-path, or a numactl option whose value is digits, commas and dashes) before it
-is joined; a token that fails (say, a Python path with a space) makes the rank
-bind in-process instead, with the reason in its placement.
+The first ``_create_scheduler_actor`` call for a placement group
+(``ray_actors``) runs ``probe_site`` in each bundle, holding all of its GPUs
+so that Ray hands it every id an actor there may get, then ``plan_on_node``
+once per node: one ``Candidate`` per id, every id of the node placed together.
+Each call then decides what its actor starts with (``start_for_rank``), and
+the actor takes the candidate of the id Ray gives it (``actor_choice``).
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+import sys
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity, Strategy
+import ray
+
+from sglang.srt.placement.types import (
+    PlacementError,
+    ProcessPlacement,
+    RankIdentity,
+    Strategy,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.placement.policy import PlacementPolicy
 
+GPU = "GPU"
+"""The Ray resource a scheduler actor holds: RayEngine asks one GPU per actor, for every device."""
+
 _NUMACTL_OPTION = re.compile(r"--[a-z][a-z-]*(=[0-9][0-9,-]*)?")
 _ABSOLUTE_PATH = re.compile(r"/[A-Za-z0-9_.+@/-]*")
-
-
-# --------------------------------------------------------------------------- the values
+# A node plans ids, not ranks: each id is placed as this rank, with the id's GPU id.
+_STAND_IN = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=None)
 
 
 @dataclass(frozen=True)
@@ -43,261 +43,143 @@ class BundleSite:
 
     bundle_index: int
     node_id: str
-    node_ip: str
     accelerator_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A rank's placement if Ray gives it ``accelerator_id``, with the node's numactl argv.
+    """A rank's placement, planned on its node, if Ray gives it ``accelerator_id``.
 
-    ``error`` says why there is no placement for this id (a setting that does
-    not fit it, such as a ``--numa-node`` list too short for it): the rank that
-    gets this id fails with that error, as sglang's own actor would.
+    ``exec_argv`` ([numactl, *options, python]) starts it there, else ``exec_problem`` says
+    why nothing can. ``error`` replaces the placement when a setting does not fit the id: the
+    rank that gets it fails with that error, as sglang's own actor would.
     """
 
     accelerator_id: Optional[str]
     placement: Optional[ProcessPlacement]
     exec_argv: Optional[tuple[str, ...]] = None
-    """[numactl, *options, python] for an exec placement that numactl accepts on the node."""
     exec_problem: Optional[str] = None
     error: Optional[str] = None
 
 
 @dataclass(frozen=True)
-class BundlePlan:
-    """A bundle's plan from its node: one candidate per GPU id reserved in it.
-
-    Every rank that RayEngine starts in the bundle may get any of these ids
-    (Ray picks one only as the actor starts).
-    """
-
-    bundle_index: int
-    candidates: tuple[Candidate, ...]
-
-    @property
-    def agreed(self) -> bool:
-        """True when every candidate binds the same way, so an actor can start under that binding
-        before it knows its id (the placements differ only in the device they name)."""
-        if any(c.error is not None for c in self.candidates):
-            return len(self.candidates) == 1
-        first = _binding(self.candidates[0].placement)
-        return all(_binding(c.placement) == first for c in self.candidates[1:])
-
-
-@dataclass(frozen=True)
-class NodeRequest:
-    """What the driver asks a node to plan: its bundles, under the engine's policy.
-
-    The ids of each bundle come from the bundle's site, passed to the node's
-    task as it starts. The policy is the driver's (engine settings, read once
-    there); host facts, SGLANG_SYSFS_ROOT included, are the node's own.
-    """
-
-    server_args: object
-    """The placement fields of the engine's ServerArgs (``placement_view``)."""
-    bundles: tuple[int, ...]
-    policy: "PlacementPolicy"
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    """What a node planned for its bundles: their sites, a plan per bundle, and how long that took."""
-
-    node_id: str
-    node_ip: str
-    sites: tuple[BundleSite, ...]
-    bundles: tuple[BundlePlan, ...]
-    resolve_s: float = 0.0
-
-
-@dataclass(frozen=True)
 class ActorStart:
-    """What a ``SchedulerActor`` starts its rank with.
+    """What a ``SchedulerActor`` starts its rank with: a candidate per GPU id Ray may give it, planned
+    on ``node_id``, or none (``unplanned`` says why: it places its own GPU under ``policy``). ``policy``
+    None: placement is off (the legacy bind runs in ``configure_scheduler_process``)."""
 
-    ``policy`` is None when placement is off (``SGLANG_NUMA_BIND_V2=0``: the
-    legacy bind runs in ``configure_scheduler_process``). Otherwise
-    ``candidates`` holds the placement per GPU id Ray may give the actor, planned
-    on ``node_id``; with none (the plan could not be made: ``unplanned`` says
-    why), the actor resolves its own placement under ``policy``. ``enforced``
-    is True when the driver already applied the failure policy to the rank's
-    one candidate, so the actor does not warn a second time.
-    """
-
-    rank: RankIdentity
     policy: Optional["PlacementPolicy"]
     node_id: Optional[str] = None
     candidates: tuple[Candidate, ...] = ()
-    enforced: bool = False
     unplanned: str = ""
 
-
-def _binding(p: Optional[ProcessPlacement]) -> tuple:
-    if p is None:
-        return ()
-    return (p.strategy, p.numa_node, p.cpus, p.mem_nodes, p.mem_policy, p.numactl_args)
-
-
-# --------------------------------------------------------------------------- the id a rank uses
-
-
-def rank_gpu_id(accelerator_id: Optional[str]) -> tuple[Optional[int], Optional[str]]:
-    """The GPU id sglang's ``SchedulerActor`` uses for Ray's ``accelerator_id``, or None and why not.
-
-    The actor takes ``int(ray_id)`` as its device (``publish(gpu_id=...)``):
-    it indexes ``--numa-node``, and bootstrap hands it to a CPU rank's
-    ``init_threads_binding`` as ``numa_index``.
-    """
-    if accelerator_id is None:
-        return None, None
-    text = str(accelerator_id).strip()
-    if not text.isdigit():
-        return None, (
-            f"Ray's GPU id {text!r} is not an integer, but sglang's SchedulerActor uses int(id) as the "
-            "rank's GPU id; give the raylet CUDA_VISIBLE_DEVICES as indices"
-        )
-    return int(text), None
-
-
-def for_rank(placement: ProcessPlacement, rank: RankIdentity) -> ProcessPlacement:
-    """A bundle's placement, told which rank it is for (its GPU id stays the device's, when it has one)."""
-    gpu_id = placement.gpu_id if placement.gpu_id is not None else rank.gpu_id
-    return placement.replace(
-        dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank, gpu_id=gpu_id
-    )
+    @property
+    def enforced(self) -> bool:
+        # With one candidate the driver knows the placement and applies the failure
+        # policy itself, so the actor does not warn a second time.
+        return len(self.candidates) == 1
 
 
 # --------------------------------------------------------------------------- the start decision
 
 
-def demote_to_in_process(
-    placement: ProcessPlacement, *, why: str, failure: bool = False
-) -> ProcessPlacement:
-    """``placement`` with strategy in-process instead of exec, ``why`` appended to its reasons.
+def py_executable(argv: Sequence[str]) -> str:
+    """The ``runtime_env["py_executable"]`` string for [numactl, *options, python].
 
-    ``failure`` marks it less bound than planned (exec was intended and is not
-    possible); the edge that applies it then warns, or raises under
-    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
+    Ray 2.60 does not exec it as an argv: the worker is started by ``bash -c
+    "exec <py_executable> <quoted worker args>"`` (``RuntimeEnvContext.exec_worker``),
+    so a shell splits and expands it. Every token must therefore match a strict
+    pattern (an absolute path, or a numactl option whose value is digits, commas
+    and dashes); one that does not (a Python path with a space) raises
+    ValueError naming it, and the rank binds in-process instead.
     """
-    reason = f"{why}: in-process bind with libnuma"
-    return placement.replace(
-        strategy=Strategy.IN_PROCESS,
-        numactl_args=(),
-        reasons=(*placement.reasons, reason),
-        warning=placement.warning or failure,
-    )
-
-
-def exec_argv_problem(argv: Sequence[str]) -> Optional[str]:
-    """Why ``argv`` ([numactl, *options, python]) cannot be handed to Ray's shell safely; None when it can."""
     if len(argv) < 2:
-        return f"the exec command {list(argv)!r} needs at least numactl and a Python interpreter"
+        raise ValueError(
+            f"the exec command {list(argv)!r} needs at least numactl and a Python interpreter"
+        )
     numactl, *options, python = argv
     for what, path in (("numactl path", numactl), ("Python interpreter path", python)):
         if not _ABSOLUTE_PATH.fullmatch(path):
-            return (
+            raise ValueError(
                 f"the {what} {path!r} is not an absolute path of letters, digits and _.+@/- only "
                 f"(Ray runs py_executable through a shell)"
             )
     for option in options:
         if not _NUMACTL_OPTION.fullmatch(option):
-            return f"the numactl option {option!r} is not of the form --name=digits,commas,dashes"
-    return None
-
-
-def py_executable(argv: Sequence[str]) -> str:
-    """The ``runtime_env["py_executable"]`` string for ``argv``; raises ValueError when it is not safe."""
-    problem = exec_argv_problem(argv)
-    if problem is not None:
-        raise ValueError(problem)
+            raise ValueError(
+                f"the numactl option {option!r} is not of the form --name=digits,commas,dashes"
+            )
     # Quoting is a no-op for tokens that passed the check; it stays as a second guard.
     return " ".join(shlex.quote(token) for token in argv)
 
 
-def _with_placement(candidate: Candidate, placement: ProcessPlacement) -> Candidate:
-    return Candidate(
-        accelerator_id=candidate.accelerator_id,
-        placement=placement,
-        exec_argv=candidate.exec_argv,
-        exec_problem=candidate.exec_problem,
-    )
-
-
 def start_for_rank(
-    plan: BundlePlan, *, rank: RankIdentity, policy: "PlacementPolicy", node_id: str
+    candidates: Sequence[Candidate],
+    *,
+    rank: RankIdentity,
+    policy: "PlacementPolicy",
+    node_id: str,
 ) -> tuple[ActorStart, Optional[str]]:
-    """What ``rank``'s actor in ``plan``'s bundle starts with, and its py_executable (None unless exec).
+    """What ``rank``'s actor starts with, from its bundle's candidates, and its py_executable (None unless exec).
 
     Exec needs one numactl command that is right whichever id Ray gives the
     actor, so candidates that bind differently all bind in-process instead,
-    each once the actor knows its id (by design, not a failure). A command that
+    once the actor knows its id (by design, not a failure). A command that
     cannot be handed to Ray's shell demotes the same way, as a failure.
     """
-    candidates = tuple(
-        c if c.placement is None else _with_placement(c, for_rank(c.placement, rank))
-        for c in plan.candidates
-    )
-    start = ActorStart(
-        rank=rank,
-        policy=policy,
-        node_id=node_id,
-        candidates=candidates,
-        enforced=len(candidates) == 1,
-    )
     execs = [
-        c
-        for c in candidates
-        if c.placement is not None and c.placement.strategy == Strategy.EXEC
+        c for c in candidates if getattr(c.placement, "strategy", None) == Strategy.EXEC
     ]
-    if not execs:
-        return start, None
-    if not plan.agreed:
+    # A candidate with an error (no placement) binds like no other.
+    bindings = {
+        p
+        and (p.strategy, p.numa_node, p.cpus, p.mem_nodes, p.mem_policy, p.numactl_args)
+        for p in (c.placement for c in candidates)
+    }
+    command, why, failure = None, "", False
+    if execs and len(bindings) > 1:
         ids = ", ".join(str(c.accelerator_id) for c in candidates)
         why = (
             f"GPU ids {ids} that Ray may give this rank bind differently; "
             "the actor binds in-process once it knows its id"
         )
-        return _demoted(start, why=why, failure=False), None
-    first = execs[0]
-    problem = first.exec_problem or exec_argv_problem(first.exec_argv or ())
-    if problem is not None:
-        why = f"cannot start the Ray worker under numactl: {problem}"
-        return _demoted(start, why=why, failure=True), None
-    return start, py_executable(first.exec_argv)
+    elif execs:
+        try:
+            if execs[0].exec_problem:
+                raise ValueError(execs[0].exec_problem)
+            command = py_executable(execs[0].exec_argv or ())
+        except ValueError as exc:
+            why, failure = f"cannot start the Ray worker under numactl: {exc}", True
 
-
-def _demoted(start: ActorStart, *, why: str, failure: bool) -> ActorStart:
-    candidates = tuple(
-        (
-            _with_placement(
-                c, demote_to_in_process(c.placement, why=why, failure=failure)
-            )
-            if c.placement is not None and c.placement.strategy == Strategy.EXEC
-            else c
+    def for_rank(p: ProcessPlacement) -> ProcessPlacement:
+        # Told which rank it is for; its GPU id stays the device's, when it has one.
+        gpu_id = rank.gpu_id if p.gpu_id is None else p.gpu_id
+        p = p.replace(dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank)
+        if not why or p.strategy != Strategy.EXEC:
+            return p.replace(gpu_id=gpu_id)
+        return p.replace(
+            gpu_id=gpu_id,
+            strategy=Strategy.IN_PROCESS,
+            numactl_args=(),
+            reasons=(*p.reasons, f"{why}: in-process bind with libnuma"),
+            warning=p.warning or failure,
         )
-        for c in start.candidates
+
+    candidates = tuple(
+        c if c.placement is None else replace(c, placement=for_rank(c.placement))
+        for c in candidates
     )
-    return ActorStart(
-        rank=start.rank,
-        policy=start.policy,
-        node_id=start.node_id,
-        candidates=candidates,
-        enforced=start.enforced,
-        unplanned=start.unplanned,
-    )
+    return ActorStart(policy=policy, node_id=node_id, candidates=candidates), command
 
 
 def actor_choice(
     start: ActorStart, accelerator_ids: Sequence[str], *, node_id: str
 ) -> tuple[Optional[Candidate], str]:
-    """The candidate of the GPU id Ray gave the actor, or None and why the actor must resolve its own.
-
-    A plan made on another node, or for other ids than the one Ray gave, says
-    nothing about this actor: it then places the device it has, on its node.
-    """
+    """The candidate of the GPU id Ray gave the actor, or None and why the actor must place its own
+    (a plan made on another node, or for other ids, says nothing about this actor)."""
     if not start.candidates:
         return None, start.unplanned or "no plan was made for this rank's bundle"
-    if start.node_id is not None and node_id != start.node_id:
+    if node_id != start.node_id:
         return None, (
             f"its bundle was planned on Ray node {start.node_id}, but the actor runs on node {node_id}"
         )
@@ -310,3 +192,135 @@ def actor_choice(
         None,
         f"its bundle was planned for GPU ids {planned}, but Ray gave the actor {own!r}",
     )
+
+
+# --------------------------------------------------------------------------- on each node
+
+
+def accelerator_ids_here() -> tuple[str, ...]:
+    """The GPU ids Ray assigned to the calling task or actor."""
+    ids = ray.get_runtime_context().get_accelerator_ids().get(GPU, [])
+    return tuple(str(i) for i in ids)
+
+
+def probe_site(bundle_index: int, *after: BundleSite) -> BundleSite:
+    """Where this task's bundle is and the GPU ids it holds (run in the bundle, holding all of them);
+    ``after``, the previous probe's site on the node, only makes Ray run them one by one.
+    """
+    node_id = ray.get_runtime_context().get_node_id()
+    return BundleSite(bundle_index, node_id, accelerator_ids_here())
+
+
+def plan_on_node(
+    server_args: Any, policy: "PlacementPolicy", *sites: BundleSite
+) -> dict[int, tuple[Candidate, ...]]:
+    """One candidate per GPU id of the bundles of ``sites``, all placed together (a Ray task on their node).
+
+    It holds no GPU: it places the ids it is given (never its own
+    ``CUDA_VISIBLE_DEVICES``) on the node's own topology (its ``SGLANG_SYSFS_ROOT``)
+    under the driver's policy. An exec command is checked by numactl's dry run
+    here: a worker numactl refuses never registers with Ray, and the launch would
+    only learn of it at its deadline.
+    """
+    from sglang.srt.placement.plan import HostFacts
+
+    node_id = ray.get_runtime_context().get_node_id()
+    pairs = []
+    for site in sites:
+        if site.node_id != node_id:
+            raise RuntimeError(
+                f"bundle {site.bundle_index} is on Ray node {site.node_id}, not on this node "
+                f"{node_id} that Ray's placement-group table named"
+            )
+        pairs += [(site.bundle_index, id_) for id_ in site.accelerator_ids]
+    ids = [accelerator_id for _, accelerator_id in pairs]
+    planned = plan_ids(server_args, ids, policy=policy, facts=HostFacts.live())
+    by_bundle: dict[int, tuple[Candidate, ...]] = {}
+    for (index, accelerator_id), outcome in zip(pairs, planned):
+        if isinstance(outcome, str):
+            candidate = Candidate(accelerator_id, placement=None, error=outcome)
+        else:
+            where = f"resolved on Ray node {node_id}"
+            placement = outcome.replace(reasons=(*outcome.reasons, where))
+            candidate = Candidate(
+                accelerator_id, placement, *_exec_argv_here(placement)
+            )
+        by_bundle[index] = (*by_bundle.get(index, ()), candidate)
+    return by_bundle
+
+
+def plan_ids(
+    server_args: Any,
+    accelerator_ids: Sequence[str],
+    *,
+    policy: Any,
+    facts: Any,
+) -> list[Union[ProcessPlacement, str]]:
+    """A placement per Ray GPU id of one node, all placed together, or the error that id's rank would
+    meet: a setting that does not fit one id (a ``--numa-node`` list too short for it) fails only the
+    ranks that get it, and the other ids are still placed together."""
+    from sglang.srt.placement.plan import plan_node
+
+    found: list[Union[tuple[RankIdentity, str], str]] = []
+    for accelerator_id in accelerator_ids:
+        text = str(accelerator_id).strip()
+        # sglang's SchedulerActor takes int(ray_id) as its device: it indexes --numa-node,
+        # and bootstrap hands it to a CPU rank's init_threads_binding as numa_index.
+        if text.isdigit():
+            found.append((replace(_STAND_IN, gpu_id=int(text)), accelerator_id))
+        else:
+            found.append(
+                f"Ray's GPU id {text!r} is not an integer, but sglang's SchedulerActor uses "
+                "int(id) as the rank's GPU id; give the raylet CUDA_VISIBLE_DEVICES as indices"
+            )
+
+    def place(pairs: list) -> Sequence[ProcessPlacement]:
+        return plan_node(server_args, ranks_with_ids=pairs, policy=policy, facts=facts)
+
+    def place_all() -> Sequence[ProcessPlacement]:
+        good = [item for item in found if not isinstance(item, str)]
+        return place(good) if good else ()
+
+    try:
+        placed = place_all()
+    except (ValueError, PlacementError):
+        # Find the ids the setting does not fit, then place the others together again.
+        for i, item in enumerate(found):
+            if isinstance(item, str):
+                continue
+            try:
+                place([item])
+            except (ValueError, PlacementError) as exc:
+                found[i] = _unlabelled(str(exc))
+        placed = place_all()
+    rest = iter(placed)
+    return [item if isinstance(item, str) else next(rest) for item in found]
+
+
+def _unlabelled(text: str) -> str:
+    """``text`` without the stand-in's label (the actor adds its own)."""
+    return text.replace(f"{_STAND_IN.label}: ", "").replace(_STAND_IN.label, "the rank")
+
+
+def _exec_argv_here(
+    placement: ProcessPlacement,
+) -> tuple[Optional[tuple[str, ...]], Optional[str]]:
+    """[numactl, *options, python] that starts an exec ``placement`` here, or why there is none."""
+    from sglang.srt.placement.numactl import exec_refusal, numactl_prefix
+
+    if placement.strategy != Strategy.EXEC:
+        return None, None
+    try:
+        prefix = numactl_prefix(placement)
+    except FileNotFoundError as exc:
+        return None, f"numactl was not found on this node ({_unlabelled(str(exc))})"
+    complaint = exec_refusal(placement)
+    if complaint is not None:
+        return None, (
+            f"numactl {' '.join(placement.numactl_args)} does not start on this node: {complaint}"
+        )
+    return (*prefix, sys.executable), None
+
+
+probe_site_task = ray.remote(probe_site)
+plan_on_node_task = ray.remote(plan_on_node)
