@@ -88,6 +88,32 @@ def test_ranks_spawned_from_several_threads_keep_their_own_binding(monkeypatch):
     assert all(results[g]["report"]["policy"] == "bind" for g in (0, 1))
 
 
+def test_one_thread_watches_every_placed_child_leave_numactl(monkeypatch):
+    """A thread per spawn would make each start() wait for it to run; one serves the process."""
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", f"{REAL_CPUS[0]}|{REAL_CPUS[-1]}")
+    for gpu_id in (0, 1, 0):
+        out = start_rank(args(device="cpu", tp_size=2), gpu_id)
+        assert out["report"]["policy"] == "bind" and not out["warnings"], out
+    watchers = [t for t in threading.enumerate() if t.name == "sglang-numactl-watch"]
+    assert len(watchers) == 1 and watchers[0].daemon
+
+
+def test_a_forked_process_gets_a_watch_thread_of_its_own():
+    from sglang.srt.scheduler_placement import spawn
+
+    spawn._exec_watch.submit(os.getpid(), prefix=["numactl"], who="GPU 0")
+    pid = os.fork()
+    if pid == 0:  # the child has the parent's state but none of its threads
+        ok = False
+        try:
+            spawn._exec_watch.submit(os.getpid(), prefix=["numactl"], who="GPU 0")
+            ok = any(t.name == "sglang-numactl-watch" for t in threading.enumerate())
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_router_mode_cpu_rank_gets_the_group_of_its_gpu_id(monkeypatch):
     """sglang-router's data parallelism: each worker is a tp=1 engine whose --base-gpu-id is its index."""
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", f"{REAL_CPUS[0]}|{REAL_CPUS[-1]}")

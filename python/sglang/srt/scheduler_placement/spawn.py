@@ -18,6 +18,7 @@ import contextlib
 import logging
 import multiprocessing.spawn
 import os
+import queue
 import shutil
 import threading
 import time
@@ -93,7 +94,7 @@ def placed_spawn(server_args: Any, gpu_id: int) -> Iterator[None]:
     logger.info(f"{who}: the scheduler starts under {' '.join(prefix)}")
     failed = False
     with spawn_with_prefix(
-        prefix, after_spawn=lambda pid: _watch_exec(pid, prefix=prefix, who=who)
+        prefix, after_spawn=lambda pid: _exec_watch.submit(pid, prefix=prefix, who=who)
     ) as use:
         try:
             yield
@@ -139,19 +140,55 @@ def _check_block(
         logger.warning(message)
 
 
-def _watch_exec(pid: int, *, prefix: list[str], who: str) -> threading.Thread:
-    """Watch ``pid`` leave numactl from a daemon thread, so that ``start()`` does not wait for it."""
+class _ExecWatch:
+    """One daemon thread per process that watches each placed child leave numactl.
 
-    def watch() -> None:
-        status = _wait_past_numactl(pid, numactl=prefix[0])
-        if status is not None:
-            _report_exec_failure(pid, status, prefix=prefix, who=who)
+    A thread of its own per spawn would make every ``start()`` wait until the
+    new thread runs, which on a busy host costs more than the exec itself.
+    """
 
-    thread = threading.Thread(
-        target=watch, name=f"sglang-numactl-watch-{pid}", daemon=True
-    )
-    thread.start()
-    return thread
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._children: "queue.SimpleQueue[tuple[int, list[str], str]]" = (
+            queue.SimpleQueue()
+        )
+        self._owner: Optional[int] = None
+        """The pid whose thread runs: a forked child starts its own."""
+
+    def submit(self, pid: int, *, prefix: list[str], who: str) -> None:
+        with self._lock:
+            if self._owner != os.getpid():
+                self._children = queue.SimpleQueue()
+                threading.Thread(
+                    target=self._run,
+                    args=(self._children,),
+                    name="sglang-numactl-watch",
+                    daemon=True,
+                ).start()
+                self._owner = os.getpid()
+            self._children.put((pid, prefix, who))
+
+    @staticmethod
+    def _run(children: "queue.SimpleQueue[tuple[int, list[str], str]]") -> None:
+        pending: dict[int, tuple[list[str], str, float]] = {}
+        pause = _FIRST_PAUSE_S
+        while True:
+            try:
+                pid, prefix, who = children.get(timeout=pause if pending else None)
+                pending[pid] = (prefix, who, time.monotonic() + EXEC_WAIT_S)
+                pause = _FIRST_PAUSE_S
+            except queue.Empty:
+                pause = min(pause * 2, 0.05)
+            for pid, (prefix, who, deadline) in list(pending.items()):
+                done, status = _past_numactl(pid, numactl=prefix[0], deadline=deadline)
+                if done:
+                    del pending[pid]
+                if status is not None:
+                    _report_exec_failure(pid, status, prefix=prefix, who=who)
+
+
+_FIRST_PAUSE_S = 0.0005
+_exec_watch = _ExecWatch()
 
 
 def _report_exec_failure(pid: int, status: int, *, prefix: list[str], who: str) -> None:
@@ -177,32 +214,25 @@ def _report_exec_failure(pid: int, status: int, *, prefix: list[str], who: str) 
     )
 
 
-def _wait_past_numactl(
-    pid: int, *, numactl: str, timeout_s: float = EXEC_WAIT_S
-) -> Optional[int]:
-    """None once ``pid`` runs another program than numactl (or the wait ran out); its exit status if it died
-    while still numactl. The child is not reaped: multiprocessing waits for it as usual.
+def _past_numactl(
+    pid: int, *, numactl: str, deadline: float
+) -> tuple[bool, Optional[int]]:
+    """(whether the watch of ``pid`` is over, its exit status if it died while still numactl).
+
+    It is over once ``pid`` runs another program, or when the deadline passed.
+    The child is not reaped: multiprocessing waits for it as usual.
     """
-    deadline = time.monotonic() + timeout_s
-    pause = 0.0005
-    while True:
-        argv = _cmdline(pid)
-        if not argv:
-            # An exiting process (or a zombie) has no command line: it ended before leaving numactl.
-            status = _exit_status(pid)
-            if status is not None or time.monotonic() >= deadline:
-                return status
-        elif (
-            numactl not in argv[:2]
-        ):  # [numactl, ...], or [interpreter, numactl, ...] for a script
-            return None
-        if time.monotonic() >= deadline:
-            logger.debug(
-                f"pid {pid} still runs {numactl} after {timeout_s} s; not waiting longer"
-            )
-            return None
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+    argv = _cmdline(pid)
+    if not argv:
+        # An exiting process (or a zombie) has no command line: it ended before leaving numactl.
+        status = _exit_status(pid)
+        return status is not None or time.monotonic() >= deadline, status
+    if numactl not in argv[:2]:  # [numactl, ...], or [interpreter, numactl, ...]
+        return True, None
+    if time.monotonic() >= deadline:
+        logger.debug(f"pid {pid} still runs {numactl} after {EXEC_WAIT_S} s")
+        return True, None
+    return False, None
 
 
 def _cmdline(pid: int) -> list[str]:
