@@ -17,7 +17,7 @@ from sglang.srt.placement.observe import (
     observe_self,
     parse_numa_maps,
 )
-from sglang.srt.placement.types import ProcessPlacement
+from sglang.srt.placement.types import ProcessPlacement, TopologyError
 
 NUMACTL = shutil.which("numactl")
 
@@ -176,7 +176,7 @@ def test_crafted_tree_without_numa_maps_counts_nothing(tmp_path):
 def test_a_status_without_the_cpu_list_is_an_error_naming_the_file(tmp_path):
     (tmp_path / "self").mkdir()
     (tmp_path / "self" / "status").write_text("Mems_allowed_list:\t0\n")
-    with pytest.raises(OSError, match="status has no Cpus_allowed_list line"):
+    with pytest.raises(TopologyError, match="status: has no Cpus_allowed_list line"):
         observe_self(
             proc_root=str(tmp_path), mempolicy=lambda: ("default", frozenset())
         )

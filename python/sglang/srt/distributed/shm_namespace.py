@@ -193,7 +193,7 @@ class ShmNamespace:
                     f"both, or use a tcp://host:port init method"
                 )
             port = parse_port(port_text, what="MASTER_PORT")
-            # NetworkAddress drops the brackets of an IPv6 MASTER_ADDR, as upstream does.
+            # NetworkAddress drops an IPv6 MASTER_ADDR's brackets, as upstream does.
             host = NetworkAddress(host, port).host
         elif scheme == "file":
             # No address, so a digest of the store's path stands in for one. The path

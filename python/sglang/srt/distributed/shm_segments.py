@@ -74,7 +74,7 @@ def _identity(info: os.stat_result) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
-# --------------------------------------------------------------------- trusted directories
+# ------------------------------------------------------------- trusted directories
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,8 +271,8 @@ def _lock_at(
 def _lock_records(
     segment: str, shm_dir: str, uid: int, *, own: Optional[int] = None
 ) -> tuple[Optional[list[_Held]], Optional[BusyRecord]]:
-    """Lock the record of ``segment`` in every trusted directory (all but ``own``'s file),
-    in passes until one finds no record it does not hold.
+    """Lock the record of ``segment`` in every trusted directory (all but ``own``'s
+    file), in passes until one finds no record it does not hold.
 
     ``(records, None)``: every one dead and now held here. ``(None, busy)``: someone
     else holds one (``busy`` None: records kept coming and going); none stays locked.

@@ -456,8 +456,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
                 if not isinstance(exc, (VerifyError, PlacementError)):
                     raise
-                # A rank that could not be checked, or that sglang's launch path refuses to
-                # start (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1), fails the check: one line, status 1.
+                # A rank that could not be checked, or that sglang's launch path
+                # refuses to start (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1), fails the
+                # check: one line, status 1.
                 print(f"error: {one_line(exc)}", file=sys.stderr)
                 return 1
         return cmd_capture(args)

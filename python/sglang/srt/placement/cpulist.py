@@ -7,9 +7,9 @@ import re
 from typing import Iterable
 
 MAX_CPUS = 8192
-"""CPU ids run from 0 to ``MAX_CPUS - 1``: 8192 is the largest ``CONFIG_NR_CPUS`` Linux allows (x86-64
-``MAXSMP``; other architectures allow fewer), so no kernel names a CPU at or above it. A cpulist
-naming one is refused before any range is built."""
+"""CPU ids run from 0 to ``MAX_CPUS - 1``: 8192 is the largest ``CONFIG_NR_CPUS``
+Linux allows (x86-64 ``MAXSMP``; other architectures allow fewer), so no kernel names
+a CPU at or above it. A cpulist naming one is refused before any range is built."""
 
 MAX_CPULIST_CHARS = 64 * 1024
 """The longest cpulist text parsed: every even CPU id below ``MAX_CPUS``, listed one by one, takes 20 KiB."""

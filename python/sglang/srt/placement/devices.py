@@ -85,9 +85,9 @@ def parse_gpus_option(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
 
 
 class AcceleratorRuntime(Protocol):
-    """What identification asks of a driver library (NVML, or a stand-in in tests): the PCI
-    address of a physical device index (PCI bus order), or of a ``GPU-``/``MIG-`` UUID or
-    unique UUID prefix."""
+    """What identification asks of a driver library (NVML, or a stand-in in tests):
+    the PCI address of a physical device index (PCI bus order), or of a
+    ``GPU-``/``MIG-`` UUID or unique UUID prefix."""
 
     name: str
 
@@ -516,7 +516,8 @@ def _locate(
     index = physical.index
     if index is None:
         needs = (
-            "is a MIG instance ({}); NVML is needed to find its parent GPU's PCI address"
+            "is a MIG instance ({}); NVML is needed to find its parent GPU's PCI "
+            "address"
             if physical.text.upper().startswith("MIG-")
             else "({}) needs NVML to map a UUID to a PCI address"
         )

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
+from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import MemPolicy, ProcessPlacement, Strategy
 
 # <linux/mempolicy.h> modes, indexed by number.
@@ -117,8 +118,8 @@ _NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
 
 
 def parse_numa_maps(text: str) -> tuple[dict[int, int], dict[int, int]]:
-    """kB resident per node over every mapping, and over anonymous ones only: ``N<node>=<pages>``
-    summed, times each mapping's ``kernelpagesize_kB``."""
+    """kB resident per node over every mapping, and over anonymous ones only:
+    ``N<node>=<pages>`` summed, times each mapping's ``kernelpagesize_kB``."""
     resident: dict[int, int] = {}
     anon: dict[int, int] = {}
     for line in text.splitlines():
@@ -205,19 +206,10 @@ def read_mempolicy() -> tuple[str, frozenset[int]]:
 def observe_self(
     *, proc_root: str = "/proc", mempolicy: Optional[MemPolicyReader] = None
 ) -> ObservedBinding:
-    """The binding of this process as the kernel sees it; ``proc_root`` and ``mempolicy``
-    (the get_mempolicy reader) are replaced in tests."""
+    """The binding of this process as the kernel sees it; ``proc_root`` and
+    ``mempolicy`` (the get_mempolicy reader) are replaced in tests."""
     base = os.path.join(proc_root, "self")
-    status_path = os.path.join(base, "status")
-    with open(status_path, encoding="ascii") as f:
-        status = dict(line.partition(":")[::2] for line in f.read().splitlines())
-    try:
-        cpus, mems = (
-            parse_cpulist(status[key].strip(), what=status_path)
-            for key in ("Cpus_allowed_list", "Mems_allowed_list")
-        )
-    except KeyError as exc:
-        raise OSError(f"{status_path} has no {exc.args[0]} line") from None
+    allowed = read_process_affinity(os.path.join(base, "status"))
     try:
         with open(os.path.join(base, "numa_maps"), errors="replace") as f:
             resident, anon = parse_numa_maps(f.read())
@@ -226,8 +218,8 @@ def observe_self(
         resident, anon = {}, {}
     policy, policy_nodes = (mempolicy or read_mempolicy)()
     return ObservedBinding(
-        cpus=cpus,
-        mems=mems,
+        cpus=allowed.cpus,
+        mems=allowed.mems,
         policy=policy,
         policy_nodes=policy_nodes,
         resident_kb=tuple(sorted(resident.items())),

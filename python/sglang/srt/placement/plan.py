@@ -71,8 +71,9 @@ class HostFacts:
 def _opened(
     runtime: Any, *, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]
 ) -> Iterator[Any]:
-    """The runtime to identify devices with. ``LIVE_RUNTIME`` opens NVML for this host's own
-    /sys (and shuts it down afterwards, as upstream does); a snapshot or ``--gpus`` needs none.
+    """The runtime to identify devices with. ``LIVE_RUNTIME`` opens NVML for this
+    host's own /sys (and shuts it down afterwards, as upstream does); a snapshot or
+    ``--gpus`` needs none.
     """
     if runtime != LIVE_RUNTIME:
         yield runtime
@@ -104,10 +105,11 @@ def _identify(
 
     ask: dict[str, Any] = dict(gpu_ids=[gpu_id], gpus=gpus, runtime=runtime)
     if ray_id is not None and gpus is not None:
-        # --gpus lists PCI addresses by physical device index, which is what an index id names.
+        # --gpus lists PCI addresses by physical device index, as an index id names.
         if not ray_id.isdigit():
             return None, (
-                f"--gpus lists devices by index, but Ray's id for GPU {gpu_id} is {ray_id!r}"
+                f"--gpus lists devices by index, but Ray's id for GPU {gpu_id} is "
+                f"{ray_id!r}"
             )
         ask.update(gpu_ids=[int(ray_id)])
     elif ray_id is not None:
@@ -128,7 +130,8 @@ def _exclusive_slices(
     topology: HostTopology,
     policy: PlacementPolicy,
 ) -> dict[Hashable, tuple[int, int]]:
-    """(index, count) of each device among the distinct devices of its node, in the order given."""
+    """(index, count) of each device among the distinct devices of its node, in the
+    order given."""
     by_node: dict[int, list[Hashable]] = {}
     for rank, accelerator in found:
         if accelerator is None:
@@ -213,8 +216,9 @@ def _exclusive_slice(
         )
         if accelerator is None:
             return None, (
-                f"exclusive mode needs the device of every local rank, but GPU {other.gpu_id} cannot be "
-                f"identified here ({problem}): binding to the whole node instead"
+                f"exclusive mode needs the device of every local rank, but GPU "
+                f"{other.gpu_id} cannot be identified here ({problem}): binding to the "
+                "whole node instead"
             )
         found.append((other, accelerator))
     slices = _exclusive_slices(found, topology=topology, policy=policy)
@@ -333,7 +337,10 @@ def spawn_environment(
         return gpu_id, dict(env), ""
     spawned_id, spawned_env = reindexed(gpu_id, env)
     visible = spawned_env["CUDA_VISIBLE_DEVICES"]
-    why = f"GPU {gpu_id} is spawned as GPU {spawned_id} with CUDA_VISIBLE_DEVICES={visible}"
+    why = (
+        f"GPU {gpu_id} is spawned as GPU {spawned_id} with "
+        f"CUDA_VISIBLE_DEVICES={visible}"
+    )
     return spawned_id, spawned_env, f"{ONE_VISIBLE_DEVICE_VAR}=1: {why}"
 
 

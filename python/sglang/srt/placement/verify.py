@@ -48,8 +48,8 @@ class VerifyError(RuntimeError):
 
 
 def probe_main(label: str, writer: Any) -> None:
-    """A probe rank's target (top level, so a spawned child can import it): report its binding as
-    the kernel sees it (CPUs, memory nodes, policy, pages), then exit."""
+    """A probe rank's target (top level, so a spawned child can import it): report its
+    binding as the kernel sees it (CPUs, memory nodes, policy, pages), then exit."""
     from sglang.srt.placement.observe import observe_self
 
     try:

@@ -26,7 +26,7 @@ from ray.util.placement_group import (
 )
 
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
-from sglang.srt.placement.ranks import rank_ranges
+from sglang.srt.placement.ranks import engine_gpu_id, rank_ranges
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity
 from sglang.srt.placement.verify import DEFAULT_TIMEOUT_S, VerifyError, verify_row
 from sglang.srt.scheduler_placement.ray_rank import SchedulerRank
@@ -68,17 +68,23 @@ ProbeActor = ray.remote(PlacementProbe)
 def ray_engine_ranks(
     server_args: Any, bundle_for_node: Sequence[int]
 ) -> list[tuple[RankIdentity, int]]:
-    """(rank with the gpu_id RayEngine passes, bundle index) for every rank, in RayEngine's launch order:
-    one dp rank after another (its data-parallel controller's), each with the same per-node GPU indices
-    (Ray picks which GPU of the bundle each actor gets)."""
+    """(rank with the gpu_id RayEngine passes, bundle index) for every rank, in
+    RayEngine's launch order: one dp rank after another (its data-parallel
+    controller's), each with the same per-node GPU indices (Ray picks which GPU of the
+    bundle each actor gets)."""
     tp, pp, nnodes = server_args.tp_size, server_args.pp_size, server_args.nnodes
     out = []
     for dp_rank in range(server_args.dp_size):
         for node_idx, bundle_idx in enumerate(bundle_for_node):
             r = rank_ranges(tp_size=tp, pp_size=pp, nnodes=nnodes, node_rank=node_idx)
             for pp_rank, tp_rank in itertools.product(r.pp_ranks, r.tp_ranks):
-                gpu_id = (pp_rank % r.pp_per_node) * r.tp_per_node + (
-                    tp_rank % r.tp_per_node
+                # RayEngine's per-node GPU index: the engine's formula from 0, step 1.
+                gpu_id = engine_gpu_id(
+                    base_gpu_id=0,
+                    gpu_id_step=1,
+                    pp_rank=pp_rank,
+                    tp_rank=tp_rank,
+                    ranges=r,
                 )
                 rank = RankIdentity(
                     dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, gpu_id=gpu_id
@@ -88,8 +94,9 @@ def ray_engine_ranks(
 
 
 def _engine_bundle_order(pg: Any, nnodes: int) -> tuple[list[int], str]:
-    """RayEngine's ``_find_engine_bundle``: the bundle on the driver's node first, then the others
-    (each bundle's node address read from Ray's tables, where RayEngine asks a task in the bundle).
+    """RayEngine's ``_find_engine_bundle``: the bundle on the driver's node first,
+    then the others (each bundle's node address read from Ray's tables, where
+    RayEngine asks a task in the bundle).
     """
     node_of = placement_group_table(pg)["bundles_to_node_id"]
     address = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
@@ -178,8 +185,9 @@ def _collect(
 
 
 def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict]:
-    """One row per rank of the engine, each started as RayEngine starts it on the connected Ray cluster,
-    comparing what the rank observes with the placement it applied (and whether its node planned it).
+    """One row per rank of the engine, each started as RayEngine starts it on the
+    connected Ray cluster, comparing what the rank observes with the placement it
+    applied (and whether its node planned it).
     """
     import sglang.srt.ray.engine as engine
     from sglang.srt.placement import settings
@@ -193,8 +201,9 @@ def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> lis
     nnodes = server_args.nnodes
     if total_gpus % nnodes:
         raise ValueError(
-            f"--dp-size x --tp-size x --pp-size = {total_gpus} GPUs cannot be split evenly over "
-            f"--nnodes={nnodes}: RayEngine reserves the same number of GPUs on every node"
+            f"--dp-size x --tp-size x --pp-size = {total_gpus} GPUs cannot be split "
+            f"evenly over --nnodes={nnodes}: RayEngine reserves the same number of "
+            "GPUs on every node"
         )
     bundles = [{"CPU": 1, "GPU": total_gpus // nnodes}] * nnodes
     strategy = "STRICT_PACK" if nnodes == 1 else "SPREAD"

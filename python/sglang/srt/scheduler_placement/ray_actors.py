@@ -50,7 +50,7 @@ PLAN_TIMEOUT_S = 120.0
 _PLANS_KEPT = 8
 
 GroupPlan = Mapping[int, tuple[str, tuple[Candidate, ...]]]
-"""bundle index -> (the Ray node it is on, a candidate per GPU id Ray reserved in it)."""
+"""bundle index -> (its Ray node, a candidate per GPU id Ray reserved in it)."""
 
 
 class PlanningError(PlacementError):
@@ -75,9 +75,10 @@ class Deadline:
 
 
 def gather(labels: Mapping[Any, str], *, deadline: Deadline) -> dict[Any, Any]:
-    """``ray.get`` every task ref of ``labels`` (ref -> whom it concerns) within ``deadline``; at the
-    first failure, or at the deadline, cancel the others (a task stuck on its node must not outlive the
-    step) and raise a PlanningError naming whom they concern."""
+    """``ray.get`` every task ref of ``labels`` (ref -> whom it concerns) within
+    ``deadline``; at the first failure, or at the deadline, cancel the others (a task
+    stuck on its node must not outlive the step) and raise a PlanningError naming
+    whom they concern."""
     values: dict[Any, Any] = {}
     try:
         while len(values) < len(labels):
@@ -93,7 +94,8 @@ def gather(labels: Mapping[Any, str], *, deadline: Deadline) -> dict[Any, Any]:
                     values[ref] = ray.get(ref)
                 except ray.exceptions.RayError as exc:
                     raise PlanningError(
-                        f"{labels[ref]}: placement could not be planned on its node: {exc}"
+                        f"{labels[ref]}: placement could not be planned on its "
+                        f"node: {exc}"
                     ) from exc
     except BaseException:
         for ref in labels:
@@ -256,9 +258,9 @@ def scheduler_actor_class(actor_class: Any) -> Iterator[None]:
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The engine's placement settings set on the driver, which sglang reads inside the rank too
-    (bootstrap's CPU thread binding, the legacy bind, the failure policy); the host-local
-    SGLANG_SYSFS_ROOT stays each node's own."""
+    """The engine's placement settings set on the driver, which sglang reads inside
+    the rank too (bootstrap's CPU thread binding, the legacy bind, the failure
+    policy); the host-local SGLANG_SYSFS_ROOT stays each node's own."""
     return {
         name: environ[name] for name in settings.ENGINE_POLICY_VARS if name in environ
     }

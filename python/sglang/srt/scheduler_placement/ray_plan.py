@@ -1,4 +1,5 @@
-"""Ray's planning round: the values passed between driver, nodes and actors, the decisions on them, the node tasks.
+"""Ray's planning round: the values passed between driver, nodes and actors, the
+decisions on them, and the tasks that run on each node.
 
 The first ``_create_scheduler_actor`` call for a placement group
 (``ray_actors``) runs ``probe_site`` in each bundle, holding all of its GPUs
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from sglang.srt.placement.policy import PlacementPolicy
 
 GPU = "GPU"
-"""The Ray resource a scheduler actor holds: RayEngine asks one GPU per actor, for every device."""
+"""The Ray resource a scheduler actor holds (one per actor, whatever the device)."""
 
 _NUMACTL_OPTION = re.compile(r"--[a-z][a-z-]*(=[0-9][0-9,-]*)?")
 _ABSOLUTE_PATH = re.compile(r"/[A-Za-z0-9_.+@/-]*")
@@ -50,9 +51,10 @@ class BundleSite:
 class Candidate:
     """A rank's placement, planned on its node, if Ray gives it ``accelerator_id``.
 
-    ``exec_argv`` ([numactl, *options, python]) starts it there, else ``exec_problem`` says
-    why nothing can. ``error`` replaces the placement when a setting does not fit the id: the
-    rank that gets it fails with that error, as sglang's own actor would.
+    ``exec_argv`` ([numactl, *options, python]) starts it there, else
+    ``exec_problem`` says why nothing can. ``error`` replaces the placement when a
+    setting does not fit the id: the rank that gets it fails with that error, as
+    sglang's own actor would.
     """
 
     accelerator_id: Optional[str]
@@ -64,9 +66,10 @@ class Candidate:
 
 @dataclass(frozen=True)
 class ActorStart:
-    """What a ``SchedulerActor`` starts its rank with: a candidate per GPU id Ray may give it, planned
-    on ``node_id``, or none (``unplanned`` says why: it places its own GPU under ``policy``). ``policy``
-    None: placement is off (the legacy bind runs in ``configure_scheduler_process``)."""
+    """What a ``SchedulerActor`` starts its rank with: a candidate per GPU id Ray may
+    give it, planned on ``node_id``, or none (``unplanned`` says why: it places its own
+    GPU under ``policy``). ``policy`` None: placement is off (the legacy bind runs in
+    ``configure_scheduler_process``)."""
 
     policy: Optional["PlacementPolicy"]
     node_id: Optional[str] = None
@@ -80,7 +83,7 @@ class ActorStart:
         return len(self.candidates) == 1
 
 
-# --------------------------------------------------------------------------- the start decision
+# ------------------------------------------------------------------ the start decision
 
 
 def py_executable(argv: Sequence[str]) -> str:
@@ -95,19 +98,21 @@ def py_executable(argv: Sequence[str]) -> str:
     """
     if len(argv) < 2:
         raise ValueError(
-            f"the exec command {list(argv)!r} needs at least numactl and a Python interpreter"
+            f"the exec command {list(argv)!r} needs at least numactl and a Python "
+            "interpreter"
         )
     numactl, *options, python = argv
     for what, path in (("numactl path", numactl), ("Python interpreter path", python)):
         if not _ABSOLUTE_PATH.fullmatch(path):
             raise ValueError(
-                f"the {what} {path!r} is not an absolute path of letters, digits and _.+@/- only "
-                f"(Ray runs py_executable through a shell)"
+                f"the {what} {path!r} is not an absolute path of letters, digits and "
+                "_.+@/- only (Ray runs py_executable through a shell)"
             )
     for option in options:
         if not _NUMACTL_OPTION.fullmatch(option):
             raise ValueError(
-                f"the numactl option {option!r} is not of the form --name=digits,commas,dashes"
+                f"the numactl option {option!r} is not of the form "
+                "--name=digits,commas,dashes"
             )
     # Quoting is a no-op for tokens that passed the check; it stays as a second guard.
     return " ".join(shlex.quote(token) for token in argv)
@@ -120,7 +125,8 @@ def start_for_rank(
     policy: "PlacementPolicy",
     node_id: str,
 ) -> tuple[ActorStart, Optional[str]]:
-    """What ``rank``'s actor starts with, from its bundle's candidates, and its py_executable (None unless exec).
+    """What ``rank``'s actor starts with, from its bundle's candidates, and its
+    py_executable (None unless exec).
 
     Exec needs one numactl command that is right whichever id Ray gives the
     actor, so candidates that bind differently all bind in-process instead,
@@ -175,13 +181,15 @@ def start_for_rank(
 def actor_choice(
     start: ActorStart, accelerator_ids: Sequence[str], *, node_id: str
 ) -> tuple[Optional[Candidate], str]:
-    """The candidate of the GPU id Ray gave the actor, or None and why the actor must place its own
-    (a plan made on another node, or for other ids, says nothing about this actor)."""
+    """The candidate of the GPU id Ray gave the actor, or None and why the actor must
+    place its own (a plan made on another node, or for other ids, says nothing about
+    this actor)."""
     if not start.candidates:
         return None, start.unplanned or "no plan was made for this rank's bundle"
     if node_id != start.node_id:
         return None, (
-            f"its bundle was planned on Ray node {start.node_id}, but the actor runs on node {node_id}"
+            f"its bundle was planned on Ray node {start.node_id}, but the actor runs "
+            f"on node {node_id}"
         )
     own = str(accelerator_ids[0]) if accelerator_ids else None
     for candidate in start.candidates:
@@ -194,7 +202,7 @@ def actor_choice(
     )
 
 
-# --------------------------------------------------------------------------- on each node
+# ------------------------------------------------------------------------ on each node
 
 
 def accelerator_ids_here() -> tuple[str, ...]:
@@ -204,8 +212,9 @@ def accelerator_ids_here() -> tuple[str, ...]:
 
 
 def probe_site(bundle_index: int, *after: BundleSite) -> BundleSite:
-    """Where this task's bundle is and the GPU ids it holds (run in the bundle, holding all of them);
-    ``after``, the previous probe's site on the node, only makes Ray run them one by one.
+    """Where this task's bundle is and the GPU ids it holds (run in the bundle,
+    holding all of them); ``after``, the previous probe's site on the node, only makes
+    Ray run them one by one.
     """
     node_id = ray.get_runtime_context().get_node_id()
     return BundleSite(bundle_index, node_id, accelerator_ids_here())
@@ -214,13 +223,14 @@ def probe_site(bundle_index: int, *after: BundleSite) -> BundleSite:
 def plan_on_node(
     server_args: Any, policy: "PlacementPolicy", *sites: BundleSite
 ) -> dict[int, tuple[Candidate, ...]]:
-    """One candidate per GPU id of the bundles of ``sites``, all placed together (a Ray task on their node).
+    """One candidate per GPU id of the bundles of ``sites``, all placed together (a Ray
+    task on their node).
 
     It holds no GPU: it places the ids it is given (never its own
-    ``CUDA_VISIBLE_DEVICES``) on the node's own topology (its ``SGLANG_SYSFS_ROOT``)
-    under the driver's policy. An exec command is checked by numactl's dry run
-    here: a worker numactl refuses never registers with Ray, and the launch would
-    only learn of it at its deadline.
+    ``CUDA_VISIBLE_DEVICES``) on the node's own topology (its
+    ``SGLANG_SYSFS_ROOT``) under the driver's policy. An exec command is checked by
+    numactl's dry run here: a worker numactl refuses never registers with Ray, and
+    the launch would only learn of it at its deadline.
     """
     from sglang.srt.placement.plan import HostFacts
 
@@ -229,8 +239,8 @@ def plan_on_node(
     for site in sites:
         if site.node_id != node_id:
             raise RuntimeError(
-                f"bundle {site.bundle_index} is on Ray node {site.node_id}, not on this node "
-                f"{node_id} that Ray's placement-group table named"
+                f"bundle {site.bundle_index} is on Ray node {site.node_id}, not on "
+                f"this node {node_id} that Ray's placement-group table named"
             )
         pairs += [(site.bundle_index, id_) for id_ in site.accelerator_ids]
     ids = [accelerator_id for _, accelerator_id in pairs]
@@ -256,22 +266,25 @@ def plan_ids(
     policy: Any,
     facts: Any,
 ) -> list[Union[ProcessPlacement, str]]:
-    """A placement per Ray GPU id of one node, all placed together, or the error that id's rank would
-    meet: a setting that does not fit one id (a ``--numa-node`` list too short for it) fails only the
-    ranks that get it, and the other ids are still placed together."""
+    """A placement per Ray GPU id of one node, all placed together, or the error that
+    id's rank would meet: a setting that does not fit one id (a ``--numa-node`` list
+    too short for it) fails only the ranks that get it, and the other ids are still
+    placed together."""
     from sglang.srt.placement.plan import plan_node
 
     found: list[Union[tuple[RankIdentity, str], str]] = []
     for accelerator_id in accelerator_ids:
         text = str(accelerator_id).strip()
-        # sglang's SchedulerActor takes int(ray_id) as its device: it indexes --numa-node,
-        # and bootstrap hands it to a CPU rank's init_threads_binding as numa_index.
+        # sglang's SchedulerActor takes int(ray_id) as its device: it indexes
+        # --numa-node, and bootstrap hands it to a CPU rank's init_threads_binding as
+        # numa_index.
         if text.isdigit():
             found.append((replace(_STAND_IN, gpu_id=int(text)), accelerator_id))
         else:
             found.append(
-                f"Ray's GPU id {text!r} is not an integer, but sglang's SchedulerActor uses "
-                "int(id) as the rank's GPU id; give the raylet CUDA_VISIBLE_DEVICES as indices"
+                f"Ray's GPU id {text!r} is not an integer, but sglang's SchedulerActor "
+                "uses int(id) as the rank's GPU id; give the raylet "
+                "CUDA_VISIBLE_DEVICES as indices"
             )
 
     def place(pairs: list) -> Sequence[ProcessPlacement]:
@@ -305,7 +318,8 @@ def _unlabelled(text: str) -> str:
 def _exec_argv_here(
     placement: ProcessPlacement,
 ) -> tuple[Optional[tuple[str, ...]], Optional[str]]:
-    """[numactl, *options, python] that starts an exec ``placement`` here, or why there is none."""
+    """[numactl, *options, python] that starts an exec ``placement`` here, or why there
+    is none."""
     from sglang.srt.placement.numactl import exec_refusal, numactl_prefix
 
     if placement.strategy != Strategy.EXEC:
@@ -317,7 +331,8 @@ def _exec_argv_here(
     complaint = exec_refusal(placement)
     if complaint is not None:
         return None, (
-            f"numactl {' '.join(placement.numactl_args)} does not start on this node: {complaint}"
+            f"numactl {' '.join(placement.numactl_args)} does not start on this node: "
+            f"{complaint}"
         )
     return (*prefix, sys.executable), None
 

@@ -1,4 +1,5 @@
-"""A scheduler rank's own placement steps inside its Ray actor: the body every scheduler actor is built on.
+"""A scheduler rank's own placement steps inside its Ray actor: the body every
+scheduler actor is built on.
 
 ``SchedulerRank`` takes upstream ``SchedulerActor``'s arguments plus the
 ``start`` (``ray_plan.ActorStart``) that ``_create_scheduler_actor`` planned on
@@ -21,15 +22,17 @@ from typing import Any, Dict, Optional
 import ray
 
 from sglang.srt.placement import settings
-from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
+from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.plan import plan_node
 from sglang.srt.placement.plan_args import placement_view
 from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import (
     PlacementError,
     ProcessPlacement,
     RankIdentity,
     Strategy,
+    TopologyError,
 )
 from sglang.srt.scheduler_placement.ray_plan import (
     ActorStart,
@@ -49,8 +52,9 @@ def own_placement(
     policy: PlacementPolicy,
     why: str,
 ) -> ProcessPlacement:
-    """The placement of an actor without a plan for the GPU it got: that GPU, by Ray's id, on this
-    node (never under this process's one-GPU ``CUDA_VISIBLE_DEVICES``), bound in-process.
+    """The placement of an actor without a plan for the GPU it got: that GPU, by Ray's
+    id, on this node (never under this process's one-GPU ``CUDA_VISIBLE_DEVICES``),
+    bound in-process.
     """
     policy = dataclasses.replace(policy, exec_supported=False)
     (placement,) = plan_node(
@@ -62,8 +66,8 @@ def own_placement(
     warning = placement.warning
     if policy.affinity_mode == "exclusive" and placement.bound:
         reasons.append(
-            "exclusive mode needs the other ranks of the node, which this actor does not "
-            "know: bound to the whole node"
+            "exclusive mode needs the other ranks of the node, which this actor does "
+            "not know: bound to the whole node"
         )
         warning = True
     return placement.replace(reasons=tuple(reasons), warning=warning)
@@ -72,9 +76,10 @@ def own_placement(
 def thread_mismatches(
     placement: ProcessPlacement, *, tasks_dir: str = "/proc/self/task"
 ) -> list[str]:
-    """One line when some thread of this process may run outside the CPUs of an exec or in-process
-    ``placement`` (``/proc/self/status`` shows the main thread only, and a process bound from one
-    thread keeps its other threads, and their allocations, unbound)."""
+    """One line when some thread of this process may run outside the CPUs of an exec
+    or in-process ``placement`` (``/proc/self/status`` shows the main thread only, and
+    a process bound from one thread keeps its other threads, and their allocations,
+    unbound)."""
     if (
         placement.strategy not in (Strategy.EXEC, Strategy.IN_PROCESS)
         or not placement.cpus
@@ -83,26 +88,24 @@ def thread_mismatches(
     threads: dict[int, frozenset[int]] = {}
     for name in filter(str.isdigit, os.listdir(tasks_dir)):
         try:
-            with open(os.path.join(tasks_dir, name, "status"), encoding="ascii") as f:
-                text = f.read()
-        except (FileNotFoundError, ProcessLookupError):
+            status = os.path.join(tasks_dir, name, "status")
+            threads[int(name)] = read_process_affinity(status).cpus
+        except TopologyError:
             continue  # the thread exited after the listing
-        for line in text.splitlines():
-            if line.startswith("Cpus_allowed_list:"):
-                threads[int(name)] = parse_cpulist(line.split(":", 1)[1].strip())
-                break
     off = {tid: cpus for tid, cpus in threads.items() if cpus != placement.cpus}
     if not off:
         return []
     tid, cpus = sorted(off.items())[0]
     return [
         f"{len(off)} of {len(threads)} threads may run outside the planned CPUs "
-        f"(thread {tid}: cpus {format_cpulist(cpus) or '(none)'}, planned {format_cpulist(placement.cpus)})"
+        f"(thread {tid}: cpus {format_cpulist(cpus) or '(none)'}, "
+        f"planned {format_cpulist(placement.cpus)})"
     ]
 
 
 class SchedulerRank:
-    """One scheduler rank in its own Ray worker process: upstream's arguments, the plan, the placement steps."""
+    """One scheduler rank in its own Ray worker process: upstream's arguments, the
+    plan, the placement steps."""
 
     def __init__(
         self,
@@ -121,8 +124,8 @@ class SchedulerRank:
         self._placement: Optional[ProcessPlacement] = None
         self._binding: Dict[str, Any] = {}
         self._start = start
-        # Get actual GPU IDs from Ray runtime context (upstream's SchedulerActor, as it was)
-        assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        # The GPU Ray assigned, else the one passed (upstream's SchedulerActor does so)
+        assigned = accelerator_ids_here()
         if assigned:
             # Ray assigned specific GPU(s), use the first one
             actual_gpu_id = int(assigned[0])
@@ -151,12 +154,14 @@ class SchedulerRank:
         dp_rank: Optional[int],
         dist_init_addr: Optional[str],
     ) -> None:
-        """Bring the rank up on ``gpu_id`` (the id it uses), calling ``_place`` before it allocates;
-        here a rank without a model (verify's probe) is only placed."""
+        """Bring the rank up on ``gpu_id`` (the id it uses), calling ``_place``
+        before it allocates; here a rank without a model (verify's probe) is only
+        placed."""
         self._place(server_args)
 
     def _place(self, server_args: Any) -> None:
-        """Take this rank's placement, apply the failure policy and its in-rank part, read the binding back."""
+        """Take this rank's placement, apply the failure policy and its in-rank part,
+        read the binding back."""
         from sglang.srt.placement.apply import bind_in_process
         from sglang.srt.placement.observe import compare_binding, observe_self
 
@@ -169,7 +174,7 @@ class SchedulerRank:
                 PlacementPolicy.from_env(view, launcher="ray"), unplanned=why
             )
         if start is None or start.policy is None:
-            return  # placement is off: the legacy bind ran in configure_scheduler_process
+            return  # placement is off: configure_scheduler_process ran the legacy bind
         ids = accelerator_ids_here()
         node_id = ray.get_runtime_context().get_node_id()
         candidate, why = actor_choice(start, ids, node_id=node_id)
@@ -190,7 +195,8 @@ class SchedulerRank:
             enforce_failure_policy(placement, who=who)
         summary = (
             f"node={placement.numa_node} cpus={format_cpulist(placement.cpus) or '-'} "
-            f"mem={placement.mem_policy}:{format_cpulist(placement.mem_nodes) or '-'} strategy={placement.strategy}"
+            f"mem={placement.mem_policy}:{format_cpulist(placement.mem_nodes) or '-'} "
+            f"strategy={placement.strategy}"
         )
         degraded = False  # a degraded in-process bind has warned already
         if placement.strategy == Strategy.IN_PROCESS:
@@ -223,12 +229,13 @@ class SchedulerRank:
             )
             if settings.bind_failure_is_fatal():
                 raise PlacementError(
-                    f"{message}. SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 makes this fatal; fix the cause, or unset it "
-                    f"to run with a warning."
+                    f"{message}. SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 makes this fatal; "
+                    "fix the cause, or unset it to run with a warning."
                 )
             logger.warning(message)
 
     def binding_report(self) -> Dict[str, Any]:
-        """What the rank read back after applying its placement (pid, observed binding, mismatches)."""
+        """What the rank read back after applying its placement (pid, observed
+        binding, mismatches)."""
         placement = self._placement and self._placement.to_dict()
         return {**self._binding, "placement": placement}

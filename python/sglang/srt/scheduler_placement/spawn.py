@@ -1,4 +1,5 @@
-"""The placement of one scheduler spawn: what ``numa_utils.configure_subprocess(server_args, gpu_id)`` does.
+"""The placement of one scheduler spawn: what
+``numa_utils.configure_subprocess(server_args, gpu_id)`` does.
 
 sglang's engine and data-parallel controller spawn every scheduler rank as
 ``with configure_subprocess(server_args, gpu_id): proc.start()``. At the
@@ -37,13 +38,15 @@ from sglang.srt.scheduler_placement.spawn_hook import hook_reachable, spawn_with
 logger = logging.getLogger(__name__)
 
 EXEC_WAIT_S = 30.0
-"""How long the watch waits for a child to leave numactl (about a millisecond; far more under load)."""
+"""How long the watch waits for a child to leave numactl (about a millisecond; far
+more under load)."""
 
 CRASH_SETTING = "SGLANG_CRASH_ON_NUMA_BIND_FAILURE"
 
 
 def spawn_label(server_args: Any, gpu_id: int) -> str:
-    """How logs name the spawn of ``gpu_id``: the GPU, and the visible devices when sglang narrowed them."""
+    """How logs name the spawn of ``gpu_id``: the GPU, and the visible devices when
+    sglang narrowed them."""
     if getattr(server_args, "device", None) == "cpu":
         return f"CPU rank {gpu_id}"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -53,7 +56,8 @@ def spawn_label(server_args: Any, gpu_id: int) -> str:
 
 
 def spawn_placement(server_args: Any, gpu_id: int) -> ProcessPlacement:
-    """Where the scheduler spawned for ``gpu_id`` runs, from this host's facts and this process's environment."""
+    """Where the scheduler spawned for ``gpu_id`` runs, from this host's facts and this
+    process's environment."""
     view = placement_view(server_args)
     policy = PlacementPolicy.from_env(view, launcher="mp")
     return place_gpu_id(
@@ -62,7 +66,8 @@ def spawn_placement(server_args: Any, gpu_id: int) -> ProcessPlacement:
 
 
 def enforce_failure_policy(placement: ProcessPlacement, *, who: str) -> None:
-    """One WARNING for a rank less bound than intended, or an error under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1."""
+    """One WARNING for a rank less bound than intended, or an error under
+    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1."""
     if not placement.warning:
         return
     reasons = "; ".join(placement.reasons)
@@ -78,9 +83,10 @@ def enforce_failure_policy(placement: ProcessPlacement, *, who: str) -> None:
 
 @contextlib.contextmanager
 def placed_spawn(server_args: Any, gpu_id: int) -> Iterator[None]:
-    """The body of ``configure_subprocess``: children spawned in the block start under ``gpu_id``'s placement."""
+    """The body of ``configure_subprocess``: children spawned in the block start under
+    ``gpu_id``'s placement."""
     if not settings.bind_v2():
-        yield  # the legacy V1 path: the child binds itself (configure_scheduler_process)
+        yield  # legacy V1: the child binds itself (configure_scheduler_process)
         return
     who = spawn_label(server_args, gpu_id)
     placement = spawn_placement(server_args, gpu_id)
@@ -118,26 +124,33 @@ def _check_block(
     executable_after = os.fsdecode(multiprocessing.spawn.get_executable())
     if executable_after != executable_before:
         problems.append(
-            f"the multiprocessing spawn executable changed from {executable_before} to {executable_after} "
-            "while the block ran (another library called multiprocessing.set_executable); children may run "
-            "another interpreter"
+            "the multiprocessing spawn executable changed from "
+            f"{executable_before} to {executable_after} while the block ran (another "
+            "library called multiprocessing.set_executable); children may run another "
+            "interpreter"
         )
     if applied == 0:
         if not hook_reachable():
             problems.append(
-                "multiprocessing.util.spawnv_passfds was replaced while the block ran, and the replacement "
-                f"does not lead to sglang's spawn hook: the child was not started under {' '.join(prefix)}"
+                "multiprocessing.util.spawnv_passfds was replaced while the block ran, "
+                "and the replacement does not lead to sglang's spawn hook: the child "
+                f"was not started under {' '.join(prefix)}"
             )
         else:
             problems.append(
-                "no process was started with the spawn start method inside the block, so "
-                f"{' '.join(prefix)} was not applied (use multiprocessing.get_context('spawn'))"
+                "no process was started with the spawn start method inside the block, "
+                f"so {' '.join(prefix)} was not applied (use "
+                "multiprocessing.get_context('spawn'))"
             )
     if problems:
         message = f"{who}: " + "; ".join(problems)
         if settings.bind_failure_is_fatal():
             raise PlacementError(f"{message} ({CRASH_SETTING}=1)")
         logger.warning(message)
+
+
+_Child = tuple[int, list[str], str]
+"""(pid, numactl prefix, how logs name the rank)."""
 
 
 class _ExecWatch:
@@ -148,16 +161,17 @@ class _ExecWatch:
     """
 
     def __init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """No thread yet: the state of a new process, and of a forked child, which has
+        none of its parent's threads."""
         self._lock = threading.Lock()
-        self._children: "queue.SimpleQueue[tuple[int, list[str], str]]" = (
-            queue.SimpleQueue()
-        )
-        self._owner: Optional[int] = None
-        """The pid whose thread runs: a forked child starts its own."""
+        self._children: "Optional[queue.SimpleQueue[_Child]]" = None
 
     def submit(self, pid: int, *, prefix: list[str], who: str) -> None:
         with self._lock:
-            if self._owner != os.getpid():
+            if self._children is None:
                 self._children = queue.SimpleQueue()
                 threading.Thread(
                     target=self._run,
@@ -165,11 +179,10 @@ class _ExecWatch:
                     name="sglang-numactl-watch",
                     daemon=True,
                 ).start()
-                self._owner = os.getpid()
             self._children.put((pid, prefix, who))
 
     @staticmethod
-    def _run(children: "queue.SimpleQueue[tuple[int, list[str], str]]") -> None:
+    def _run(children: "queue.SimpleQueue[_Child]") -> None:
         pending: dict[int, tuple[list[str], str, float]] = {}
         pause = _FIRST_PAUSE_S
         while True:
@@ -189,6 +202,7 @@ class _ExecWatch:
 
 _FIRST_PAUSE_S = 0.0005
 _exec_watch = _ExecWatch()
+os.register_at_fork(after_in_child=_exec_watch.forget)
 
 
 def _report_exec_failure(pid: int, status: int, *, prefix: list[str], who: str) -> None:
@@ -207,24 +221,26 @@ def _report_exec_failure(pid: int, status: int, *, prefix: list[str], who: str) 
         if result is not None and not result.ok
         else "see the numactl message above"
     )
-    # The child is gone already: the launcher's own wait reports its death; this says why.
+    # The child is gone already: the launcher's own wait reports its death; this says
+    # why.
     logger.error(
-        f"{who}: numactl refused to start the scheduler process (pid {pid}, exit status {status}) under "
-        f"{' '.join(prefix)}: {why}"
+        f"{who}: numactl refused to start the scheduler process (pid {pid}, exit "
+        f"status {status}) under {' '.join(prefix)}: {why}"
     )
 
 
 def _past_numactl(
     pid: int, *, numactl: str, deadline: float
 ) -> tuple[bool, Optional[int]]:
-    """(whether the watch of ``pid`` is over, its exit status if it died while still numactl).
+    """(whether the watch of ``pid`` is over, its exit status if it died while still
+    numactl).
 
     It is over once ``pid`` runs another program, or when the deadline passed.
     The child is not reaped: multiprocessing waits for it as usual.
     """
     argv = _cmdline(pid)
     if not argv:
-        # An exiting process (or a zombie) has no command line: it ended before leaving numactl.
+        # An exiting process (or a zombie) has no command line: it ended as numactl.
         status = _exit_status(pid)
         return status is not None or time.monotonic() >= deadline, status
     if numactl not in argv[:2]:  # [numactl, ...], or [interpreter, numactl, ...]
