@@ -59,9 +59,9 @@ from ray.util.scheduling_strategies import (  # noqa: E402
 )
 from ray_gpu_cluster import two_numa_nodes  # noqa: E402
 
-from sglang.srt.placement.plan_args import PlanArgs  # noqa: E402
+from sglang.srt.placement_tools.plan_args import PlanArgs  # noqa: E402
 from sglang.srt.placement.types import RankIdentity  # noqa: E402
-from sglang.srt.placement.verify_ray import ProbeActor  # noqa: E402
+from sglang.srt.placement_tools.verify_ray import ProbeActor  # noqa: E402
 from sglang.srt.scheduler_placement import ray_actors  # noqa: E402
 from sglang.srt.scheduler_placement.ray_plan import ActorStart  # noqa: E402
 

@@ -20,7 +20,7 @@ PY
     export SGLANG_CPU_OMP_THREADS_BIND
 fi
 echo "== plan: SGLANG_CPU_OMP_THREADS_BIND=$SGLANG_CPU_OMP_THREADS_BIND, --device cpu --tp-size 2"
-"$py" -m sglang.srt.placement plan --device cpu --tp-size 2 "$@"
+"$py" -m sglang.srt.placement_tools plan --device cpu --tp-size 2 "$@"
 echo
 echo "== verify through sglang's launch paths (each rank reads its binding back)"
-"$py" -m sglang.srt.placement verify --device cpu --tp-size 2 --launcher both "$@"
+"$py" -m sglang.srt.placement_tools verify --device cpu --tp-size 2 --launcher both "$@"

@@ -54,6 +54,7 @@ class Patch:
 P = "srt/placement/"
 G = "srt/scheduler_placement/"
 D = "srt/distributed/"
+T = "srt/placement_tools/"
 NUMA = "srt/utils/numa_utils.py"
 
 SERIES: Tuple[Patch, ...] = (
@@ -82,7 +83,7 @@ SERIES: Tuple[Patch, ...] = (
         "a snapshot; capture saves the files it reads.",
         "tests/test_topology.py, tests/test_capture.py",
         "Nothing yet.",
-        files=(P + "topology.py", P + "capture.py"),
+        files=(P + "topology.py",),
     ),
     Patch(
         "devices",
@@ -144,7 +145,6 @@ SERIES: Tuple[Patch, ...] = (
             G + "__init__.py",
             G + "spawn_hook.py",
             G + "spawn.py",
-            P + "plan_args.py",
         ),
     ),
     Patch(
@@ -190,15 +190,6 @@ SERIES: Tuple[Patch, ...] = (
         "upstream); a rank less bound than intended gets one WARNING, or an error "
         "before any child starts under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.",
         files=(NUMA,),
-    ),
-    Patch(
-        "read-back",
-        "placement: read a rank's binding back from inside it",
-        "CPUs, allowed memory nodes, memory policy and where the pages are, compared "
-        "with the placement.",
-        "tests/test_observe.py",
-        "Nothing yet.",
-        files=(P + "observe.py",),
     ),
     Patch(
         "ray-node-plan",
@@ -254,22 +245,32 @@ SERIES: Tuple[Patch, ...] = (
         files=(D + "shm_collective.py", "srt/distributed/bootstrap.py"),
     ),
     Patch(
-        "cli-plan",
-        "placement: python -m sglang.srt.placement plan | capture",
+        "tools-plan",
+        "placement_tools: python -m sglang.srt.placement_tools plan",
         "One line per rank saying what sglang's launch path will do and why, or JSON; "
-        "plans from a snapshot; bounded input.",
+        "bounded input. A package on top: nothing below imports it.",
         "tests/test_plan_cli.py, tests/test_cli_fuzz.py, tests/test_input_bounds.py",
         "A new command.",
-        files=(P + "__main__.py",),
+        files=(T + "__init__.py", T + "__main__.py", T + "plan_args.py"),
     ),
     Patch(
-        "cli-verify",
-        "placement: verify through sglang's own launchers",
+        "tools-capture-read-back",
+        "placement_tools: capture a host's topology, read a rank's binding back",
+        "capture saves the sysfs files placement reads, for plan --sysfs-root; the "
+        "read-back gives CPUs, allowed memory nodes, memory policy and where the "
+        "pages are, compared with the placement.",
+        "tests/test_capture.py, tests/test_observe.py",
+        "plan for another host from its snapshot.",
+        files=(T + "capture.py", T + "observe.py"),
+    ),
+    Patch(
+        "tools-verify",
+        "placement_tools: verify through sglang's own launchers",
         "Probe ranks started inside configure_subprocess and through "
         "_create_scheduler_actor report their binding from inside.",
         "tests/test_verify.py, tests/test_ray_verify.py, tests/test_ray_verify_cli.py",
         "verify says, rank by rank, whether the launch path bound each rank as planned.",
-        files=(P + "verify.py", P + "verify_ray.py"),
+        files=(T + "verify.py", T + "verify_ray.py"),
     ),
 )
 

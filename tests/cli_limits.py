@@ -1,4 +1,4 @@
-"""Running `python -m sglang.srt.placement` on bad input without letting a missing bound harm the host.
+"""Running `python -m sglang.srt.placement_tools` on bad input without letting a missing bound harm the host.
 
 ``run_cli`` starts the command under a 1 GiB address-space limit and a timeout; ``memory_cap`` caps this
 process's own address space (for in-process calls) for a block; ``deadline`` turns a hang into an exception;
@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
-CLI = [sys.executable, "-m", "sglang.srt.placement"]
+CLI = [sys.executable, "-m", "sglang.srt.placement_tools"]
 MEMORY_LIMIT = 1 << 30
 
 

@@ -25,7 +25,7 @@ import fakesys
 
 def report_binding(queue: Any) -> None:
     """A child's target (top level): its CPUs and memory policy, as the kernel reports them."""
-    from sglang.srt.placement.observe import read_mempolicy
+    from sglang.srt.placement.libnuma import read_mempolicy
 
     policy, nodes = read_mempolicy()
     queue.put(

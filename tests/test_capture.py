@@ -12,7 +12,7 @@ import stat
 import fakesys
 import pytest
 
-from sglang.srt.placement.capture import CaptureError, capture_sysfs
+from sglang.srt.placement_tools.capture import CaptureError, capture_sysfs
 from sglang.srt.placement.topology import SNAPSHOT_MARKER, read_topology
 from sglang.srt.placement.types import TopologyError
 
@@ -183,7 +183,7 @@ def test_truncated_snapshot_names_the_capture_command(tmp_path):
         f"{tmp_path}/snap/devices/system/node/node2/meminfo: missing; "
     )
     assert f"captured from kernel {os.uname().release}" in message
-    assert "re-capture it with `python -m sglang.srt.placement capture DIR`" in message
+    assert "re-capture it with `python -m sglang.srt.placement_tools capture DIR`" in message
 
 
 def test_kernel_without_numa_or_memory_blocks_carries_memory_in_the_marker(

@@ -1,4 +1,4 @@
-"""Bounds on every input of `python -m sglang.srt.placement`: flags, environment variables, sysfs and snapshot
+"""Bounds on every input of `python -m sglang.srt.placement_tools`: flags, environment variables, sysfs and snapshot
 files, and the capture destination.
 
 Each bad input ends at once with exit status 2 and one line on stderr that names it: never a traceback, a
@@ -28,8 +28,8 @@ from cli_limits import (
     run_cli,
 )
 
-from sglang.srt.placement.__main__ import build_parser, main
-from sglang.srt.placement.capture import capture_sysfs
+from sglang.srt.placement_tools.__main__ import build_parser, main
+from sglang.srt.placement_tools.capture import capture_sysfs
 from sglang.srt.placement.cpulist import CpuListError, parse_cpulist
 from sglang.srt.placement.topology import SNAPSHOT_MARKER
 

@@ -1,11 +1,10 @@
-"""The project's modules only point down: placement, then the glue sglang's launchers call, then the CLI.
+"""The project's modules only point down: placement, then the glue sglang's launchers call, then the tools.
 
 ``placement`` (host facts, the pure decision, the ways to apply it) imports
 nothing of the project's but ``environ``; ``scheduler_placement`` is the glue
-sglang's own launchers call (the spawn hook, the Ray planning round, the
-in-rank apply); the owned ``ray.scheduler_actor`` and upstream's modules sit
-above the glue; ``placement.__main__``, ``placement.verify`` and
-``placement.verify_ray`` drive sglang's launch path, so they sit on top.
+sglang's own launchers call; the owned ``ray.scheduler_actor`` and upstream's
+modules sit above the glue; ``placement_tools`` (plan, verify, capture and the
+read-back) drives sglang's launch path, so it sits on top, and nothing imports it.
 
 Read from the source (every import, function-level ones included), not from
 what happens to be loaded, so a lazy import cannot hide a circle.
@@ -18,7 +17,6 @@ from collections import defaultdict
 from pathlib import Path
 
 SRT = Path(__file__).resolve().parents[1] / "python" / "sglang" / "srt"
-CLI = ("__main__", "verify", "verify_ray")
 
 
 def layer(module: str) -> str | None:
@@ -27,9 +25,12 @@ def layer(module: str) -> str | None:
     if parts[:2] != ["sglang", "srt"] or len(parts) < 3:
         return None
     rest = parts[2:]
-    if rest[0] == "placement" and len(rest) > 1 and rest[1] in CLI:
-        return "placement.cli"
-    if rest[0] in ("placement", "scheduler_placement", "distributed"):
+    if rest[0] in (
+        "placement",
+        "placement_tools",
+        "scheduler_placement",
+        "distributed",
+    ):
         return rest[0]
     return ".".join(rest[:2])
 
@@ -82,15 +83,15 @@ def test_no_import_circle_between_the_packages_parts():
     assert find_cycle(import_graph()) == []
 
 
-def test_placement_imports_only_environ_and_the_glue_imports_no_actor_nor_cli():
+def test_placement_imports_only_environ_and_the_glue_imports_no_actor_nor_tools():
     edges = import_graph()
     assert edges["placement"] <= {"environ"}, edges["placement"]
-    assert "placement.cli" not in edges["scheduler_placement"]
     assert "ray.scheduler_actor" not in edges["scheduler_placement"]
-    assert "placement.cli" not in edges["ray.scheduler_actor"]
-    # The owned actor is built on the glue; the CLI drives sglang's own launch path (the overlaid engine).
+    # Nothing but the tools themselves imports the tools.
+    assert [s for s, t in edges.items() if "placement_tools" in t] == []
+    # The owned actor is built on the glue; the tools drive sglang's own launch path.
     assert "scheduler_placement" in edges["ray.scheduler_actor"]
-    assert {"ray.engine", "scheduler_placement"} <= edges["placement.cli"]
+    assert {"ray.engine", "scheduler_placement"} <= edges["placement_tools"]
 
 
 def test_no_module_names_the_removed_launchers():

@@ -73,7 +73,7 @@ def test_policies_and_migration_through_the_real_library():
         f"""
         import json
         from sglang.srt.placement.libnuma import load_libnuma
-        from sglang.srt.placement.observe import read_mempolicy
+        from sglang.srt.placement.libnuma import read_mempolicy
         lib = load_libnuma()
         result = {{}}
         lib.set_preferred({node})

@@ -1,4 +1,4 @@
-"""`python -m sglang.srt.placement plan` and `capture`, as a user runs them, on sysfs trees laid out like /sys."""
+"""`python -m sglang.srt.placement_tools plan` and `capture`, as a user runs them, on sysfs trees laid out like /sys."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 import fakesys
 import pytest
 
-from sglang.srt.placement.__main__ import main
+from sglang.srt.placement_tools.__main__ import main
 
-PLAN = [sys.executable, "-m", "sglang.srt.placement", "plan"]
+PLAN = [sys.executable, "-m", "sglang.srt.placement_tools", "plan"]
 
 
 def run_plan(*args, env=None):
@@ -221,7 +221,7 @@ def test_corrupt_snapshot_is_a_clear_error(tmp_path):
 def test_capture_then_plan_from_the_snapshot_round_trip(tmp_path):
     snapshot = tmp_path / "snap"
     done = subprocess.run(
-        [sys.executable, "-m", "sglang.srt.placement", "capture", str(snapshot)],
+        [sys.executable, "-m", "sglang.srt.placement_tools", "capture", str(snapshot)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -248,7 +248,7 @@ def test_capture_then_plan_from_the_snapshot_round_trip(tmp_path):
     for key in ("numa_node", "cpus", "mem_policy", "strategy"):
         assert live_rank[key] == snap_rank[key], key
     again = subprocess.run(
-        [sys.executable, "-m", "sglang.srt.placement", "capture", str(snapshot)],
+        [sys.executable, "-m", "sglang.srt.placement_tools", "capture", str(snapshot)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -291,7 +291,7 @@ def test_verify_refuses_a_snapshot_since_it_runs_ranks_on_this_host(tmp_path):
         [
             sys.executable,
             "-m",
-            "sglang.srt.placement",
+            "sglang.srt.placement_tools",
             "verify",
             "--tp-size",
             "2",

@@ -32,8 +32,8 @@ from ray_gpu_cluster import GPU_NODE, NO_CPU_NODE
 
 from sglang.srt.environ import envs
 from sglang.srt.placement.cpulist import parse_cpulist
-from sglang.srt.placement.plan_args import PlanArgs
-from sglang.srt.placement.verify_ray import ProbeActor
+from sglang.srt.placement_tools.plan_args import PlanArgs
+from sglang.srt.placement_tools.verify_ray import ProbeActor
 from sglang.srt.scheduler_placement import ray_actors
 
 pytestmark = pytest.mark.ray

@@ -11,7 +11,7 @@ import pytest
 
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
 from sglang.srt.placement.plan import HostFacts
-from sglang.srt.placement.plan_args import PlanArgs
+from sglang.srt.placement_tools.plan_args import PlanArgs
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.strategy import HostCapabilities
 from sglang.srt.placement.topology import read_topology

@@ -15,9 +15,9 @@ import pytest
 import ray
 from ray_gpu_cluster import GPU_NODE
 
-from sglang.srt.placement.plan_args import PlanArgs
-from sglang.srt.placement.verify import VerifyError
-from sglang.srt.placement.verify_ray import ray_engine_ranks, verify_ray
+from sglang.srt.placement_tools.plan_args import PlanArgs
+from sglang.srt.placement_tools.verify import VerifyError
+from sglang.srt.placement_tools.verify_ray import ray_engine_ranks, verify_ray
 
 pytestmark = pytest.mark.ray
 

@@ -22,7 +22,7 @@ from ray_gpu_cluster import ray_test_env, run_json, running_cluster
 
 pytestmark = pytest.mark.ray
 
-VERIFY = ["-m", "sglang.srt.placement", "verify", "--launcher", "ray", "--json"]
+VERIFY = ["-m", "sglang.srt.placement_tools", "verify", "--launcher", "ray", "--json"]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_verify_with_ray_refuses_a_driver_side_sysfs_root_without_starting_ray(
     tmp_path,
 ):
     done = subprocess.run(
-        [sys.executable, "-m", "sglang.srt.placement", "verify", "--launcher", "ray",
+        [sys.executable, "-m", "sglang.srt.placement_tools", "verify", "--launcher", "ray",
          "--sysfs-root", str(tmp_path)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

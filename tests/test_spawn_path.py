@@ -364,7 +364,7 @@ def test_overlapping_groups_follow_one_rule_in_plan_and_bootstrap(monkeypatch, c
         [
             sys.executable,
             "-m",
-            "sglang.srt.placement",
+            "sglang.srt.placement_tools",
             "plan",
             "--device",
             "cpu",

@@ -20,7 +20,7 @@ from sglang.srt.placement.topology import (
 )
 from sglang.srt.placement.types import Cpu, TopologyError
 
-CAPTURE_FIX = "re-capture it with `python -m sglang.srt.placement capture DIR`"
+CAPTURE_FIX = "re-capture it with `python -m sglang.srt.placement_tools capture DIR`"
 TREE_FIX = "set SGLANG_SYSFS_ROOT to a sysfs tree"
 
 

@@ -71,7 +71,7 @@ def two_node_tree(root: Path) -> Path:
 
 
 def report_memory_policy(queue) -> None:
-    from sglang.srt.placement.observe import read_mempolicy
+    from sglang.srt.placement.libnuma import read_mempolicy
 
     policy, nodes = read_mempolicy()
     queue.put((policy, sorted(nodes), sorted(os.sched_getaffinity(0))))
@@ -149,7 +149,7 @@ def test_gpu_worker_binds_through_the_placement():
     code = (
         "import os, types\n"
         "from sglang.multimodal_gen.runtime.managers import gpu_worker\n"
-        "from sglang.srt.placement.observe import read_mempolicy\n"
+        "from sglang.srt.placement.libnuma import read_mempolicy\n"
         "from sglang.srt.server_args import ServerArgs\n"
         "before = sorted(os.sched_getaffinity(0))\n"
         "node = gpu_worker._bind_worker_to_gpu_numa_node(types.SimpleNamespace(numa_node=[0]), 0)\n"

@@ -12,9 +12,9 @@ import time
 import pytest
 from spawn_support import args, numactl_standin
 
-from sglang.srt.placement.observe import ObservedBinding
+from sglang.srt.placement_tools.observe import ObservedBinding
 from sglang.srt.placement.types import ProcessPlacement
-from sglang.srt.placement.verify import (
+from sglang.srt.placement_tools.verify import (
     VerifyError,
     differences,
     format_verify_rows,
@@ -169,7 +169,7 @@ def test_verify_cli_exits_1_on_a_mismatch_and_0_when_all_agree(cpu_groups, tmp_p
     command = [
         sys.executable,
         "-m",
-        "sglang.srt.placement",
+        "sglang.srt.placement_tools",
         "verify",
         "--device",
         "cpu",
@@ -193,7 +193,7 @@ def test_verify_cli_exits_1_on_a_mismatch_and_0_when_all_agree(cpu_groups, tmp_p
 )
 def test_verify_refuses_planning_inputs_that_sglang_does_not_take(flag):
     done = subprocess.run(
-        [sys.executable, "-m", "sglang.srt.placement", "verify", flag],
+        [sys.executable, "-m", "sglang.srt.placement_tools", "verify", flag],
         capture_output=True,
         text=True,
         timeout=120,
@@ -237,7 +237,7 @@ def test_verify_under_the_crash_setting_fails_in_one_line_naming_the_rank(cpu_gr
         ),
     }
     done = subprocess.run(
-        [sys.executable, "-m", "sglang.srt.placement", "verify", "--device", "cpu",
+        [sys.executable, "-m", "sglang.srt.placement_tools", "verify", "--device", "cpu",
          "--tp-size", "2"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from numavm import run_script_in_vm
 
-from sglang.srt.placement.observe import ObservedBinding
+from sglang.srt.placement_tools.observe import ObservedBinding
 
 SCRIPT = "tests/vm_scripts/inprocess_bind.py"
 

@@ -21,7 +21,7 @@ class Scheduler:
     def __init__(self, *, server_args: Any, port_args: Any) -> None:
         import torch
 
-        from sglang.srt.placement.observe import read_mempolicy
+        from sglang.srt.placement.libnuma import read_mempolicy
 
         torch.cuda.set_device = (
             lambda device: None

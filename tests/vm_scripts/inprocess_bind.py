@@ -48,7 +48,7 @@ def main() -> None:
 
     from sglang.srt.placement.apply import bind_in_process
     from sglang.srt.placement.cpulist import parse_cpulist
-    from sglang.srt.placement.observe import compare_binding, observe_self
+    from sglang.srt.placement_tools.observe import compare_binding, observe_self
     from sglang.srt.placement.types import ProcessPlacement
 
     early = _touch(args.mib)

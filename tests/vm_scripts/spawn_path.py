@@ -38,7 +38,7 @@ from spawn_support import (  # noqa: E402  (the ServerArgs fields placement read
 
 def rank_report(queue, touch_mb: int) -> None:
     """A spawned rank (top level, so the child can import it): touch memory, then report its binding."""
-    from sglang.srt.placement.observe import observe_self
+    from sglang.srt.placement_tools.observe import observe_self
 
     block = bytearray(touch_mb << 20)
     for offset in range(0, len(block), 4096):
@@ -100,7 +100,7 @@ def run_engine(
 
 
 def plan_json(server_args) -> list[dict]:
-    """What ``python -m sglang.srt.placement plan --json`` prints for ``server_args`` here."""
+    """What ``python -m sglang.srt.placement_tools plan --json`` prints for ``server_args`` here."""
     import subprocess
 
     flags = [
@@ -114,7 +114,7 @@ def plan_json(server_args) -> list[dict]:
         str(server_args.base_gpu_id),
     ]
     done = subprocess.run(
-        [sys.executable, "-m", "sglang.srt.placement", "plan", "--json", *flags],
+        [sys.executable, "-m", "sglang.srt.placement_tools", "plan", "--json", *flags],
         capture_output=True,
         text=True,
         check=True,

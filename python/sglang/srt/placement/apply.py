@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.libnuma import LibNumaApi, load_libnuma
+from sglang.srt.placement.libnuma import LibNumaApi, load_libnuma, read_mempolicy
 from sglang.srt.placement.types import (
     MemPolicy,
     PlacementError,
@@ -268,8 +268,6 @@ def handle_bind_failure(message: str, *, log: logging.Logger = logger) -> None:
 
 def can_set_mempolicy() -> bool:
     """Whether this process may use the memory-policy syscalls (a container without SYS_NICE may not)."""
-    from sglang.srt.placement.observe import read_mempolicy
-
     try:
         read_mempolicy()
     except OSError:

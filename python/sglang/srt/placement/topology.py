@@ -1,7 +1,7 @@
 """Host facts (NUMA nodes, CPUs, PCI devices) read from a sysfs root into frozen values.
 
 The root is normally the live ``/sys``; it can also be a snapshot made with
-``python -m sglang.srt.placement capture DIR`` or a fake tree in tests, which is
+``python -m sglang.srt.placement_tools capture DIR`` or a fake tree in tests, which is
 how a placement is planned for a host other than this one.
 
 What is read, relative to the root:
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 SNAPSHOT_MARKER = "sglang-placement-snapshot.json"
 SNAPSHOT_FORMAT = 1
-CAPTURE_COMMAND = "python -m sglang.srt.placement capture DIR"
+CAPTURE_COMMAND = "python -m sglang.srt.placement_tools capture DIR"
 LIVE_SYSFS = "/sys"
 
 CPU_ONLINE = "devices/system/cpu/online"

@@ -24,7 +24,7 @@ import ray
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.plan import plan_node
-from sglang.srt.placement.plan_args import placement_view
+from sglang.srt.placement.policy import placement_view
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import (
@@ -163,7 +163,7 @@ class SchedulerRank:
         """Take this rank's placement, apply the failure policy and its in-rank part,
         read the binding back."""
         from sglang.srt.placement.apply import bind_in_process
-        from sglang.srt.placement.observe import compare_binding, observe_self
+        from sglang.srt.placement_tools.observe import compare_binding, observe_self
 
         start, who = self._start, self._rank.label
         if start is None and settings.bind_v2():

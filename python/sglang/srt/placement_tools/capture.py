@@ -1,6 +1,6 @@
 """Copy the sysfs files placement reads into a small directory, to plan for that host elsewhere.
 
-``python -m sglang.srt.placement capture DIR`` on the serving host, then
+``python -m sglang.srt.placement_tools capture DIR`` on the serving host, then
 ``--sysfs-root DIR`` anywhere: ``read_topology(DIR)`` gives the same topology as
 ``read_topology("/sys")`` did on that host (only ``root`` differs).
 """

@@ -24,35 +24,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+from sglang.srt.placement.libnuma import read_mempolicy
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import MemPolicy, ProcessPlacement, Strategy
-
-# <linux/mempolicy.h> modes, indexed by number.
-_MODE_NAMES = {
-    0: "default",
-    1: "preferred",
-    2: "bind",
-    3: "interleave",
-    4: "local",
-    5: "preferred_many",
-    6: "weighted_interleave",
-}
-# MPOL_F_STATIC_NODES | MPOL_F_RELATIVE_NODES | MPOL_F_NUMA_BALANCING ride in the high bits of the mode.
-_MODE_FLAGS_MASK = (1 << 15) | (1 << 14) | (1 << 13)
-
-# __NR_get_mempolicy; architectures not listed go through libnuma's wrapper instead.
-_SYS_GET_MEMPOLICY = {
-    "x86_64": 239,
-    "amd64": 239,
-    "aarch64": 236,
-    "arm64": 236,
-    "riscv64": 236,
-}
-
-# Room for 4096 node bits: more than any kernel's MAX_NUMNODES, so get_mempolicy never says EINVAL for size.
-_MASK_BITS = 4096
-_ULONG_BITS = ctypes.sizeof(ctypes.c_ulong) * 8
 
 MemPolicyReader = Callable[[], "tuple[str, frozenset[int]]"]
 
@@ -135,69 +110,6 @@ def parse_numa_maps(text: str) -> tuple[dict[int, int], dict[int, int]]:
             if not is_file:
                 anon[node] = anon.get(node, 0) + kb
     return resident, anon
-
-
-# -- get_mempolicy ----------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _get_mempolicy_function() -> Callable[..., int]:
-    arch = platform.machine().lower()
-    number = _SYS_GET_MEMPOLICY.get(arch)
-    if number is not None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        syscall = libc.syscall
-        syscall.restype = ctypes.c_long
-
-        def call(mode: Any, mask: Any, maxnode: int, addr: Any, flags: int) -> int:
-            return syscall(
-                ctypes.c_long(number),
-                mode,
-                mask,
-                ctypes.c_ulong(maxnode),
-                addr,
-                ctypes.c_ulong(flags),
-            )
-
-        return call
-    try:
-        lib = ctypes.CDLL("libnuma.so.1", use_errno=True)
-    except OSError as exc:
-        raise OSError(
-            f"cannot read the memory policy on {arch}: no get_mempolicy syscall number known and libnuma.so.1 "
-            f"not loadable ({exc})"
-        ) from None
-    fn = lib.get_mempolicy
-    fn.restype = ctypes.c_long
-    return lambda mode, mask, maxnode, addr, flags: fn(
-        mode, mask, ctypes.c_ulong(maxnode), addr, ctypes.c_uint(flags)
-    )
-
-
-def read_mempolicy() -> tuple[str, frozenset[int]]:
-    """The calling thread's memory policy and its nodes, from get_mempolicy(2)."""
-    call = _get_mempolicy_function()
-    mode = ctypes.c_int(0)
-    words = _MASK_BITS // _ULONG_BITS
-    mask = (ctypes.c_ulong * words)()
-    # The kernel reads one bit fewer than maxnode, as for set_mempolicy.
-    result = call(ctypes.byref(mode), mask, _MASK_BITS + 1, None, 0)
-    if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"get_mempolicy failed: {os.strerror(err)}")
-    nodes = frozenset(
-        word_index * _ULONG_BITS + bit
-        for word_index, word in enumerate(mask)
-        if word
-        for bit in range(_ULONG_BITS)
-        if word >> bit & 1
-    )
-    number = mode.value & ~_MODE_FLAGS_MASK
-    name = _MODE_NAMES.get(number, f"mode{number}")
-    # Older kernels report local allocation as MPOL_PREFERRED with no nodes.
-    if name == "preferred" and not nodes:
-        name = "local"
-    return name, nodes
 
 
 # -- observe ----------------------------------------------------------------------------------

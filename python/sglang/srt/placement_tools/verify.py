@@ -50,7 +50,7 @@ class VerifyError(RuntimeError):
 def probe_main(label: str, writer: Any) -> None:
     """A probe rank's target (top level, so a spawned child can import it): report its
     binding as the kernel sees it (CPUs, memory nodes, policy, pages), then exit."""
-    from sglang.srt.placement.observe import observe_self
+    from sglang.srt.placement_tools.observe import observe_self
 
     try:
         observed = observe_self().to_dict()
@@ -95,7 +95,7 @@ def differences(
     default memory policy. A bound one must hold its CPUs and memory policy,
     and keep most of its own memory on its node(s).
     """
-    from sglang.srt.placement.observe import compare_binding
+    from sglang.srt.placement_tools.observe import compare_binding
 
     if placement.strategy == Strategy.NONE:
         found = []
@@ -134,7 +134,7 @@ def verify_row(
     unbound_cpus: frozenset[int],
 ) -> dict:
     """One output row: the plan's fields, then what the rank observed, and whether they agree."""
-    from sglang.srt.placement.observe import ObservedBinding
+    from sglang.srt.placement_tools.observe import ObservedBinding
 
     observed = ObservedBinding.from_dict(report["observed"])
     nodes = _target_nodes(placement)

@@ -28,7 +28,7 @@ from ray.util.placement_group import (
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.ranks import engine_gpu_id, rank_ranges
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity
-from sglang.srt.placement.verify import DEFAULT_TIMEOUT_S, VerifyError, verify_row
+from sglang.srt.placement_tools.verify import DEFAULT_TIMEOUT_S, VerifyError, verify_row
 from sglang.srt.scheduler_placement.ray_rank import SchedulerRank
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class PlacementProbe(SchedulerRank):
     """A scheduler rank without a model: placed as a real one, then reporting what its process observes."""
 
     def get_info(self) -> dict:
-        from sglang.srt.placement.observe import observe_self
+        from sglang.srt.placement_tools.observe import observe_self
 
         try:
             launcher_cpus = os.sched_getaffinity(os.getppid())
@@ -191,7 +191,7 @@ def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> lis
     """
     import sglang.srt.ray.engine as engine
     from sglang.srt.placement import settings
-    from sglang.srt.placement.plan_args import placement_view
+    from sglang.srt.placement.policy import placement_view
     from sglang.srt.placement.policy import PlacementPolicy
     from sglang.srt.scheduler_placement import ray_actors
 

@@ -1,4 +1,4 @@
-"""python -m sglang.srt.placement plan | verify | capture: show, check and snapshot rank placement."""
+"""python -m sglang.srt.placement_tools plan | verify | capture: show, check and snapshot rank placement."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from sglang.srt.placement.cpulist import (
     parse_cpulist,
     shown,
 )
-from sglang.srt.placement.plan_args import PlanArgs
+from sglang.srt.placement_tools.plan_args import PlanArgs
 from sglang.srt.placement.types import AFFINITY_MODES, PlacementError, ProcessAffinity
 
-PROG = "python -m sglang.srt.placement"
+PROG = "python -m sglang.srt.placement_tools"
 
 MAX_RANKS = 65536
 """The most ranks one engine may have (--tp-size x --pp-size x --dp-size), and so each size flag's ceiling."""
@@ -321,7 +321,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from sglang.srt.placement.verify import format_verify_rows, verify_mp
+    from sglang.srt.placement_tools.verify import format_verify_rows, verify_mp
 
     server_args = PlanArgs.from_cli_args(args)
     launchers = ("mp", "ray") if args.launcher == "both" else (args.launcher,)
@@ -355,7 +355,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     )
                 )
             else:
-                from sglang.srt.placement.verify_ray import verify_ray
+                from sglang.srt.placement_tools.verify_ray import verify_ray
 
                 stack.enter_context(_local_ray_cluster(server_args))
                 rows.extend(verify_ray(server_args, timeout_s=args.timeout))
@@ -406,7 +406,7 @@ def _local_ray_cluster(server_args: PlanArgs) -> Iterator[None]:
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
-    from sglang.srt.placement.capture import capture_sysfs
+    from sglang.srt.placement_tools.capture import capture_sysfs
 
     count = capture_sysfs(args.dir, root=args.sysfs_root)
     print(
@@ -452,7 +452,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 return cmd_verify(args)
             except RuntimeError as exc:
-                from sglang.srt.placement.verify import VerifyError
+                from sglang.srt.placement_tools.verify import VerifyError
 
                 if not isinstance(exc, (VerifyError, PlacementError)):
                     raise
