@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from sglang.srt.placement.cpulist import format_cpulist
+from sglang.srt.placement.devices import accelerator_pci_devices
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.strategy import (
     HostCapabilities,
@@ -130,8 +131,6 @@ def node_accelerators(
     each other. A device whose node the kernel does not know counts for the
     only node with CPUs, where ``choose_node`` places it.
     """
-    from sglang.srt.placement.devices import accelerator_pci_devices
-
     only = topology.cpu_nodes[0].node_id if len(topology.cpu_nodes) == 1 else None
     return tuple(
         dev.address
@@ -181,7 +180,7 @@ def exclusive_cpus(
     units = physical_cores(allowed, topology=topology)
     reasons = [
         f"exclusive mode: GPU {index + 1} of {count} on node {node_id} (PCI order) "
-        f"of its {len(units)} allowed cores"
+        f"gets slice {index + 1} of the node's {len(units)} allowed cores"
     ]
     warning = False
     if len(units) < count:

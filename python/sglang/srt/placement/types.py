@@ -167,6 +167,8 @@ class Accelerator:
 
 @dataclass(frozen=True)
 class RankIdentity:
+    """Which scheduler rank a process is: every placement, log line and report names it."""
+
     dp_rank: int
     pp_rank: int
     tp_rank: int
