@@ -512,4 +512,3 @@ def test_l3_groups_are_read_from_cache_index3_without_offline_cpus(tmp_path):
         fakesys.write_sysfs(tmp_path / "vm", dataclasses.replace(shape, l3_per_node=0))
     )
     assert all(cpu.l3_cpus is None for cpu in bare.cpus)
-

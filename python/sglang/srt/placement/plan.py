@@ -28,11 +28,7 @@ from sglang.srt.placement.ranks import (
     rank_of_gpu_id,
     reindexed,
 )
-from sglang.srt.placement.resolve import (
-    ONE_NODE_REASON,
-    choose_node,
-    resolve_placement,
-)
+from sglang.srt.placement.resolve import ONE_NODE_REASON, choose_node, resolve_placement
 from sglang.srt.placement.strategy import HostCapabilities
 from sglang.srt.placement.types import (
     Accelerator,
