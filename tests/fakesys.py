@@ -15,8 +15,10 @@ What is written mirrors a live x86 kernel: ``devices/system/cpu/{online,possible
 ``cpuN/online`` (absent for cpu0), ``cpuN/topology/*`` only for online CPUs, siblings
 lists holding only online CPUs, ``devices/system/node/{online,possible,has_cpu,has_memory,
 has_normal_memory}``, ``nodeN/{cpulist,cpumap,meminfo,distance}`` (offline CPUs left out
-of the node's lists, as x86 does), and ``bus/pci/devices/ADDR`` as symlinks into
-``devices/pciDDDD:BB/ADDR``. With ``Host(numa=False)`` the tree is that of a kernel built
+of the node's lists, as x86 does), ``cpuN/cache/index0-3`` (L1d, L1i, L2 per core, L3
+per group) for online CPUs when L3 groups are given (``Shape.l3_per_node``,
+``Host.l3_groups``; no ``cache`` otherwise, as in a VM), and ``bus/pci/devices/ADDR`` as
+symlinks into ``devices/pciDDDD:BB/ADDR``. With ``Host(numa=False)`` the tree is that of a kernel built
 without NUMA: no ``devices/system/node``, no PCI ``numa_node``, and memory described by
 ``devices/system/memory`` blocks of 128 MiB.
 
