@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/resolve_cost.py [--repeat 50]
 
-Builds an 8-node sysfs tree (2 packages x 4 nodes, 8 cores x 2 threads and 8 GPUs per node), reads
+Builds an 8-node sysfs tree (2 packages x 4 nodes, 8 cores x 2 threads, 2 L3 groups and 8 GPUs per
+node), reads
 it once, then times plan_engine() for tp=8 x dp=8 = 64 ranks in each affinity mode. The numactl
 prober runs a counting stand-in for the numactl binary (this host has one node, so the options of
 nodes 1-7 would be refused), to show one probe per distinct option set however many ranks share it.
@@ -22,11 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import fakesys  # noqa: E402
 
 from sglang.srt.environ import envs  # noqa: E402
-from sglang.srt.placement.engine_args import EngineArgs  # noqa: E402
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult  # noqa: E402
-from sglang.srt.placement.resolve import HostCapabilities, plan_engine  # noqa: E402
+from sglang.srt.placement.plan import HostFacts, plan_engine  # noqa: E402
+from sglang.srt.placement_tools.plan_args import PlanArgs  # noqa: E402
+from sglang.srt.placement.strategy import HostCapabilities  # noqa: E402
 from sglang.srt.placement.topology import read_topology  # noqa: E402
-from sglang.srt.placement.types import ProcessAffinity  # noqa: E402
+from sglang.srt.placement.types import AFFINITY_MODES, ProcessAffinity  # noqa: E402
 
 
 def main() -> None:
@@ -40,6 +42,7 @@ def main() -> None:
         cores_per_node=8,
         threads_per_core=2,
         gpus_per_node=8,
+        l3_per_node=2,
     )
     with tempfile.TemporaryDirectory() as tmp:
         root = fakesys.write_sysfs(Path(tmp) / "sys", shape)
@@ -51,13 +54,13 @@ def main() -> None:
         mems=frozenset(n.node_id for n in topology.nodes),
         source="snapshot",
     )
-    server_args = EngineArgs(tp_size=8, dp_size=8)
+    server_args = PlanArgs(tp_size=8, dp_size=8)
     print(
         f"topology: {len(topology.nodes)} nodes, {len(topology.online_cpus)} CPUs, "
         f"{len(topology.pci_devices)} PCI devices; read once in {read_ms:.1f} ms"
     )
 
-    for mode in ("node", "exclusive", "socket"):
+    for mode in AFFINITY_MODES:
         probes: list[tuple[str, ...]] = []
 
         def counting_numactl(argv, probes=probes):
@@ -74,16 +77,16 @@ def main() -> None:
                 start = time.perf_counter()
                 placements = plan_engine(
                     server_args,
-                    topology=topology,
-                    affinity=affinity,
-                    capabilities=capabilities,
+                    facts=HostFacts(
+                        topology=topology, affinity=affinity, capabilities=capabilities
+                    ),
                     env={},
                     runtime=None,
                 )
                 timings.append((time.perf_counter() - start) * 1e3)
         distinct = {p.numactl_args for p in placements}
         print(
-            f"mode={mode:9s} ranks={len(placements)} resolve median {statistics.median(timings):.2f} ms, "
+            f"mode={mode:12s} ranks={len(placements)} resolve median {statistics.median(timings):.2f} ms, "
             f"max {max(timings):.2f} ms over {args.repeat} runs; numactl probes {len(probes)} "
             f"for {len(distinct)} distinct option sets"
         )

@@ -116,9 +116,10 @@ SERIES: Tuple[Patch, ...] = (
     Patch(
         "resolve",
         "placement: the pure decision, on sglang's own rank arithmetic",
-        "Where one rank runs from host facts and policy alone (node, socket and "
-        "exclusive modes); the engine's and the data-parallel controller's gpu_id "
-        "formulas in one place.",
+        "Where one rank runs from host facts and policy alone (node, socket, "
+        "exclusive and core-complex modes, a GPU's share of its node from sysfs "
+        "alone); the engine's and the data-parallel controller's gpu_id formulas "
+        "in one place.",
         "tests/test_resolve.py",
         "Nothing yet.",
         files=(P + "resolve.py", P + "ranks.py"),

@@ -15,8 +15,10 @@ What is written mirrors a live x86 kernel: ``devices/system/cpu/{online,possible
 ``cpuN/online`` (absent for cpu0), ``cpuN/topology/*`` only for online CPUs, siblings
 lists holding only online CPUs, ``devices/system/node/{online,possible,has_cpu,has_memory,
 has_normal_memory}``, ``nodeN/{cpulist,cpumap,meminfo,distance}`` (offline CPUs left out
-of the node's lists, as x86 does), and ``bus/pci/devices/ADDR`` as symlinks into
-``devices/pciDDDD:BB/ADDR``. With ``Host(numa=False)`` the tree is that of a kernel built
+of the node's lists, as x86 does), ``cpuN/cache/index0-3`` (L1d, L1i, L2 per core, L3
+per group) for online CPUs when L3 groups are given (``Shape.l3_per_node``,
+``Host.l3_groups``; no ``cache`` otherwise, as in a VM), and ``bus/pci/devices/ADDR`` as
+symlinks into ``devices/pciDDDD:BB/ADDR``. With ``Host(numa=False)`` the tree is that of a kernel built
 without NUMA: no ``devices/system/node``, no PCI ``numa_node``, and memory described by
 ``devices/system/memory`` blocks of 128 MiB.
 
@@ -84,6 +86,9 @@ class Host:
     A pair given one way is used both ways."""
     numa: bool = True
     """False: a kernel without NUMA support (then give exactly one node, node 0)."""
+    l3_groups: Sequence[frozenset[int]] = ()
+    """CPU sets that each share one L3 (``cache/index3``). Empty: no ``cache`` directory
+    at all, as in a VM whose kernel has no cacheinfo."""
 
     @property
     def all_cpus(self) -> frozenset[int]:
@@ -136,6 +141,9 @@ class Shape:
     same_socket_distance: int = 12
     remote_distance: int = 21
     offline_cpus: frozenset[int] = frozenset()
+    l3_per_node: int = 0
+    """L3 groups per node, each a contiguous run of its cores (SMT siblings with them);
+    0 writes no ``cache`` directory."""
 
     @property
     def num_nodes(self) -> int:
@@ -158,6 +166,24 @@ class Shape:
         """PCI addresses of the node's GPUs; GPU i overall sits on node i // gpus_per_node."""
         first = node_id * self.gpus_per_node
         return tuple(gpu_address(i) for i in range(first, first + self.gpus_per_node))
+
+    def l3_groups(self) -> tuple[frozenset[int], ...]:
+        if not self.l3_per_node:
+            return ()
+        per, extra = divmod(self.cores_per_node, self.l3_per_node)
+        if per == 0 or extra:
+            raise ValueError(
+                f"l3_per_node={self.l3_per_node} must divide cores_per_node="
+                f"{self.cores_per_node}"
+            )
+        return tuple(
+            frozenset(
+                thread * self.num_cores + core
+                for core in range(first, first + per)
+                for thread in range(self.threads_per_core)
+            )
+            for first in range(0, self.num_cores, per)
+        )
 
     @property
     def gpu_addresses(self) -> tuple[str, ...]:
@@ -201,6 +227,7 @@ class Shape:
             offline_cpus=frozenset(self.offline_cpus),
             cores=cores,
             distances=distances,
+            l3_groups=self.l3_groups(),
         )
 
 
@@ -408,6 +435,34 @@ def _write_cpus(root: Path, host: Host) -> None:
         _write(topo / "core_cpus_list", format_cpulist(siblings))
         _write(topo / "core_siblings_list", format_cpulist(package_cpus))
         _write(topo / "package_cpus_list", format_cpulist(package_cpus))
+        l3 = next((g for g in host.l3_groups if cpu in g), None)
+        if l3 is not None:
+            _write_caches(
+                cpu_dir / "cache", siblings, frozenset(l3) & online, nr_cpu_ids
+            )
+
+
+def _write_caches(
+    base: Path, core: frozenset[int], l3: frozenset[int], nr_cpu_ids: int
+) -> None:
+    """L1d, L1i and L2 per core and one L3 per group, as x86's cacheinfo lays them out
+    (the kernel drops offline CPUs from every ``shared_cpu_list``)."""
+    for index, (level, kind, size, shared) in enumerate(
+        (
+            (1, "Data", "48K", core),
+            (1, "Instruction", "32K", core),
+            (2, "Unified", "2048K", core),
+            (3, "Unified", "32768K", l3),
+        )
+    ):
+        cache = base / f"index{index}"
+        _write(cache / "level", str(level))
+        _write(cache / "type", kind)
+        _write(cache / "size", size)
+        _write(cache / "id", str(min(shared)))
+        _write(cache / "coherency_line_size", "64")
+        _write(cache / "shared_cpu_list", format_cpulist(shared))
+        _write(cache / "shared_cpu_map", _mask(shared, nr_cpu_ids))
 
 
 def _write_nodes(root: Path, host: Host) -> None:

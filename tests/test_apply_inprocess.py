@@ -33,6 +33,7 @@ from sglang.srt.placement.types import (
     NumaNode,
     PlacementError,
     ProcessPlacement,
+    RankIdentity,
 )
 
 HOST_CPUS = sorted(os.sched_getaffinity(0))
@@ -41,10 +42,7 @@ TARGET_CPUS = frozenset({HOST_CPUS[-1]})
 
 def placement(**changes) -> ProcessPlacement:
     fields = dict(
-        dp_rank=0,
-        pp_rank=0,
-        tp_rank=1,
-        gpu_id=1,
+        rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=1, gpu_id=1),
         pci=None,
         numa_node=1,
         cpus=TARGET_CPUS,
@@ -304,8 +302,8 @@ def test_real_libnuma_bind_in_a_child_matches_its_placement():
         import json, threading
         from sglang.srt.placement.apply import bind_in_process
         from sglang.srt.placement_tools.observe import compare_binding, observe_self
-        from sglang.srt.placement.types import ProcessPlacement
-        p = ProcessPlacement(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=None, pci=None, numa_node=0,
+        from sglang.srt.placement.types import ProcessPlacement, RankIdentity
+        p = ProcessPlacement(rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=None), pci=None, numa_node=0,
                              cpus=frozenset({{{cpu}}}), mem_nodes=frozenset({{0}}), mem_policy="bind",
                              strategy="in-process", reasons=())
         stop = threading.Event()

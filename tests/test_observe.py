@@ -17,7 +17,7 @@ from sglang.srt.placement_tools.observe import (
     observe_self,
     parse_numa_maps,
 )
-from sglang.srt.placement.types import ProcessPlacement, TopologyError
+from sglang.srt.placement.types import ProcessPlacement, RankIdentity, TopologyError
 
 NUMACTL = shutil.which("numactl")
 
@@ -33,10 +33,7 @@ NUMA_MAPS = """\
 
 def placement(**changes) -> ProcessPlacement:
     fields = dict(
-        dp_rank=1,
-        pp_rank=0,
-        tp_rank=2,
-        gpu_id=2,
+        rank=RankIdentity(dp_rank=1, pp_rank=0, tp_rank=2, gpu_id=2),
         pci=None,
         numa_node=1,
         cpus=frozenset({2, 3}),

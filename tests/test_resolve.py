@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
 
+import fakesys
 import pytest
 from conftest import setting
 
 from sglang.srt.environ import envs
 from sglang.srt.placement import resolve, settings
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
-from sglang.srt.placement.plan import HostFacts, plan_engine, plan_node
+from sglang.srt.placement.plan import HostFacts, place_gpu_id, plan_engine, plan_node
 from sglang.srt.placement_tools.plan_args import PlanArgs as EngineArgs
 from sglang.srt.placement_tools.plan_args import PlanArgsError as EngineArgsError
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.ranks import local_ranks
 from sglang.srt.placement.settings import SettingError
 from sglang.srt.placement.strategy import HostCapabilities
+from sglang.srt.placement.topology import read_topology
 from sglang.srt.placement.types import (
     Cpu,
     HostTopology,
@@ -279,7 +282,12 @@ def test_exclusive_mode_splits_each_node_keeping_smt_siblings_together(two_socke
 
 def test_exclusive_split_near_equal_when_uneven():
     topo = make_topology({0: (range(0, 5), 1 << 20)})
-    slices = resolve.split_exclusive(frozenset(range(5)), topology=topo, count=3)
+    slices = tuple(
+        resolve.exclusive_cpus(
+            frozenset(range(5)), topology=topo, node_id=0, index=index, count=3
+        ).cpus
+        for index in range(3)
+    )
     assert slices == (frozenset({0, 1}), frozenset({2, 3}), frozenset({4}))
 
 
@@ -369,7 +377,7 @@ def test_plan_node_uses_ray_accelerator_ids(two_sockets):
     (p,) = plan_node(
         EngineArgs(tp_size=2), ranks_with_ids=[(rank, "3")], facts=facts, runtime=None
     )
-    assert p.tp_rank == 1 and p.pci == "0000:ca:00.0" and p.numa_node == 1
+    assert p.rank.tp_rank == 1 and p.pci == "0000:ca:00.0" and p.numa_node == 1
     (unknown,) = plan_node(
         EngineArgs(tp_size=2), ranks_with_ids=[(rank, "7")], facts=facts, runtime=None
     )
@@ -502,7 +510,7 @@ def test_cpu_device_ranks_from_explicit_groups(two_sockets):
     ]
     assert [p.numa_node for p in placements] == [0, 1]
     assert placements[1].numactl_args == ("--physcpubind=16-23", "--membind=1")
-    assert [p.gpu_id for p in placements] == [
+    assert [p.rank.gpu_id for p in placements] == [
         0,
         1,
     ]  # a CPU rank's id is the numa_index bootstrap uses
@@ -577,10 +585,7 @@ def test_engine_formula_gives_upstreams_gpu_ids():
         (1, 1, 5),
     ]
     node1 = local_ranks(EngineArgs(tp_size=4, nnodes=2, node_rank=1))
-    assert [(r.tp_rank, r.gpu_id, r.global_rank) for r in node1] == [
-        (2, 0, 2),
-        (3, 1, 3),
-    ]
+    assert [(r.tp_rank, r.gpu_id) for r in node1] == [(2, 0), (3, 1)]
     stages = local_ranks(EngineArgs(tp_size=2, pp_size=2, nnodes=2, node_rank=1))
     assert [(r.pp_rank, r.tp_rank, r.gpu_id) for r in stages] == [(1, 0, 0), (1, 1, 1)]
 
@@ -589,11 +594,11 @@ def test_data_parallel_controller_formula_gives_upstreams_gpu_ids():
     """managers/data_parallel_controller.py: each dp rank's group starts tp_size * pp_size * step ids after
     the previous one's, on top of --base-gpu-id."""
     dp = local_ranks(EngineArgs(tp_size=2, dp_size=2))
-    assert [(r.dp_rank, r.tp_rank, r.gpu_id, r.global_rank) for r in dp] == [
-        (0, 0, 0, 0),
-        (0, 1, 1, 1),
-        (1, 0, 2, 2),
-        (1, 1, 3, 3),
+    assert [(r.dp_rank, r.tp_rank, r.gpu_id) for r in dp] == [
+        (0, 0, 0),
+        (0, 1, 1),
+        (1, 0, 2),
+        (1, 1, 3),
     ]
     stepped = local_ranks(
         EngineArgs(tp_size=2, dp_size=2, gpu_id_step=2, base_gpu_id=1)
@@ -717,3 +722,151 @@ def test_a_gpu_id_probes_only_its_own_options(two_sockets, monkeypatch):
     )
     assert p.cpus == frozenset({4, 5, 6, 7, 12, 13, 14, 15})
     assert [c[1:-1] for c in fake.calls] == [("--physcpubind=4-7,12-15", "--membind=0")]
+
+
+# --- exclusive and core-complex: each GPU's share of its node, from sysfs alone ----------------
+
+# Nodes 0 and 1, 4 cores x 2 threads each (CPU c and c + 8 are siblings), two L3 groups of two
+# cores per node, GPUs 0000:18:00.0 and 0000:28:00.0 on node 0, 0000:38:00.0 and 0000:48:00.0 on 1.
+L3_HOST = fakesys.Shape(
+    sockets=2, cores_per_node=4, threads_per_core=2, gpus_per_node=2, l3_per_node=2
+)
+L3_SHARES = [
+    frozenset({0, 1, 8, 9}),
+    frozenset({2, 3, 10, 11}),
+    frozenset({4, 5, 12, 13}),
+    frozenset({6, 7, 14, 15}),
+]
+
+
+def sysfs(tmp_path, spec):
+    return read_topology(fakesys.write_sysfs(tmp_path / "sys", spec))
+
+
+def in_mode(mode, topology, **server):
+    with setting("SGLANG_NUMA_AFFINITY_MODE", mode):
+        return plan(topology, **server)
+
+
+def share(p):
+    """What a GPU gets, whichever path placed it (rank labels differ by path)."""
+    return (p.pci, p.numa_node, p.cpus, p.mem_nodes, p.numactl_args, p.warning)
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "core-complex"])
+def test_each_gpu_gets_its_share_of_its_node(tmp_path, mode):
+    placements = in_mode(mode, sysfs(tmp_path, L3_HOST))
+    assert [p.cpus for p in placements] == L3_SHARES
+    assert placements[1].numactl_args == ("--physcpubind=2-3,10-11", "--membind=0")
+    assert placements[3].numactl_args == ("--physcpubind=6-7,14-15", "--membind=1")
+    assert not any(p.warning for p in placements)
+    assert f"{mode} mode: GPU 2 of 2 on node 0 (PCI order)" in " ".join(
+        placements[1].reasons
+    )
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "core-complex"])
+def test_a_gpus_share_is_the_same_whoever_computes_it(tmp_path, mode):
+    """The engine's plan, a tp=1 engine at --base-gpu-id, a spawn alone for that id, a Ray
+    actor under its one visible GPU and Ray's node plan all give a GPU the same CPUs."""
+    topology = sysfs(tmp_path, L3_HOST)
+    facts = HostFacts(
+        topology=topology, affinity=everything(topology), capabilities=caps()
+    )
+    with setting("SGLANG_NUMA_AFFINITY_MODE", mode):
+        policy = PlacementPolicy.from_env(EngineArgs(), launcher="mp")
+    engine = plan_engine(
+        EngineArgs(tp_size=4), facts=facts, env={}, policy=policy, runtime=None
+    )
+    assert [p.cpus for p in engine] == L3_SHARES
+    for gpu in range(4):
+        alone = EngineArgs(tp_size=1, base_gpu_id=gpu)
+        (router,) = plan_engine(alone, facts=facts, env={}, policy=policy, runtime=None)
+        spawned = place_gpu_id(
+            alone, gpu, policy=policy, facts=facts, env={}, runtime=None
+        )
+        actor = place_gpu_id(
+            EngineArgs(),
+            0,
+            policy=policy,
+            facts=facts,
+            env={"CUDA_VISIBLE_DEVICES": str(gpu)},
+            runtime=None,
+        )
+        rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=gpu, gpu_id=gpu)
+        (ray_node,) = plan_node(
+            EngineArgs(tp_size=4),
+            ranks_with_ids=[(rank, str(gpu))],
+            policy=policy,
+            facts=facts,
+            runtime=None,
+        )
+        assert {share(p) for p in (engine[gpu], router, spawned, actor, ray_node)} == {
+            share(engine[gpu])
+        }
+
+
+def test_the_modes_differ_where_the_process_may_use_part_of_a_node(tmp_path):
+    """exclusive shares out the allowed cores; core-complex keeps each L3 group's allowed CPUs."""
+    topology = sysfs(tmp_path, L3_HOST)
+    allowed = ProcessAffinity(
+        cpus=topology.online_cpus - {0, 8}, mems=frozenset({0, 1}), source="cpuset"
+    )
+    exclusive = in_mode("exclusive", topology, affinity=allowed)
+    core_complex = in_mode("core-complex", topology, affinity=allowed)
+    assert [p.cpus for p in exclusive[:2]] == [{1, 2, 9, 10}, {3, 11}]
+    assert [p.cpus for p in core_complex[:2]] == [{1, 9}, {2, 3, 10, 11}]
+
+
+def test_a_node_with_more_gpus_than_l3_groups_wraps_round_and_says_so(tmp_path):
+    host = dataclasses.replace(
+        L3_HOST.host(),
+        pci=[fakesys.PciSpec(fakesys.gpu_address(i), 0) for i in range(3)],
+    )
+    placements = in_mode("core-complex", sysfs(tmp_path, host), tp_size=3)
+    assert [p.cpus for p in placements] == [L3_SHARES[0], L3_SHARES[1], L3_SHARES[0]]
+    assert "node 0 has 3 GPUs for 2 L3 groups: GPUs wrap round and share a group" in (
+        placements[2].reasons
+    )
+    assert not placements[2].warning
+
+
+def test_exclusive_with_more_gpus_than_cores_splits_siblings_then_shares(tmp_path):
+    shape = fakesys.Shape(
+        sockets=2, cores_per_node=2, threads_per_core=2, gpus_per_node=3
+    )
+    placements = in_mode("exclusive", sysfs(tmp_path, shape), tp_size=3)
+    # node 0: cores {0, 4} and {1, 5}, as threads in core order 0, 4, 1, 5: 2 + 1 + 1.
+    assert [p.cpus for p in placements] == [{0, 4}, {1}, {5}]
+    assert "slices split SMT siblings" in " ".join(placements[0].reasons)
+    assert not any(p.warning for p in placements)
+
+    crowded = fakesys.Shape(sockets=2, cores_per_node=1, gpus_per_node=3)
+    placements = in_mode("exclusive", sysfs(tmp_path / "2", crowded), tp_size=3)
+    assert [p.cpus for p in placements] == [{0}] * 3
+    assert all(p.warning for p in placements)
+    assert "node 0 has 1 allowed CPUs for 3 GPUs: GPUs share CPUs" in (
+        placements[2].reasons
+    )
+
+
+def test_core_complex_without_l3_groups_binds_the_whole_node_with_a_warning(tmp_path):
+    shape = dataclasses.replace(L3_HOST, l3_per_node=0)  # a VM: no cache/index3
+    placements = in_mode("core-complex", sysfs(tmp_path, shape))
+    assert placements[0].cpus == L3_SHARES[0] | L3_SHARES[1]
+    assert placements[0].numactl_args == ("--cpunodebind=0", "--membind=0")
+    assert placements[0].warning
+    assert any("sysfs has no L3 groups" in r for r in placements[0].reasons)
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "core-complex"])
+def test_a_gpu_not_among_its_nodes_devices_binds_the_whole_node(tmp_path, mode):
+    """--numa-node puts GPU 0 on node 1, whose devices sysfs lists without it."""
+    placements = in_mode(mode, sysfs(tmp_path, L3_HOST), numa_node=[1, 0, 1, 1])
+    assert placements[0].numa_node == 1
+    assert placements[0].cpus == L3_SHARES[2] | L3_SHARES[3]
+    assert placements[0].warning
+    assert (
+        f"{mode} mode: GPU 0000:18:00.0 is not among node 1's cuda devices in sysfs "
+        "(0000:38:00.0, 0000:48:00.0): bound to the whole node"
+    ) in placements[0].reasons

@@ -458,3 +458,44 @@ def test_spawns_work_with_a_noexec_tmp_and_write_no_file(monkeypatch):
         out["before"] == [os.path.basename(t) for t in tops]
         and out["after"] == out["before"]
     )
+
+
+@pytest.mark.parametrize(
+    "mode, argv",
+    [
+        ("exclusive", ["--physcpubind=2-3,10-11", "--membind=0"]),
+        ("core-complex", ["--physcpubind=4-5,12-13", "--membind=1"]),
+    ],
+)
+def test_configure_subprocess_starts_a_gpu_on_its_share_of_the_node(
+    tmp_path, monkeypatch, mode, argv
+):
+    """Two nodes of 4 cores x 2 threads, two GPUs and two L3 groups each: the spawn of
+    GPU 1 (exclusive) and GPU 2 (core-complex) runs under that GPU's share alone."""
+    import fakesys
+
+    from sglang.srt.placement import topology
+    from sglang.srt.placement.types import ProcessAffinity
+
+    shape = fakesys.Shape(
+        sockets=2, cores_per_node=4, threads_per_core=2, gpus_per_node=2, l3_per_node=2
+    )
+    monkeypatch.setenv(
+        "SGLANG_SYSFS_ROOT", str(fakesys.write_sysfs(tmp_path / "sys", shape))
+    )
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("SGLANG_NUMA_AFFINITY_MODE", mode)
+    # This host has 2 CPUs and one node; the process may use every CPU of the tree.
+    monkeypatch.setattr(
+        topology,
+        "read_process_affinity",
+        lambda: ProcessAffinity(
+            cpus=frozenset(range(16)), mems=frozenset({0, 1}), source="test"
+        ),
+    )
+    log = use_standin(monkeypatch, tmp_path, "record")
+    gpu_id = 1 if mode == "exclusive" else 2
+    out = start_rank(args(tp_size=4), gpu_id)
+    assert out["report"] is not None and not out["warnings"], out
+    (spawn,) = [c for c in numactl_calls(log) if "-c" in c]
+    assert spawn[: spawn.index(sys.executable)] == argv

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -492,3 +493,22 @@ def test_the_cached_topology_is_read_again_when_online_cpus_change(tmp_path):
     assert read_topology_cached(root) is first
     (root / "devices/system/cpu/online").write_text("0-2\n")
     assert read_topology_cached(root).online_cpus == frozenset({0, 1, 2})
+
+
+def test_l3_groups_are_read_from_cache_index3_without_offline_cpus(tmp_path):
+    shape = fakesys.Shape(
+        sockets=2,
+        cores_per_node=4,
+        threads_per_core=2,
+        l3_per_node=2,
+        offline_cpus=frozenset({9}),
+    )
+    topo = read_topology(fakesys.write_sysfs(tmp_path / "sys", shape))
+    assert topo.cpu(0).l3_cpus == frozenset({0, 1, 8})
+    assert topo.cpu(14).l3_cpus == frozenset({6, 7, 14, 15})
+    assert topo.cpu(9) is None
+
+    bare = read_topology(
+        fakesys.write_sysfs(tmp_path / "vm", dataclasses.replace(shape, l3_per_node=0))
+    )
+    assert all(cpu.l3_cpus is None for cpu in bare.cpus)

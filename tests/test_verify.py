@@ -13,7 +13,7 @@ import pytest
 from spawn_support import args, numactl_standin
 
 from sglang.srt.placement_tools.observe import ObservedBinding
-from sglang.srt.placement.types import ProcessPlacement
+from sglang.srt.placement.types import ProcessPlacement, RankIdentity
 from sglang.srt.placement_tools.verify import (
     VerifyError,
     differences,
@@ -94,10 +94,7 @@ def test_a_launch_that_bypasses_configure_subprocess_is_caught(cpu_groups):
 
 def test_unbound_ranks_must_have_been_left_alone():
     plan = ProcessPlacement(
-        dp_rank=0,
-        pp_rank=0,
-        tp_rank=0,
-        gpu_id=0,
+        rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=0),
         pci=None,
         numa_node=None,
         cpus=frozenset(),
@@ -120,10 +117,7 @@ def test_unbound_ranks_must_have_been_left_alone():
 
 def test_page_ratio_thresholds():
     exec_rank = ProcessPlacement(
-        dp_rank=0,
-        pp_rank=0,
-        tp_rank=0,
-        gpu_id=0,
+        rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=0),
         pci=None,
         numa_node=0,
         cpus=frozenset({0}),

@@ -49,7 +49,7 @@ def main() -> None:
     from sglang.srt.placement.apply import bind_in_process
     from sglang.srt.placement.cpulist import parse_cpulist
     from sglang.srt.placement_tools.observe import compare_binding, observe_self
-    from sglang.srt.placement.types import ProcessPlacement
+    from sglang.srt.placement.types import ProcessPlacement, RankIdentity
 
     early = _touch(args.mib)
     # A thread already running at bind time: its memory policy stays default (only the calling
@@ -67,10 +67,7 @@ def main() -> None:
     before = observe_self()
 
     placement = ProcessPlacement(
-        dp_rank=0,
-        pp_rank=0,
-        tp_rank=0,
-        gpu_id=None,
+        rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=None),
         pci=None,
         numa_node=args.node,
         cpus=parse_cpulist(args.cpus),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.types import MemPolicy, Strategy
+from sglang.srt.placement.types import MemPolicy, ProcessPlacement, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def default_prober() -> Optional[NumactlProber]:
         return _default_prober
 
 
-def exec_refusal(placement) -> Optional[str]:
+def exec_refusal(placement: ProcessPlacement) -> Optional[str]:
     """numactl's reason for refusing an exec placement's options on this host, from the cached probe; None if fine.
 
     Planning on this host already probed these options, so this costs nothing there.
@@ -232,7 +232,9 @@ def exec_refusal(placement) -> Optional[str]:
     return None if result.ok else result.message
 
 
-def numactl_prefix(placement, *, numactl_path: Optional[str] = None) -> list[str]:
+def numactl_prefix(
+    placement: ProcessPlacement, *, numactl_path: Optional[str] = None
+) -> list[str]:
     """argv that starts a program under ``placement``: [numactl, *options]; the program follows."""
     if placement.strategy != Strategy.EXEC or not placement.numactl_args:
         raise ValueError(

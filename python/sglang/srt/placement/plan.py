@@ -3,12 +3,12 @@
 sglang spawns each scheduler inside ``configure_subprocess(server_args,
 gpu_id)``; ``place_gpu_id`` answers for exactly that id, identifying only its
 device under the ``CUDA_VISIBLE_DEVICES`` (or ``ZE_AFFINITY_MASK``) in force.
-Only ``exclusive`` mode looks at the node's other ranks, through sglang's own
-rank arithmetic (``placement.ranks``). ``plan_engine`` asks the same question
-for every local rank, the way sglang's launchers will, so ``plan`` shows what
-the spawns do; ``plan_node`` answers for a Ray node's ranks from the ids Ray
-gives them. A device that cannot be identified leaves its rank unbound with
-the reason; nothing here raises for it.
+No mode looks at the other ranks (``exclusive`` and ``core-complex`` share a
+node out by the GPUs sysfs shows on it), so ``plan_engine``, which asks the
+same question for every local rank, shows what the spawns do, and
+``plan_node``, which answers from the ids Ray gives a node's ranks, agrees
+with both for the same GPU. A device that cannot be identified leaves its
+rank unbound with the reason; nothing here raises for it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence, Union
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpu_groups import rank_cpus, shared_cpus
@@ -28,7 +28,7 @@ from sglang.srt.placement.ranks import (
     rank_of_gpu_id,
     reindexed,
 )
-from sglang.srt.placement.resolve import choose_node, resolve_placement
+from sglang.srt.placement.resolve import ONE_NODE_REASON, choose_node, resolve_placement
 from sglang.srt.placement.strategy import HostCapabilities
 from sglang.srt.placement.types import (
     Accelerator,
@@ -38,10 +38,17 @@ from sglang.srt.placement.types import (
     RankIdentity,
 )
 
+if TYPE_CHECKING:
+    from sglang.srt.placement.devices import AcceleratorRuntime
+    from sglang.srt.server_args import ServerArgs
+
 _ACCELERATOR_DEVICES = ("cuda", "xpu")
 
 LIVE_RUNTIME = "live"
 """The default runtime: NVML when planning this host's own /sys, nothing for a snapshot."""
+
+Runtime = Union["AcceleratorRuntime", str, None]
+"""An opened runtime, ``LIVE_RUNTIME`` to open NVML here, or None for sysfs order."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +76,12 @@ class HostFacts:
 
 @contextlib.contextmanager
 def _opened(
-    runtime: Any, *, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]
-) -> Iterator[Any]:
+    runtime: Runtime,
+    *,
+    device: str,
+    topology: HostTopology,
+    gpus: Optional[Sequence[str]],
+) -> Iterator[Optional["AcceleratorRuntime"]]:
     """The runtime to identify devices with. ``LIVE_RUNTIME`` opens NVML for this
     host's own /sys (and shuts it down afterwards, as upstream does); a snapshot or
     ``--gpus`` needs none.
@@ -97,7 +108,7 @@ def _identify(
     topology: HostTopology,
     env: Mapping[str, str],
     gpus: Optional[Sequence[str]],
-    runtime: Any,
+    runtime: Optional["AcceleratorRuntime"],
     ray_id: Optional[str] = None,
 ) -> tuple[Optional[Accelerator], Optional[str]]:
     """The device behind ``gpu_id`` (or Ray's id ``ray_id``) and None, or None and why it was not found."""
@@ -124,50 +135,13 @@ def _identify(
     return dataclasses.replace(found, gpu_id=gpu_id, physical_id=physical), None
 
 
-def _exclusive_slices(
-    found: Sequence[tuple[RankIdentity, Optional[Accelerator]]],
-    *,
-    topology: HostTopology,
-    policy: PlacementPolicy,
-) -> dict[Hashable, tuple[int, int]]:
-    """(index, count) of each device among the distinct devices of its node, in the
-    order given."""
-    by_node: dict[int, list[Hashable]] = {}
-    for rank, accelerator in found:
-        if accelerator is None:
-            continue
-        node = choose_node(
-            topology=topology, rank=rank, accelerator=accelerator, policy=policy
-        ).node
-        key = accelerator.pci or accelerator.physical_id
-        if node is not None and key not in by_node.setdefault(node, []):
-            by_node[node].append(key)
-    return {
-        key: (index, len(members))
-        for members in by_node.values()
-        for index, key in enumerate(members)
-    }
-
-
-def _unbound(
-    rank: RankIdentity,
-    policy: PlacementPolicy,
-    reasons: Sequence[str],
-    *,
-    failure: bool,
-) -> ProcessPlacement:
-    return ProcessPlacement.unbound(
-        rank, reasons=reasons, launcher=policy.launcher, failure=failure
-    )
-
-
 def device_node(
     gpu_id: int,
     *,
     device: str,
     topology: HostTopology,
     env: Mapping[str, str],
-    runtime: Any = LIVE_RUNTIME,
+    runtime: Runtime = LIVE_RUNTIME,
 ) -> tuple[Optional[int], str]:
     """The NUMA node of the device behind logical index ``gpu_id`` under ``env``, or None, and why."""
     policy = PlacementPolicy(launcher="mp", device=device)
@@ -184,56 +158,15 @@ def device_node(
     return choice.node, "; ".join(choice.reasons)
 
 
-def _exclusive_slice(
-    server_args: Any,
-    target: Accelerator,
-    *,
-    policy: PlacementPolicy,
-    topology: HostTopology,
-    env: Mapping[str, str],
-    gpus: Optional[Sequence[str]],
-    runtime: Any,
-) -> tuple[Optional[tuple[int, int]], Optional[str]]:
-    """(index, count) of ``target``'s slice among the devices of the local ranks on its node, or None and why.
-
-    The other ranks come from sglang's arithmetic and are identified under the
-    same environment; when one cannot be (a narrowed ``CUDA_VISIBLE_DEVICES``),
-    the slices cannot be agreed and the rank binds to its whole node instead.
-    """
-    found: list[tuple[RankIdentity, Optional[Accelerator]]] = []
-    for other in local_ranks(server_args):
-        accelerator, problem = (
-            (target, None)
-            if other.gpu_id == target.gpu_id
-            else _identify(
-                other.gpu_id,
-                policy=policy,
-                topology=topology,
-                env=env,
-                gpus=gpus,
-                runtime=runtime,
-            )
-        )
-        if accelerator is None:
-            return None, (
-                f"exclusive mode needs the device of every local rank, but GPU "
-                f"{other.gpu_id} cannot be identified here ({problem}): binding to the "
-                "whole node instead"
-            )
-        found.append((other, accelerator))
-    slices = _exclusive_slices(found, topology=topology, policy=policy)
-    return slices.get(target.pci or target.physical_id), None
-
-
 def place_gpu_id(
-    server_args: Any,
+    server_args: "ServerArgs",
     gpu_id: int,
     *,
     policy: PlacementPolicy,
     facts: HostFacts,
     env: Mapping[str, str],
     gpus: Optional[Sequence[str]] = None,
-    runtime: Any = LIVE_RUNTIME,
+    runtime: Runtime = LIVE_RUNTIME,
     rank: Optional[RankIdentity] = None,
 ) -> ProcessPlacement:
     """Where the scheduler sglang spawns with ``gpu_id`` runs, under the environment ``env`` it inherits.
@@ -281,44 +214,30 @@ def place_gpu_id(
         and policy.affinity_mode == "node"
         and len(topology.cpu_nodes) < 2
     ):
-        not_placed = (
-            "this host has one NUMA node with CPUs: node binding cannot help "
-            "(exclusive mode still splits it between ranks)"
-        )
+        not_placed = ONE_NODE_REASON
     if not_placed is not None:
-        return _unbound(rank, policy, [not_placed], failure=False)
+        return ProcessPlacement.unbound(
+            rank, reasons=[not_placed], launcher=policy.launcher, failure=False
+        )
     with _opened(runtime, device=policy.device, topology=topology, gpus=gpus) as opened:
         accelerator, problem = _identify(
             gpu_id, policy=policy, topology=topology, env=env, gpus=gpus, runtime=opened
         )
-        if accelerator is None and policy.numa_nodes is None:
-            why = f"GPU {gpu_id} cannot be identified: {problem}"
-            return _unbound(rank, policy, [why], failure=True)
-        exclusive, degraded = None, None
-        if policy.affinity_mode == "exclusive" and accelerator is not None:
-            exclusive, degraded = _exclusive_slice(
-                server_args,
-                accelerator,
-                policy=policy,
-                topology=topology,
-                env=env,
-                gpus=gpus,
-                runtime=opened,
-            )
-    placement = resolve_placement(
+    if accelerator is None and policy.numa_nodes is None:
+        return ProcessPlacement.unbound(
+            rank,
+            reasons=[f"GPU {gpu_id} cannot be identified: {problem}"],
+            launcher=policy.launcher,
+            failure=True,
+        )
+    return resolve_placement(
         topology=topology,
         affinity=affinity,
         rank=rank,
         accelerator=accelerator,
         policy=policy,
         capabilities=facts.capabilities,
-        exclusive_slice=exclusive,
     )
-    if degraded is not None and placement.bound:
-        placement = placement.replace(
-            reasons=(*placement.reasons, degraded), warning=True
-        )
-    return placement
 
 
 def spawn_environment(
@@ -345,13 +264,13 @@ def spawn_environment(
 
 
 def plan_engine(
-    server_args: Any,
+    server_args: "ServerArgs",
     *,
     launcher: str = "mp",
     facts: Optional[HostFacts] = None,
     env: Optional[Mapping[str, str]] = None,
     gpus: Optional[Sequence[str]] = None,
-    runtime: Any = LIVE_RUNTIME,
+    runtime: Runtime = LIVE_RUNTIME,
     affinity_mode: Optional[str] = None,
     policy: Optional[PlacementPolicy] = None,
 ) -> tuple[ProcessPlacement, ...]:
@@ -391,24 +310,24 @@ def plan_engine(
 
 
 def plan_node(
-    server_args: Any,
+    server_args: "ServerArgs",
     *,
     ranks_with_ids: Sequence[tuple[RankIdentity, Optional[str]]],
     launcher: str = "ray",
     policy: Optional[PlacementPolicy] = None,
     facts: Optional[HostFacts] = None,
     gpus: Optional[Sequence[str]] = None,
-    runtime: Any = LIVE_RUNTIME,
+    runtime: Runtime = LIVE_RUNTIME,
     affinity_mode: Optional[str] = None,
 ) -> tuple[ProcessPlacement, ...]:
-    """One placement per (rank, accelerator id) pair, all of one Ray node's ranks resolved together, there.
+    """One placement per (rank, accelerator id) pair of one Ray node, each resolved alone, there.
 
     Each id is the physical device Ray gives the rank (an index or a UUID),
     never read from the calling task's ``CUDA_VISIBLE_DEVICES``: that task
     holds no GPU. A rank may come with several candidate ids (Ray picks among
     a bundle's GPUs only when the actor starts): each pair gets its own
-    placement, and they share ``exclusive`` slices by device. CPU ranks are
-    placed by their id (``numa_index``), as ``place_gpu_id`` places them.
+    placement. CPU ranks are placed by their id (``numa_index``), as
+    ``place_gpu_id`` places them.
     """
     facts = facts if facts is not None else HostFacts.live()
     policy = policy or PlacementPolicy.from_env(
@@ -447,18 +366,14 @@ def plan_node(
                     ),
                 )
             )
-    slices = (
-        _exclusive_slices(
-            [(rank, accelerator) for rank, accelerator, _ in found],
-            topology=topology,
-            policy=policy,
-        )
-        if policy.affinity_mode == "exclusive"
-        else {}
-    )
     return tuple(
         (
-            _unbound(rank, policy, [problem or "no device"], failure=True)
+            ProcessPlacement.unbound(
+                rank,
+                reasons=[problem or "no device"],
+                launcher=policy.launcher,
+                failure=True,
+            )
             if accelerator is None
             else resolve_placement(
                 topology=topology,
@@ -467,7 +382,6 @@ def plan_node(
                 accelerator=accelerator,
                 policy=policy,
                 capabilities=facts.capabilities,
-                exclusive_slice=slices.get(accelerator.pci or accelerator.physical_id),
             )
         )
         for rank, accelerator, problem in found

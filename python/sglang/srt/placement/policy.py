@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.types import AFFINITY_MODES, LAUNCHERS
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class PlacementPolicy:
     @classmethod
     def from_env(
         cls,
-        server_args: Any,
+        server_args: "ServerArgs",
         *,
         launcher: str,
         affinity_mode: Optional[str] = None,

@@ -13,9 +13,12 @@ narrowed to the rank's one GPU and the id becomes 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from sglang.srt.placement.types import RankIdentity
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ def dp_controller_gpu_id(
     )
 
 
-def local_ranks(server_args: Any) -> tuple[RankIdentity, ...]:
+def local_ranks(server_args: "ServerArgs") -> tuple[RankIdentity, ...]:
     """The ranks this ``node_rank`` launches, in launch order (dp, pp, tp), with sglang's GPU ids.
 
     One replica (``dp_size == 1``) is launched by the engine; several by the
@@ -130,13 +133,12 @@ def local_ranks(server_args: Any) -> tuple[RankIdentity, ...]:
                         pp_rank=pp_rank,
                         tp_rank=tp_rank,
                         gpu_id=gpu_id,
-                        global_rank=dp_rank * tp * pp + pp_rank * tp + tp_rank,
                     )
                 )
     return tuple(ranks)
 
 
-def rank_of_gpu_id(server_args: Any, gpu_id: int) -> Optional[RankIdentity]:
+def rank_of_gpu_id(server_args: "ServerArgs", gpu_id: int) -> Optional[RankIdentity]:
     """The local rank sglang hands ``gpu_id``, or None (a re-indexed or foreign id)."""
     for rank in local_ranks(server_args):
         if rank.gpu_id == gpu_id:

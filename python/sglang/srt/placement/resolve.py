@@ -8,10 +8,12 @@ every launcher, so a rank gets the same answer whichever path asked.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from sglang.srt.placement.cpulist import format_cpulist
+from sglang.srt.placement.devices import accelerator_pci_devices
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.strategy import (
     HostCapabilities,
@@ -31,6 +33,9 @@ from sglang.srt.placement.types import (
 
 # ---------------------------------------------------------------------------------------------
 # Node choice and CPU sets
+
+SHARING_MODES = ("exclusive", "core-complex")
+"""Modes that give each GPU of a node its own share of the node's CPUs."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ def choose_node(
         )
     if device.numa_node is None:
         cpu_nodes = topology.cpu_nodes
-        if len(cpu_nodes) == 1 and policy.affinity_mode == "exclusive":
+        if len(cpu_nodes) == 1 and policy.affinity_mode in SHARING_MODES:
             only = cpu_nodes[0].node_id
             return NodeChoice(
                 node=only,
@@ -116,35 +121,157 @@ def choose_node(
     )
 
 
-def split_exclusive(
-    cpus: frozenset[int], *, topology: HostTopology, count: int
+def node_accelerators(
+    topology: HostTopology, *, node_id: int, device: str
+) -> tuple[str, ...]:
+    """PCI addresses of the ``device`` accelerators attached to ``node_id``, in PCI order.
+
+    Every rank on the host computes the same list from sysfs alone, so a
+    spawned child and a Ray actor on one GPU agree on its index without asking
+    each other. A device whose node the kernel does not know counts for the
+    only node with CPUs, where ``choose_node`` places it.
+    """
+    only = topology.cpu_nodes[0].node_id if len(topology.cpu_nodes) == 1 else None
+    return tuple(
+        dev.address
+        for dev in accelerator_pci_devices(topology, device=device)
+        if (dev.numa_node if dev.numa_node is not None else only) == node_id
+    )
+
+
+def physical_cores(
+    cpus: frozenset[int], *, topology: HostTopology
 ) -> tuple[frozenset[int], ...]:
-    """Split ``cpus`` into ``count`` disjoint, near-equal, contiguous slices, keeping SMT siblings together."""
+    """``cpus`` grouped by physical core, in CPU order, so a slice never splits SMT siblings."""
     cores: list[frozenset[int]] = []
     seen: set[int] = set()
     for cpu_id in sorted(cpus):
         if cpu_id in seen:
             continue
         info = topology.cpu(cpu_id)
-        siblings = (
-            info.thread_siblings
-            if info is not None and info.thread_siblings
-            else frozenset({cpu_id})
-        ) & cpus
-        siblings = siblings | {cpu_id}
-        seen.update(siblings)
-        cores.append(frozenset(siblings))
-    units = cores if len(cores) >= count else [frozenset({c}) for c in sorted(cpus)]
-    base, extra = divmod(len(units), count)
-    slices = []
-    start = 0
-    for i in range(count):
-        size = base + (1 if i < extra else 0)
-        slices.append(
-            frozenset().union(*units[start : start + size]) if size else frozenset()
+        core = ((info.thread_siblings if info else frozenset()) & cpus) | {cpu_id}
+        seen.update(core)
+        cores.append(frozenset(core))
+    return tuple(cores)
+
+
+@dataclass(frozen=True)
+class ModeCpus:
+    """The CPUs an affinity mode gives one GPU of a node, and whether it got less than asked."""
+
+    cpus: frozenset[int]
+    reasons: tuple[str, ...]
+    warning: bool = False
+
+
+def exclusive_cpus(
+    allowed: frozenset[int],
+    *,
+    topology: HostTopology,
+    node_id: int,
+    index: int,
+    count: int,
+) -> ModeCpus:
+    """Slice ``index`` of ``count`` of ``allowed``: whole cores, contiguous, sizes as even as possible.
+
+    With fewer cores than GPUs the slices are single CPUs; with fewer CPUs
+    than GPUs the GPUs wrap round and share, which is less than asked.
+    """
+    units = physical_cores(allowed, topology=topology)
+    reasons = [
+        f"exclusive mode: GPU {index + 1} of {count} on node {node_id} (PCI order) "
+        f"gets slice {index + 1} of the node's {len(units)} allowed cores"
+    ]
+    warning = False
+    if len(units) < count:
+        units = tuple(frozenset({cpu}) for core in units for cpu in sorted(core))
+        reasons.append(
+            f"node {node_id} has fewer allowed cores than GPUs: slices split SMT siblings"
         )
-        start += size
-    return tuple(slices)
+    if len(units) < count:
+        reasons.append(
+            f"node {node_id} has {len(units)} allowed CPUs for {count} GPUs: GPUs share CPUs"
+        )
+        return ModeCpus(units[index % len(units)], tuple(reasons), warning=True)
+    base, extra = divmod(len(units), count)
+    start = index * base + min(index, extra)
+    size = base + (1 if index < extra else 0)
+    return ModeCpus(
+        frozenset().union(*units[start : start + size]), tuple(reasons), warning
+    )
+
+
+def core_complex_cpus(
+    allowed: frozenset[int],
+    *,
+    topology: HostTopology,
+    node_id: int,
+    index: int,
+    count: int,
+) -> Optional[ModeCpus]:
+    """The L3 group GPU ``index`` of ``count`` gets on its node, or None when sysfs has no L3 groups.
+
+    Groups are the allowed CPUs sharing one ``cache/index3``, ordered by their
+    lowest CPU; GPUs beyond the number of groups wrap round and share one.
+    """
+    groups: dict[frozenset[int], None] = {}
+    for cpu_id in sorted(allowed):
+        info = topology.cpu(cpu_id)
+        if info is None or info.l3_cpus is None:
+            return None
+        groups.setdefault(info.l3_cpus & allowed)
+    ordered = sorted(groups, key=min)
+    chosen = index % len(ordered)
+    reasons = [
+        f"core-complex mode: GPU {index + 1} of {count} on node {node_id} (PCI order) "
+        f"gets L3 group {chosen + 1} of {len(ordered)}"
+    ]
+    if count > len(ordered):
+        reasons.append(
+            f"node {node_id} has {count} GPUs for {len(ordered)} L3 groups: GPUs wrap "
+            "round and share a group"
+        )
+    return ModeCpus(ordered[chosen], tuple(reasons))
+
+
+def _mode_cpus(
+    allowed: frozenset[int],
+    *,
+    topology: HostTopology,
+    node_id: int,
+    pci: Optional[str],
+    policy: PlacementPolicy,
+) -> ModeCpus:
+    """The CPUs ``exclusive`` or ``core-complex`` gives the GPU at ``pci``, or the whole
+    node's with the reason when the topology lacks what the mode needs."""
+    mode = policy.affinity_mode
+    gpus = node_accelerators(topology, node_id=node_id, device=policy.device)
+    if pci not in gpus:
+        return ModeCpus(
+            allowed,
+            (
+                f"{mode} mode: GPU {pci or '(no PCI address)'} is not among node "
+                f"{node_id}'s {policy.device} devices in sysfs "
+                f"({', '.join(gpus) or 'none'}): bound to the whole node",
+            ),
+            warning=True,
+        )
+    ask = dict(
+        topology=topology, node_id=node_id, index=gpus.index(pci), count=len(gpus)
+    )
+    if mode == "exclusive":
+        return exclusive_cpus(allowed, **ask)
+    found = core_complex_cpus(allowed, **ask)
+    if found is not None:
+        return found
+    return ModeCpus(
+        allowed,
+        (
+            f"core-complex mode: sysfs has no L3 groups (cache/index3) for node "
+            f"{node_id}'s CPUs: bound to the whole node",
+        ),
+        warning=True,
+    )
 
 
 def _node_cpu_set(
@@ -153,9 +280,9 @@ def _node_cpu_set(
     node: NumaNode,
     policy: PlacementPolicy,
     affinity: ProcessAffinity,
-    exclusive_slice: Optional[tuple[int, int]],
-) -> tuple[frozenset[int], tuple[int, ...], Optional[tuple[int, ...]], list[str]]:
-    """(cpus, memory nodes, whole nodes for --cpunodebind or None, reasons)."""
+    pci: Optional[str],
+) -> tuple[frozenset[int], tuple[int, ...], Optional[tuple[int, ...]], list[str], bool]:
+    """(cpus, memory nodes, whole nodes for --cpunodebind or None, reasons, warning)."""
     reasons: list[str] = []
     if policy.affinity_mode == "socket":
         packages = topology.packages_of_node(node.node_id)
@@ -177,19 +304,18 @@ def _node_cpu_set(
     mem_nodes = tuple(
         n.node_id for n in nodes if n.has_memory and n.node_id in affinity.mems
     )
-    cpus = allowed
     whole: Optional[tuple[int, ...]] = (
         tuple(n.node_id for n in nodes) if allowed == span else None
     )
-    if policy.affinity_mode == "exclusive" and exclusive_slice is not None and allowed:
-        index, count = exclusive_slice
-        slices = split_exclusive(allowed, topology=topology, count=count)
-        cpus = slices[index]
-        whole = None
-        reasons.append(
-            f"exclusive mode: slice {index + 1} of {count} of node {node.node_id}'s {len(allowed)} allowed CPUs"
-        )
-    return cpus, mem_nodes, whole, reasons
+    if policy.affinity_mode not in SHARING_MODES or not allowed:
+        return allowed, mem_nodes, whole, reasons, False
+    mode = _mode_cpus(
+        allowed, topology=topology, node_id=node.node_id, pci=pci, policy=policy
+    )
+    reasons.extend(mode.reasons)
+    if mode.cpus != allowed or not mode.warning:
+        whole = None  # a mode's share is a CPU list, even a node's only GPU's
+    return mode.cpus, mem_nodes, whole, reasons, mode.warning
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,42 +329,18 @@ def placement_intent(
     rank: RankIdentity,
     accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
-    exclusive_slice: Optional[tuple[int, int]] = None,
     cpu_rank_set: Optional[frozenset[int]] = None,
 ) -> Union[PlacementIntent, ProcessPlacement]:
-    """Where ``rank`` should run (an intent), or its unbound placement with the reason. Pure: probes nothing.
+    """Where ``rank`` should run (an intent), or its unbound placement with the reason.
 
-    ``exclusive_slice`` is (index, count) among the devices planned on the same node, for exclusive mode.
+    Pure, and blind to the other ranks, so that whichever process asks for a
+    GPU (a spawned child, a Ray actor, ``plan``) gets the same answer.
     ``cpu_rank_set`` is a CPU-device rank's CPUs from SGLANG_CPU_OMP_THREADS_BIND.
     """
     pci = accelerator.pci if accelerator is not None else None
-
-    def unbound(reasons: Sequence[str], *, failure: bool) -> ProcessPlacement:
-        return ProcessPlacement.unbound(
-            rank, reasons=reasons, launcher=policy.launcher, failure=failure, pci=pci
-        )
-
-    def intent(
-        node_id: int,
-        cpus: frozenset[int],
-        mem_nodes: tuple[int, ...],
-        whole: Optional[tuple[int, ...]],
-        reasons: list[str],
-    ) -> PlacementIntent:
-        if not mem_nodes:
-            reasons.append(
-                f"no memory node this process may use near node {node_id}: CPU binding only"
-            )
-        return PlacementIntent(
-            rank=rank,
-            pci=pci,
-            node_id=node_id,
-            cpus=cpus,
-            mem_nodes=mem_nodes,
-            whole_nodes=whole,
-            reasons=tuple(reasons),
-        )
-
+    unbound = functools.partial(
+        ProcessPlacement.unbound, rank, launcher=policy.launcher, pci=pci
+    )
     if policy.device == "cpu":
         return _cpu_intent(
             topology=topology,
@@ -246,8 +348,6 @@ def placement_intent(
             rank=rank,
             policy=policy,
             cpu_rank_set=cpu_rank_set,
-            unbound=unbound,
-            intent=intent,
         )
 
     choice = choose_node(
@@ -255,40 +355,31 @@ def placement_intent(
     )
     reasons = list(choice.reasons)
     if choice.node is None:
-        return unbound(reasons, failure=choice.failure)
+        return unbound(reasons=reasons, failure=choice.failure)
     node = topology.node(choice.node)
     if node is None:
         return unbound(
-            reasons + [f"node {choice.node} does not exist on this host"], failure=True
+            reasons=reasons + [f"node {choice.node} does not exist on this host"],
+            failure=True,
         )
     if not node.has_cpus:
         return unbound(
-            reasons + [f"node {node.node_id} has memory but no CPUs"], failure=True
+            reasons=reasons + [f"node {node.node_id} has memory but no CPUs"],
+            failure=True,
         )
     if (
         policy.affinity_mode == "node"
         and policy.numa_nodes is None
         and len(topology.cpu_nodes) == 1
     ):
-        return unbound(
-            reasons
-            + [
-                "this host has one NUMA node with CPUs: node binding cannot help "
-                "(exclusive mode still splits it between ranks)"
-            ],
-            failure=False,
-        )
-    cpus, mem_nodes, whole, cpu_reasons = _node_cpu_set(
-        topology=topology,
-        node=node,
-        policy=policy,
-        affinity=affinity,
-        exclusive_slice=exclusive_slice,
+        return unbound(reasons=reasons + [ONE_NODE_REASON], failure=False)
+    cpus, mem_nodes, whole, cpu_reasons, warning = _node_cpu_set(
+        topology=topology, node=node, policy=policy, affinity=affinity, pci=pci
     )
     reasons.extend(cpu_reasons)
     if not cpus:
         return unbound(
-            reasons
+            reasons=reasons
             + [
                 f"NUMA node {node.node_id} has no CPU cores allowed by the current affinity "
                 f"{format_cpulist(affinity.cpus)} ({affinity.source}; node CPUs "
@@ -296,7 +387,39 @@ def placement_intent(
             ],
             failure=True,
         )
-    return intent(node.node_id, cpus, mem_nodes, whole, reasons)
+    return _intent(rank, pci, node.node_id, cpus, mem_nodes, whole, reasons, warning)
+
+
+ONE_NODE_REASON = (
+    "this host has one NUMA node with CPUs: node binding cannot help "
+    "(exclusive and core-complex modes still share it out between its GPUs)"
+)
+
+
+def _intent(
+    rank: RankIdentity,
+    pci: Optional[str],
+    node_id: int,
+    cpus: frozenset[int],
+    mem_nodes: tuple[int, ...],
+    whole: Optional[tuple[int, ...]],
+    reasons: list[str],
+    warning: bool = False,
+) -> PlacementIntent:
+    if not mem_nodes:
+        reasons.append(
+            f"no memory node this process may use near node {node_id}: CPU binding only"
+        )
+    return PlacementIntent(
+        rank=rank,
+        pci=pci,
+        node_id=node_id,
+        cpus=cpus,
+        mem_nodes=mem_nodes,
+        whole_nodes=whole,
+        reasons=tuple(reasons),
+        warning=warning,
+    )
 
 
 def _cpu_intent(
@@ -306,10 +429,11 @@ def _cpu_intent(
     rank: RankIdentity,
     policy: PlacementPolicy,
     cpu_rank_set: Optional[frozenset[int]],
-    unbound,
-    intent,
 ) -> Union[PlacementIntent, ProcessPlacement]:
     """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives it, memory on the nodes of those CPUs."""
+    unbound = functools.partial(
+        ProcessPlacement.unbound, rank, launcher=policy.launcher
+    )
     spec = policy.cpu_threads_bind.strip()
     reasons = [
         f"CPU rank {rank.gpu_id}: CPUs {format_cpulist(cpu_rank_set or ())} from SGLANG_CPU_OMP_THREADS_BIND="
@@ -317,7 +441,7 @@ def _cpu_intent(
     ]
     if not policy.bind_v2:
         return unbound(
-            reasons
+            reasons=reasons
             + [
                 "SGLANG_NUMA_BIND_V2=0: the spawn is not bound (upstream behaviour); only bootstrap's "
                 "init_cpu_threads_env pins the OpenMP threads, on AMX or arm64 hosts"
@@ -330,7 +454,7 @@ def _cpu_intent(
         )
     if spec == "all" and len(topology.cpu_nodes) == 1:
         return unbound(
-            reasons
+            reasons=reasons
             + [
                 "this host has one NUMA node with CPUs: binding a rank to all of it cannot help"
             ],
@@ -345,7 +469,8 @@ def _cpu_intent(
     node_id = max(counts, key=lambda n: (counts[n], -n)) if counts else None
     if not cpus or node_id is None:
         return unbound(
-            reasons + ["none of these CPUs may be used by this process"], failure=True
+            reasons=reasons + ["none of these CPUs may be used by this process"],
+            failure=True,
         )
     mem_nodes = tuple(
         n
@@ -357,7 +482,7 @@ def _cpu_intent(
         if cpus == frozenset().union(*(topology.node(n).cpus for n in counts))
         else None
     )
-    return intent(node_id, cpus, mem_nodes, whole, reasons)
+    return _intent(rank, None, node_id, cpus, mem_nodes, whole, reasons)
 
 
 def resolve_placement(
@@ -368,7 +493,6 @@ def resolve_placement(
     accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
     capabilities: HostCapabilities,
-    exclusive_slice: Optional[tuple[int, int]] = None,
     cpu_rank_set: Optional[frozenset[int]] = None,
 ) -> ProcessPlacement:
     """Where ``rank`` runs and how that is applied: its intent, then the strategy ``capabilities`` allow."""
@@ -378,7 +502,6 @@ def resolve_placement(
         rank=rank,
         accelerator=accelerator,
         policy=policy,
-        exclusive_slice=exclusive_slice,
         cpu_rank_set=cpu_rank_set,
     )
     if isinstance(decided, ProcessPlacement):
@@ -392,10 +515,11 @@ def resolve_placement(
 
 def describe(p: ProcessPlacement) -> str:
     """The one-line human form of a placement."""
-    if p.gpu_id is None:
+    gpu_id = p.rank.gpu_id
+    if gpu_id is None:
         gpu = ""
     else:  # a CPU rank's id is its numa_index; only an accelerator has a PCI address
-        gpu = f" GPU {p.gpu_id}" if p.pci else f" gpu_id {p.gpu_id}"
+        gpu = f" GPU {gpu_id}" if p.pci else f" gpu_id {gpu_id}"
     pci = f" ({p.pci})" if p.pci else ""
     if p.strategy == Strategy.NONE:
         head = f"[{p.label}]{gpu}{pci}: not bound"

@@ -36,7 +36,7 @@ def one_visible_device_per_process() -> bool:
 
 
 def affinity_mode() -> str:
-    """``SGLANG_NUMA_AFFINITY_MODE``: node, exclusive or socket."""
+    """``SGLANG_NUMA_AFFINITY_MODE``: node, exclusive, socket or core-complex."""
     value = str(envs.SGLANG_NUMA_AFFINITY_MODE.get()).strip()
     if value not in AFFINITY_MODES:
         raise SettingError(

@@ -59,6 +59,8 @@ class PlacementIntent:
     whole_nodes: Optional[tuple[int, ...]]
     """The nodes whose CPUs are exactly ``cpus`` (numactl --cpunodebind), or None (--physcpubind)."""
     reasons: tuple[str, ...]
+    warning: bool = False
+    """The affinity mode could not give what it asks (see ``reasons``)."""
 
     @property
     def mem_policy(self) -> MemPolicy:
@@ -81,10 +83,7 @@ def choose_strategy(
         warning: bool = False,
     ) -> ProcessPlacement:
         return ProcessPlacement(
-            dp_rank=rank.dp_rank,
-            pp_rank=rank.pp_rank,
-            tp_rank=rank.tp_rank,
-            gpu_id=rank.gpu_id,
+            rank=rank,
             pci=intent.pci,
             numa_node=node_id,
             cpus=intent.cpus,
@@ -94,7 +93,7 @@ def choose_strategy(
             reasons=tuple(reasons),
             numactl_args=args,
             launcher=policy.launcher,
-            warning=warning,
+            warning=warning or intent.warning,
         )
 
     if not policy.bind_v2:

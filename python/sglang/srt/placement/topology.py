@@ -9,6 +9,9 @@ What is read, relative to the root:
 * ``devices/system/cpu/online`` - the online CPUs; offline CPUs appear nowhere else.
 * ``devices/system/cpu/cpuN/topology/{physical_package_id,core_id,thread_siblings_list}``
   for each online CPU (the kernel removes ``topology`` while a CPU is offline).
+* ``devices/system/cpu/cpuN/cache/index3/shared_cpu_list`` where the kernel has it: the
+  CPUs sharing an L3 (index3 is the L3 wherever there is one), for ``core-complex``
+  mode. A CPU without it (a VM, a kernel without cacheinfo) has no L3 group.
 * ``devices/system/node/nodeN/{cpulist,meminfo,distance}`` for each node directory.
   Node ids may be sparse, a node may have no CPUs (GPU or CXL memory) and a node may
   have no memory (``MemTotal: 0 kB``).
@@ -464,12 +467,15 @@ def _read_cpu(
     package_id = reader.integer(f"{base}/physical_package_id")
     core_id = reader.integer(f"{base}/core_id")
     siblings = reader.cpulist(f"{base}/thread_siblings_list") & online
+    l3 = f"devices/system/cpu/cpu{cpu}/cache/index3/shared_cpu_list"
+    l3_cpus = reader.cpulist(l3) & online if reader.exists(l3) else None
     return Cpu(
         cpu_id=cpu,
         node_id=node_id,
         package_id=package_id,
         core_id=core_id,
         thread_siblings=siblings,
+        l3_cpus=l3_cpus,
     )
 
 

@@ -28,7 +28,7 @@ class Strategy(enum.StrEnum):
 
 
 LAUNCHERS = ("mp", "ray")
-AFFINITY_MODES = ("node", "exclusive", "socket")
+AFFINITY_MODES = ("node", "exclusive", "socket", "core-complex")
 
 
 class TopologyError(ValueError):
@@ -65,6 +65,8 @@ class Cpu:
     package_id: int
     core_id: int
     thread_siblings: frozenset[int]
+    l3_cpus: Optional[frozenset[int]] = None
+    """The online CPUs sharing this CPU's L3 (``cache/index3``); None where sysfs does not say."""
 
 
 @dataclass(frozen=True)
@@ -165,13 +167,13 @@ class Accelerator:
 
 @dataclass(frozen=True)
 class RankIdentity:
+    """Which scheduler rank a process is: every placement, log line and report names it."""
+
     dp_rank: int
     pp_rank: int
     tp_rank: int
     gpu_id: Optional[int]
     """The logical accelerator index, or None for a CPU-device rank."""
-    global_rank: int = 0
-    """Index of the rank in the engine, used where a setting is indexed by rank."""
 
     @property
     def label(self) -> str:
@@ -182,10 +184,7 @@ class RankIdentity:
 class ProcessPlacement:
     """Where one scheduler rank runs and how that binding is applied, with the reasons."""
 
-    dp_rank: int
-    pp_rank: int
-    tp_rank: int
-    gpu_id: Optional[int]
+    rank: RankIdentity
     pci: Optional[str]
     numa_node: Optional[int]
     cpus: frozenset[int]
@@ -215,25 +214,23 @@ class ProcessPlacement:
 
     @property
     def label(self) -> str:
-        return f"DP{self.dp_rank} PP{self.pp_rank} TP{self.tp_rank}"
+        return self.rank.label
 
     @classmethod
     def unbound(
         cls,
-        rank: "RankIdentity",
+        rank: RankIdentity,
         *,
         reasons: Sequence[str],
         launcher: str,
         failure: bool,
         pci: Optional[str] = None,
     ) -> "ProcessPlacement":
-        """``rank`` left unbound, and why; ``failure`` marks it less bound than intended
-        (what that costs, a warning or an error, is decided where it is applied)."""
+        """The one way to leave ``rank`` unbound; ``failure`` marks it less bound than
+        intended, and what that costs (a warning or an error) is decided where it is
+        applied."""
         return cls(
-            dp_rank=rank.dp_rank,
-            pp_rank=rank.pp_rank,
-            tp_rank=rank.tp_rank,
-            gpu_id=rank.gpu_id,
+            rank=rank,
             pci=pci,
             numa_node=None,
             cpus=frozenset(),
@@ -247,10 +244,10 @@ class ProcessPlacement:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "dp_rank": self.dp_rank,
-            "pp_rank": self.pp_rank,
-            "tp_rank": self.tp_rank,
-            "gpu_id": self.gpu_id,
+            "dp_rank": self.rank.dp_rank,
+            "pp_rank": self.rank.pp_rank,
+            "tp_rank": self.rank.tp_rank,
+            "gpu_id": self.rank.gpu_id,
             "pci": self.pci,
             "numa_node": self.numa_node,
             "cpus": format_cpulist(self.cpus),
@@ -266,10 +263,12 @@ class ProcessPlacement:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ProcessPlacement":
         return cls(
-            dp_rank=int(data["dp_rank"]),
-            pp_rank=int(data["pp_rank"]),
-            tp_rank=int(data["tp_rank"]),
-            gpu_id=data["gpu_id"],
+            rank=RankIdentity(
+                dp_rank=int(data["dp_rank"]),
+                pp_rank=int(data["pp_rank"]),
+                tp_rank=int(data["tp_rank"]),
+                gpu_id=data["gpu_id"],
+            ),
             pci=data["pci"],
             numa_node=data["numa_node"],
             cpus=parse_cpulist(data["cpus"]),

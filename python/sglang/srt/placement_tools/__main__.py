@@ -163,8 +163,9 @@ def _add_plan_args(
         "--numa-affinity-mode",
         choices=AFFINITY_MODES,
         default=None,
-        help="node (all CPUs of the device's node), exclusive (disjoint slices per rank) or socket "
-        "(every node of the device's package). Default: $SGLANG_NUMA_AFFINITY_MODE or node.",
+        help="node (all CPUs of the device's node), socket (every node of the device's "
+        "package), exclusive (the device's slice of its node's cores) or core-complex (one "
+        "L3 group of its node). Default: $SGLANG_NUMA_AFFINITY_MODE or node.",
     )
     group.add_argument(
         "--json", action="store_true", help="Print JSON instead of one line per rank."
