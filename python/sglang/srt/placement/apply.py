@@ -33,7 +33,6 @@ from sglang.srt.placement.types import (
 
 logger = logging.getLogger(__name__)
 
-_CRASH_SETTING = "SGLANG_CRASH_ON_NUMA_BIND_FAILURE"
 _MAX_THREAD_PASSES = 5
 
 
@@ -105,16 +104,10 @@ def bind_in_process(
         logger.info(outcome.summary)
         return outcome
 
-    crash = settings.bind_failure_is_fatal()
     notes: list[str] = []
 
     def degrade(what: str) -> None:
-        if crash:
-            raise PlacementError(
-                f"{label}: {what}. {_CRASH_SETTING}=1 makes this fatal; fix the cause, or unset "
-                f"{_CRASH_SETTING} to run with the weaker binding."
-            )
-        logger.warning(f"{label}: {what}")
+        handle_bind_failure(f"{label}: {what}")
         notes.append(what)
 
     lib: Optional[LibNumaApi] = None
@@ -259,11 +252,16 @@ def _err(exc: OSError) -> str:
 
 
 def handle_bind_failure(message: str, *, log: logging.Logger = logger) -> None:
-    """Upstream's failure policy for a binding that cannot be applied: a warning (on ``log``), and under
-    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 an error with the same text."""
+    """The one failure policy, upstream's: a rank less bound than intended is a warning
+    (on ``log``, naming the rank), or under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 an error
+    raised before the rank runs, so an operator who asked for strictness never gets a
+    silently slower rank."""
     log.warning(message)
     if settings.bind_failure_is_fatal():
-        raise PlacementError(message)
+        raise PlacementError(
+            f"{message} (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 makes this fatal: fix the "
+            "cause, or unset it to run with the weaker binding)"
+        )
 
 
 def can_set_mempolicy() -> bool:

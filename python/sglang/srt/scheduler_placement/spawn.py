@@ -32,7 +32,7 @@ from sglang.srt.placement.plan import HostFacts, place_gpu_id
 from sglang.srt.placement.policy import placement_view
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.resolve import describe
-from sglang.srt.placement.types import PlacementError, ProcessPlacement, Strategy
+from sglang.srt.placement.types import ProcessPlacement, Strategy
 from sglang.srt.scheduler_placement.spawn_hook import hook_reachable, spawn_with_prefix
 
 logger = logging.getLogger(__name__)
@@ -40,9 +40,6 @@ logger = logging.getLogger(__name__)
 EXEC_WAIT_S = 30.0
 """How long the watch waits for a child to leave numactl (about a millisecond; far
 more under load)."""
-
-CRASH_SETTING = "SGLANG_CRASH_ON_NUMA_BIND_FAILURE"
-
 
 def spawn_label(server_args: Any, gpu_id: int) -> str:
     """How logs name the spawn of ``gpu_id``: the GPU, and the visible devices when
@@ -143,10 +140,7 @@ def _check_block(
                 "multiprocessing.get_context('spawn'))"
             )
     if problems:
-        message = f"{who}: " + "; ".join(problems)
-        if settings.bind_failure_is_fatal():
-            raise PlacementError(f"{message} ({CRASH_SETTING}=1)")
-        logger.warning(message)
+        handle_bind_failure(f"{who}: " + "; ".join(problems), log=logger)
 
 
 _Child = tuple[int, list[str], str]
