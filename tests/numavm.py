@@ -42,6 +42,7 @@ PACKAGES = {
     "busybox-static": "a static /bin/busybox for the guest's first process",
     "linux-image-amd64": "a guest kernel in /boot with its modules",
 }
+REPO = Path(__file__).resolve().parents[1]
 BUSYBOX = Path("/bin/busybox")
 # Loaded in this order (each after what it needs) before the guest can see its root.
 GUEST_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay")
@@ -195,6 +196,14 @@ def ensure_packages() -> None:
             )
     if missing_packages():
         raise VmUnavailable(f"installed {' '.join(missing)}, still missing {what}")
+
+
+def require_vm() -> None:
+    """For scripts: exit with one line naming what is missing when the VM cannot boot here."""
+    try:
+        ensure_packages()
+    except VmUnavailable as missing:
+        raise SystemExit(f"numavm: {missing}")
 
 
 def newc(entries: Iterable[tuple[str, int, bytes, int]]) -> bytes:
@@ -360,24 +369,23 @@ def run(
 def run_script_in_vm(
     script: str, *script_args: str, vm_args: Sequence[str], vm_timeout_s: int
 ) -> dict:
-    """Run ``python script script_args`` in a VM shaped by ``vm_args`` (this module's
-    flags); return its last stdout line as JSON. Skips the calling test when this machine
-    cannot boot the VM."""
+    """Run ``python script script_args`` (``script`` relative to the repo) in a VM shaped
+    by ``vm_args`` (this module's flags); return its last stdout line as JSON. Skips the
+    calling test when this machine cannot boot the VM."""
     shape = shape_from(parser().parse_args([*vm_args]))
     try:
         ensure_packages()
     except VmUnavailable as missing:
         pytest.skip(str(missing))
-    done = run(
-        [sys.executable, script, *script_args],
-        shape=shape,
-        timeout_s=vm_timeout_s,
-        echo=True,
-    )
+    argv = [sys.executable, str(REPO / script), *script_args]
+    try:
+        done = run(argv, shape=shape, timeout_s=vm_timeout_s)
+    except subprocess.TimeoutExpired as late:
+        done = subprocess.CompletedProcess(argv, None, late.output, late.stderr)
     if done.returncode != 0:
         raise AssertionError(
-            f"{script} exited {done.returncode} in the VM\n"
-            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            f"{script} in the VM: exit status {done.returncode} (None: past "
+            f"{vm_timeout_s} s)\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -387,10 +395,11 @@ def main() -> None:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise SystemExit("numavm: no command given (-- COMMAND [ARG ...])")
+    require_vm()
     try:
         shape = shape_from(args)
         done = run(command, shape=shape, timeout_s=args.timeout, echo=True)
-    except (ValueError, VmUnavailable, RuntimeError) as error:
+    except (ValueError, RuntimeError) as error:
         raise SystemExit(f"numavm: {error}")
     except subprocess.TimeoutExpired:
         print(
