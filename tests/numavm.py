@@ -1,26 +1,27 @@
 """A throw-away multi-NUMA Linux guest that runs one command on this machine's own root.
 
 Real kernel NUMA nodes give the VM tests what no fake can: numactl, libnuma and the
-kernel's page placement, counted per node. QEMU builds the nodes (its ACPI SRAT), boots
-Debian's stock kernel with a small busybox initramfs, and the guest mounts this machine's
-``/`` read-only over virtio-9p under a RAM overlay (writes are thrown away), so the repo,
-its ``.venv`` and ``numactl`` are all there at their own paths. The command runs as root
-in the caller's directory with the caller's environment and an empty stdin; its output
-streams back through a private 9p share. QEMU emulates the CPUs (TCG): it runs wherever
-QEMU does, a KVM that only boots patched kernels included, and Python there is about
-twenty times slower than here.
+kernel's page placement, counted per node. QEMU builds the nodes (its ACPI SRAT) and
+boots Debian's stock kernel with a small busybox initramfs; the guest mounts this
+machine's ``/`` read-only over virtio-9p under a RAM overlay (writes are thrown away),
+so the repo, its ``.venv`` and ``numactl`` are there at their own paths. The command
+runs as root in the caller's directory with the caller's environment and an empty
+stdin; its output streams back through a private 9p share. The CPUs are emulated (TCG),
+which works on any host QEMU runs on, even where KVM boots no stock kernel; Python there
+is about twenty times slower than here.
 
     python tests/numavm.py [--nodes N] [--cpus C] [--mem-mb M] [--pci-node NODE[:MODEL]]
                            [--timeout S] -- COMMAND [ARG ...]
 
 exits with the command's status (124 past the deadline). Run as root, the first use
-installs the Debian packages the guest needs; without them the VM tests skip, naming them.
+installs the Debian packages the guest needs; without them the VM tests skip, naming
+them.
 """
 
 from __future__ import annotations
 
 import argparse
-import codecs
+import contextlib
 import functools
 import json
 import lzma
@@ -60,8 +61,8 @@ for module in $(cat /modules); do insmod "/lib/$module"; done
 mount -t 9p -o {NINEP} job /job
 mount -t 9p -o {NINEP},ro,cache=loose root /lower
 mount -t tmpfs -o mode=0755 tmpfs /upper
-mkdir /upper/data /upper/work
-mount -t overlay -o lowerdir=/lower,upperdir=/upper/data,workdir=/upper/work overlay /root
+mkdir /upper/u /upper/w
+mount -t overlay -o lowerdir=/lower,upperdir=/upper/u,workdir=/upper/w overlay /root
 cd /root
 mount -t proc proc proc
 mount -t sysfs sysfs sys
@@ -77,8 +78,8 @@ chroot /root "$(cat /job/python)" -I -S -c "$(cat /job/launch.py)" \\
 echo "$status" >/job/status
 poweroff -f
 """
-# Run in the guest's root by this machine's own Python: the job arrives as JSON on stdin,
-# so no value is ever written into shell code.
+# Run in the guest's root by this machine's own Python: the job arrives as JSON on
+# stdin, so no value is ever written into shell code.
 LAUNCH = """import json, os, sys
 job = json.load(sys.stdin)
 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -93,7 +94,7 @@ class VmUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Shape:
-    """The guest's topology: node i holds CPUs [i*C/N, (i+1)*C/N), one socket per node."""
+    """The guest's topology: node i holds CPUs [i*C/N, (i+1)*C/N), a socket each."""
 
     nodes: int = 2
     cpus: int = 4
@@ -171,7 +172,7 @@ def missing_packages() -> list[str]:
 
 @functools.cache
 def ensure_packages() -> None:
-    """Install what the guest needs from Debian when run as root; else say what is missing."""
+    """Install what the guest needs from Debian as root; else say what is missing."""
     missing = missing_packages()
     if not missing:
         return
@@ -179,8 +180,8 @@ def ensure_packages() -> None:
     fix = f"apt-get install --no-install-recommends {' '.join(missing)}"
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         raise VmUnavailable(
-            f"the multi-NUMA VM needs Debian packages: {what}; run as root once, "
-            f"or `sudo {fix}`"
+            f"the multi-NUMA VM needs Debian packages: {what}; run the VM tests "
+            f"as root once, or `sudo {fix}`"
         )
     print(f"numavm: installing {' '.join(missing)}", file=sys.stderr, flush=True)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -199,7 +200,7 @@ def ensure_packages() -> None:
 
 
 def require_vm() -> None:
-    """For scripts: exit with one line naming what is missing when the VM cannot boot here."""
+    """For scripts: exit with one line naming what is missing to boot the VM here."""
     try:
         ensure_packages()
     except VmUnavailable as missing:
@@ -207,7 +208,7 @@ def require_vm() -> None:
 
 
 def newc(entries: Iterable[tuple[str, int, bytes, int]]) -> bytes:
-    """A cpio archive in the kernel's initramfs format: (name, mode, data, device) each."""
+    """A cpio archive in the initramfs format, of (name, mode, data, device) entries."""
     out = bytearray()
     trailer = ("TRAILER!!!", 0, b"", 0)
     for ino, (name, mode, data, device) in enumerate([*entries, trailer], 1):
@@ -257,43 +258,53 @@ def qemu_opt(value: object) -> str:
 
 
 def qemu_argv(shape: Shape, *, kernel: Path, work: Path) -> list[str]:
-    per_node = shape.cpus // shape.nodes
+    per_node, mem_mb = shape.cpus // shape.nodes, shape.mem_mb // shape.nodes
     argv = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg,thread=multi"]
-    argv += ["-cpu", "max", "-m", f"{shape.mem_mb}M"]
-    argv += ["-smp", f"{shape.cpus},sockets={shape.nodes},cores={per_node},threads=1"]
+    argv += ["-cpu", "max", "-m", f"{mem_mb * shape.nodes}M", "-smp"]
+    argv += [f"{shape.cpus},sockets={shape.nodes},cores={per_node},threads=1"]
     for node in range(shape.nodes):
-        size = shape.mem_mb // shape.nodes + (
-            shape.mem_mb % shape.nodes if not node else 0
-        )
         cpus = f"{node * per_node}-{(node + 1) * per_node - 1}"
-        argv += ["-object", f"memory-backend-ram,id=mem{node},size={size}M"]
+        argv += ["-object", f"memory-backend-ram,id=mem{node},size={mem_mb}M"]
         argv += ["-numa", f"node,nodeid={node},cpus={cpus},memdev=mem{node}"]
     for i, (node, model) in enumerate(shape.pci_nodes):
-        argv += [
-            "-device",
-            f"pxb-pcie,id=pxb{i},bus=pcie.0,bus_nr={128 + 16 * i},numa_node={node}",
-        ]
-        argv += [
-            "-device",
-            f"pcie-root-port,id=port{i},bus=pxb{i},chassis={i + 1},slot=0",
-        ]
+        bridge = f"id=pxb{i},bus=pcie.0,bus_nr={128 + 16 * i},numa_node={node}"
+        port = f"id=port{i},bus=pxb{i},chassis={i + 1},slot=0"
+        argv += ["-device", f"pxb-pcie,{bridge}", "-device", f"pcie-root-port,{port}"]
         argv += ["-device", f"{qemu_opt(model)},bus=port{i}"]
-    for tag, path, options in (("root", Path("/"), ",readonly=on"), ("job", work, "")):
-        argv += [
-            "-fsdev",
-            f"local,id={tag},path={qemu_opt(path)},security_model=none,multidevs=remap{options}",
-        ]
-        argv += ["-device", f"virtio-9p-pci,bus=pcie.0,fsdev={tag},mount_tag={tag}"]
+    for tag, path, extra in (("root", Path("/"), ",readonly=on"), ("job", work, "")):
+        fsdev = f"id={tag},path={qemu_opt(path)},security_model=none{extra}"
+        argv += ["-fsdev", f"local,{fsdev},multidevs=remap", "-device"]
+        argv += [f"virtio-9p-pci,bus=pcie.0,fsdev={tag},mount_tag={tag}"]
     argv += ["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"]
     argv += ["-chardev", f"file,id=console,path={qemu_opt(work / 'console.log')}"]
-    argv += ["-serial", "chardev:console", "-kernel", str(kernel)]
-    argv += [
-        "-initrd",
-        str(work / "initramfs"),
-        "-append",
-        "console=ttyS0 quiet panic=-1",
-    ]
+    argv += ["-serial", "chardev:console", "-kernel", str(kernel), "-initrd"]
+    argv += [str(work / "initramfs"), "-append", "console=ttyS0 quiet panic=-1"]
     return argv
+
+
+def follow(
+    qemu: subprocess.Popen, paths: Sequence[Path], *, deadline: float, echo: bool
+) -> list[str]:
+    """What the guest writes to ``paths`` (stdout, stderr) until QEMU exits, as text."""
+    sinks = (sys.stdout.buffer, sys.stderr.buffer) if echo else (None, None)
+    outputs = [bytearray() for _ in paths]
+    with contextlib.ExitStack() as stack:
+        readers = [stack.enter_context(open(p, "rb", buffering=0)) for p in paths]
+        while True:
+            exited = qemu.poll() is not None
+            for reader, output, sink in zip(readers, outputs, sinks):
+                chunk = reader.read() or b""
+                output += chunk
+                if sink and chunk:
+                    sink.write(chunk)
+                    sink.flush()
+            if exited or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    texts = [output.decode(errors="replace") for output in outputs]
+    if not exited:
+        raise subprocess.TimeoutExpired(qemu.args, 0, *texts)
+    return texts
 
 
 def run(
@@ -306,6 +317,7 @@ def run(
     """
     ensure_packages()
     kernel, modules = guest_kernel()
+    deadline = time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="numavm-") as tmp:
         work = Path(tmp)
         (work / "initramfs").write_bytes(initramfs(modules))
@@ -313,65 +325,44 @@ def run(
         (work / "launch.py").write_text(LAUNCH)
         job = {"argv": list(argv), "cwd": os.getcwd(), "env": dict(os.environ)}
         (work / "job.json").write_text(json.dumps(job))
-        streams = [(work / "stdout", sys.stdout), (work / "stderr", sys.stderr)]
-        for path, _ in streams:
+        streams = [work / "stdout", work / "stderr"]
+        for path in streams:
             path.touch()
-        deadline = time.monotonic() + timeout_s
-        log = open(work / "qemu.log", "wb")
-        qemu = subprocess.Popen(
+        with open(work / "qemu.log", "wb") as log, subprocess.Popen(
             qemu_argv(shape, kernel=kernel, work=work),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-        )
-        readers = [open(path, "rb", buffering=0) for path, _ in streams]
-        decoders = [codecs.getincrementaldecoder("utf-8")("replace") for _ in streams]
-        texts: list[list[str]] = [[], []]
-        try:
-            while True:
-                exited = qemu.poll() is not None
-                for reader, decoder, text, (_, echo_to) in zip(
-                    readers, decoders, texts, streams
-                ):
-                    chunk = decoder.decode(reader.read() or b"", final=exited)
-                    text.append(chunk)
-                    if echo and chunk:
-                        echo_to.write(chunk)
-                        echo_to.flush()
-                if exited:
-                    break
-                if time.monotonic() > deadline:
-                    out, err = ("".join(t) for t in texts)
-                    raise subprocess.TimeoutExpired(argv, timeout_s, out, err)
-                time.sleep(0.2)
-        finally:
-            qemu.kill()
-            qemu.wait()
-            log.close()
-            for reader in readers:
-                reader.close()
-        status = (
-            (work / "status").read_text().strip() if (work / "status").exists() else ""
-        )
-        if not status.isdigit():
-            tails = [
-                (work / f).read_text(errors="replace")[-3000:]
-                for f in ("qemu.log", "console.log")
-            ]
-            raise RuntimeError(
-                f"the VM stopped before the command ended (qemu exit {qemu.returncode})\n"
-                + "\n".join(tails)
+        ) as qemu:
+            try:
+                out, err = follow(qemu, streams, deadline=deadline, echo=echo)
+            except subprocess.TimeoutExpired as late:
+                raise subprocess.TimeoutExpired(
+                    argv, timeout_s, late.output, late.stderr
+                ) from None
+            finally:
+                qemu.kill()
+        status = work / "status"
+        if not (status.exists() and status.read_text().strip().isdigit()):
+            tails = (
+                (work / name).read_text(errors="replace")[-3000:]
+                for name in ("qemu.log", "console.log")
             )
-        out, err = ("".join(t) for t in texts)
-        return subprocess.CompletedProcess(list(argv), int(status), out, err)
+            raise RuntimeError(
+                f"the VM stopped before the command ended (qemu exit "
+                f"{qemu.returncode})\n" + "\n".join(tails)
+            )
+        return subprocess.CompletedProcess(
+            list(argv), int(status.read_text()), out, err
+        )
 
 
 def run_script_in_vm(
     script: str, *script_args: str, vm_args: Sequence[str], vm_timeout_s: int
 ) -> dict:
-    """Run ``python script script_args`` (``script`` relative to the repo) in a VM shaped
-    by ``vm_args`` (this module's flags); return its last stdout line as JSON. Skips the
-    calling test when this machine cannot boot the VM."""
+    """Run ``python script script_args`` (``script`` relative to the repo) in a VM
+    shaped by ``vm_args`` (this module's flags); return its last stdout line as JSON.
+    Skips the calling test when this machine cannot boot the VM."""
     shape = shape_from(parser().parse_args([*vm_args]))
     try:
         ensure_packages()
