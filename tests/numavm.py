@@ -104,9 +104,9 @@ class Shape:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, default=2, choices=range(1, 65), metavar="N")
-    p.add_argument("--cpus", type=int, default=4, choices=range(1, 257), metavar="C")
-    p.add_argument("--mem-mb", type=int, default=2048, choices=range(256, 65537))
+    p.add_argument("--nodes", type=int, default=2, metavar="N", help="1 to 64")
+    p.add_argument("--cpus", type=int, default=4, metavar="C", help="N to 256")
+    p.add_argument("--mem-mb", type=int, default=2048, metavar="M", help="to 65536")
     p.add_argument(
         "--pci-node",
         action="append",
@@ -120,10 +120,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def shape_from(args: argparse.Namespace) -> Shape:
-    if args.cpus % args.nodes or args.mem_mb < 128 * args.nodes:
+    if not (
+        1 <= args.nodes <= 64
+        and args.nodes <= args.cpus <= 256
+        and 128 * args.nodes <= args.mem_mb <= 65536
+        and args.cpus % args.nodes == 0
+    ):
         raise ValueError(
-            f"--cpus {args.cpus} --mem-mb {args.mem_mb} over --nodes {args.nodes}: "
-            "give every node the same number of CPUs and at least 128 MiB"
+            f"--nodes {args.nodes} --cpus {args.cpus} --mem-mb {args.mem_mb}: give "
+            "1 to 64 nodes the same number of CPUs each (256 in all at most) and "
+            "128 MiB to 64 GiB of memory, at least 128 MiB a node"
         )
     pci = []
     for spec in args.pci_node:
@@ -382,20 +388,22 @@ def run_script_in_vm(
 
 
 def main() -> None:
-    args = parser().parse_args()
+    cli = parser()
+    args = cli.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        raise SystemExit("numavm: no command given (-- COMMAND [ARG ...])")
-    require_vm()
+    if not command or not 0 < args.timeout <= 86400:
+        cli.error("give -- COMMAND [ARG ...], and --timeout from 1 to 86400 s")
     try:
         shape = shape_from(args)
+    except ValueError as error:
+        cli.error(str(error))
+    require_vm()
+    try:
         done = run(command, shape=shape, timeout_s=args.timeout, echo=True)
-    except (ValueError, RuntimeError) as error:
+    except RuntimeError as error:
         raise SystemExit(f"numavm: {error}")
     except subprocess.TimeoutExpired:
-        print(
-            f"numavm: the VM ran past {args.timeout} s and was killed", file=sys.stderr
-        )
+        print(f"numavm: past {args.timeout} s; the VM was killed", file=sys.stderr)
         raise SystemExit(124)
     raise SystemExit(done.returncode)
 
