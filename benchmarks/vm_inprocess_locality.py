@@ -10,40 +10,27 @@ touches --mib MiB, binds in process to node 1, touches --mib MiB more.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-NUMA_VM = REPO.parent / "shared" / "tools" / "numa-vm"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import numavm  # noqa: E402
+
 SCRIPT = "tests/vm_scripts/inprocess_bind.py"
 
 
 def measure(*, mib: int, migrate: bool) -> dict:
-    argv = [
-        str(NUMA_VM),
-        "--nodes",
-        "2",
-        "--cpus",
-        "4",
-        "--timeout",
-        "300",
-        "--",
-        sys.executable,
-        SCRIPT,
-    ]
-    argv += ["--mib", str(mib)] + ([] if migrate else ["--no-migrate"])
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"numa-vm exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    args = ["--mib", str(mib)] + ([] if migrate else ["--no-migrate"])
+    return numavm.run_script_in_vm(
+        SCRIPT, *args, vm_args=["--nodes", "2", "--cpus", "4"], vm_timeout_s=300
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64)
     args = parser.parse_args()
+    numavm.require_vm()
     print(
         f"{'migration':<10} {'before':>8} {'after bind':>11} {'after alloc':>12} {'anon':>7} {'bind s':>7}  not moved"
     )

