@@ -26,6 +26,7 @@ import json
 import logging
 import multiprocessing
 import os
+import queue as queue_module
 import stat
 import sys
 import threading
@@ -59,10 +60,17 @@ class _ListHandler(logging.Handler):
 
 
 def _capture_logs() -> _ListHandler:
+    """The package's log lines, kept for the report; with ``BOOTSTRAP_CHILDREN_STEPS=1``
+    also written to stderr at once, so that whoever kills the rank knows its step."""
     handler = _ListHandler()
     logger = logging.getLogger("sglang.srt.distributed")
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
+    if os.environ.get("BOOTSTRAP_CHILDREN_STEPS") == "1":
+        steps = logging.StreamHandler(sys.stderr)
+        steps.setLevel(logging.INFO)
+        steps.setFormatter(logging.Formatter("step %(process)d %(message)s"))
+        logger.addHandler(steps)
     return handler
 
 
@@ -92,6 +100,8 @@ def rank_main(spec: dict, queue, linger: bool = False) -> None:
     try:
         environ_before = dict(os.environ)
         logs = _capture_logs()
+        step = logging.getLogger("sglang.srt.distributed.steps").info
+        step(f"rank {spec['tp_rank']}: start")
         kernel.register(spec["schema"], threads_env=True, all_reduce=True)
 
         import torch
@@ -141,6 +151,7 @@ def rank_main(spec: dict, queue, linger: bool = False) -> None:
         world_tensor = torch.tensor([value])
         dist.all_reduce(world_tensor)  # WORLD, over gloo
 
+        step(f"rank {spec['tp_rank']}: served")
         calls = [dict(c) for c in kernel.CALLS]
         initialize = [c for c in calls if c["op"] == "initialize"]
         segment = initialize[0]["segment"] if initialize else None
@@ -203,16 +214,23 @@ def run_ranks(
         process.start()
     reports: list[dict] = []
     try:
-        for _ in processes:
-            reports.append(queue.get(timeout=timeout_s))
-            if "error" in reports[-1]:
-                break
+        deadline = time.monotonic() + timeout_s
+        while len(reports) < len(processes) and not any("error" in r for r in reports):
+            try:
+                reports.append(queue.get(timeout=1))
+            except queue_module.Empty:
+                # A killed rank never reports: stop waiting for the others.
+                killed = any(p.exitcode not in (None, 0) for p in processes)
+                if killed or time.monotonic() > deadline:
+                    break
         if serve:
             print(json.dumps(reports), flush=True)
             sys.stdin.read()
     finally:
         for process in processes:
-            process.join(timeout=30 if len(reports) == len(processes) else 1)
+            # Served ranks wait to be killed; others end on their own.
+            done = len(reports) == len(processes) and not serve
+            process.join(timeout=30 if done else 1)
             if process.is_alive():
                 process.kill()
                 process.join()
