@@ -1,257 +1,184 @@
-"""Load test of the shared-memory owner records: processes claim and release segments at random while owners are SIGKILLed; no live segment may be touched.
+"""What a CPU engine killed at a random point of set-up, or after it, leaves in /dev/shm.
 
-    .venv/bin/python benchmarks/shm_stress.py [--processes 8] [--seconds 40] [--namespaces 3] [--ranks 4]
+    SGLANG_PRISTINE_DIR=$PWD/.venv/pristine .venv/bin/python benchmarks/shm_stress.py \
+        [--trials 10] [--seed 1]
 
-Each worker process claims (``claim_segment``, which sweeps dead owners' segments)
-and releases segments of a few namespaces at random, writes its own content into
-each segment it claims as the CPU kernel would, and after every step checks that
-every segment it still owns exists with that content. A killer SIGKILLs a random
-owner now and then and starts a fresh worker in its place. At the end a sweep
-must leave nothing behind. Runs in a private directory under /dev/shm (or
-``--shm-dir``), which it removes.
+Each trial starts a TP 2 CPU engine through bootstrap's real path (the ranks of
+``tests/bootstrap_children.py``, with the stand-in kernel), SIGKILLs the whole engine
+(every rank) at a random point: right after, or up to 0.5 s after, a step drawn at
+random (a rank's start, ``initialize`` done, the unlink, the all-reduces done), and
+counts the engine's names left in ``/dev/shm``. The step reached is the
+least advanced rank's, from the log lines the ranks print right after each step: ``start``
+(before or in ``initialize``), ``initialised`` (past ``initialize``, the groups not
+built yet), ``unlinked``, ``served`` (all-reduces done). When names are left, the
+next engine on that address runs to the end, and the names left after it are
+counted too.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import multiprocessing
+import json
 import os
 import random
-import shutil
 import signal
+import socket
+import subprocess
 import sys
-import tempfile
+import threading
 import time
-from typing import Optional
+from collections import Counter
+from pathlib import Path
 
-from sglang.srt.distributed.shm_errors import ShmCollectiveError
-from sglang.srt.distributed.shm_namespace import ShmNamespace
-from sglang.srt.distributed.shm_segments import (
-    claim_segment,
-    release_shm_collective,
-    remove_stale_segments,
-)
-
-_BASE_PORT = 41000
-# Per-worker counters in one shared array, written only by the slot's own worker
-# (no lock, so a SIGKILL can never leave one held).
-_CLAIMS, _RELEASES, _CONFLICTS, _TOUCHED, _HELD = range(5)
-_FIELDS = 5
-_MAX_HELD = 3
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+DRIVER = TESTS / "bootstrap_children.py"
+SHM = Path("/dev/shm")
+STEPS = ("not started", "start", "initialised", "unlinked", "served")
+_MARKS = {
+    ": start": "start",
+    ": CPU shared-memory collective initialised": "initialised",
+    ": unlinked": "unlinked",
+    ": served": "served",
+}
 
 
-@dataclasses.dataclass(frozen=True)
-class StressResult:
-    processes: int
-    seconds: float
-    claims: int
-    releases: int
-    conflicts: int
-    owners_killed: int
-    live_touched: int
-    leftovers: tuple[str, ...]
+def _free_port() -> int:
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port < 65535:  # the engine also uses port + 1
+            return port
 
 
-def _namespaces(count: int) -> list[ShmNamespace]:
-    return [ShmNamespace(addr="127.0.0.1", port=_BASE_PORT + i) for i in range(count)]
+def _specs(port: int) -> list[dict]:
+    return [
+        {"engine": 0, "tp_size": 2, "pp_size": 1, "tp_rank": r, "pp_rank": 0,
+         "port": port, "schema": "released", "value": 1 + r}
+        for r in range(2)
+    ]  # fmt: skip
 
 
-def _read(path: str) -> Optional[bytes]:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
-
-
-def _worker(
-    slot: int,
-    counters,
-    shm_dir: str,
-    namespaces: int,
-    ranks: int,
-    seed: int,
-    deadline: float,
-) -> None:
-    rng = random.Random(seed * 1_000_003 + os.getpid())
-    spaces = _namespaces(namespaces)
-    base = slot * _FIELDS
-    held: dict[tuple[int, int], bytes] = {}
-    steps = 0
-
-    def path(key: tuple[int, int]) -> str:
-        return os.path.join(shm_dir, spaces[key[0]].segment_name(key[1]))
-
-    while time.time() < deadline:
-        steps += 1
-        if held and (len(held) >= _MAX_HELD or rng.random() < 0.5):
-            key = rng.choice(list(held))
-            del held[key]
-            release_shm_collective(spaces[key[0]], rank=key[1])
-            counters[base + _RELEASES] += 1
-        else:
-            key = (rng.randrange(namespaces), rng.randrange(ranks))
-            if key in held:
-                continue
-            try:
-                claim_segment(spaces[key[0]], rank=key[1], shm_dir=shm_dir, wait_s=0)
-            except ShmCollectiveError:
-                counters[base + _CONFLICTS] += 1
-                continue
-            content = f"pid {os.getpid()} step {steps}\n".encode()
-            # As the kernel does: O_CREAT without O_EXCL, so a segment that someone
-            # failed to remove would be reused, not refused.
-            fd = os.open(path(key), os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
-            os.write(fd, content)
-            os.close(fd)
-            held[key] = content
-            counters[base + _CLAIMS] += 1
-        counters[base + _HELD] = len(held)
-        time.sleep(rng.uniform(0, 0.004))
-        for key, content in list(held.items()):
-            if _read(path(key)) != content:
-                counters[base + _TOUCHED] += 1
-                # Not ours any more: stop watching it rather than count it again.
-                del held[key]
-    release_shm_collective()
-    counters[base + _HELD] = 0
-
-
-def _noop() -> None:
-    pass
-
-
-def _leftovers(shm_dir: str) -> tuple[str, ...]:
-    found = []
-    for root, dirs, files in os.walk(shm_dir):
-        found += [os.path.relpath(os.path.join(root, n), shm_dir) for n in dirs + files]
-    return tuple(sorted(found))
-
-
-def run(
-    *,
-    processes: int,
-    seconds: float,
-    shm_dir: str,
-    namespaces: int = 3,
-    ranks: int = 4,
-    kill_interval: float = 0.7,
-    seed: int = 0,
-) -> StressResult:
-    """Run the load in ``shm_dir`` (which should start empty) and report what happened."""
-    # Workers fork from a server that imported the shm modules once: a restarted owner is back at
-    # once, instead of paying sglang.srt.distributed's imports (seconds) inside the measured window.
-    context = multiprocessing.get_context("forkserver")
-    # By package name: the fork server does not get this process's sys.path, so a
-    # module found through it (this one, when imported by a test) would not preload.
-    context.set_forkserver_preload(["sglang.srt.distributed.shm_segments"])
-    warm_up = context.Process(target=_noop)
-    warm_up.start()
-    warm_up.join()
-    counters = context.RawArray("q", processes * _FIELDS)
-    deadline = time.time() + seconds
-    rng = random.Random(seed)
-
-    def start(slot: int):
-        worker = context.Process(
-            target=_worker,
-            args=(
-                slot,
-                counters,
-                shm_dir,
-                namespaces,
-                ranks,
-                rng.randrange(2**31),
-                deadline,
-            ),
-        )
-        worker.start()
-        return worker
-
-    workers = [start(slot) for slot in range(processes)]
-    killed = 0
-    try:
-        while time.time() < deadline:
-            time.sleep(rng.uniform(0.5, 1.5) * kill_interval)
-            owners = [
-                s
-                for s in range(processes)
-                if workers[s].is_alive() and counters[s * _FIELDS + _HELD] > 0
-            ]
-            if not owners or time.time() >= deadline:
-                continue
-            slot = rng.choice(owners)
-            os.kill(workers[slot].pid, signal.SIGKILL)
-            workers[slot].join()
-            killed += 1
-            if deadline - time.time() > 0.5:
-                workers[slot] = start(slot)
-    finally:
-        for worker in workers:
-            worker.join(max(5.0, deadline - time.time() + 30))
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
-    for namespace in _namespaces(namespaces):
-        remove_stale_segments(namespace, shm_dir=shm_dir)
-
-    def total(field: int) -> int:
-        return sum(counters[s * _FIELDS + field] for s in range(processes))
-
-    return StressResult(
-        processes=processes,
-        seconds=seconds,
-        claims=total(_CLAIMS),
-        releases=total(_RELEASES),
-        conflicts=total(_CONFLICTS),
-        owners_killed=killed,
-        live_touched=total(_TOUCHED),
-        leftovers=_leftovers(shm_dir),
+def _env() -> dict:
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_SIZE"}
+    env.update(
+        SGLANG_CPU_OMP_THREADS_BIND="|".join(str(cpus[i % len(cpus)]) for i in (0, 1)),
+        SGLANG_NCCL_SO_PATH="/nonexistent/libnccl.so.2",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=str(TESTS / "harness"),
+        SHM_STANDIN_PEER_DEADLINE_S="300",
+        BOOTSTRAP_CHILDREN_STEPS="1",
     )
+    return env
 
 
-def _bounded(kind, low, high):
-    def parse(text: str):
-        value = kind(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected {low} to {high}")
-        return value
+def _names(port: int) -> list[str]:
+    marker = f"_127.0.0.1_{port}_"
+    return sorted(p.name for p in SHM.iterdir() if marker in p.name)
 
-    return parse
+
+class Engine:
+    """A TP 2 engine in its own process group, its ranks' steps read as they print."""
+
+    def __init__(self, port: int) -> None:
+        self.steps = {0: "not started", 1: "not started"}
+        self.pids: set[int] = set()
+        self.reached = {step: threading.Event() for step in STEPS}
+        self.served = threading.Event()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(DRIVER), "serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            start_new_session=True,
+        )
+        self.proc.stdin.write(json.dumps(_specs(port)) + "\n")
+        self.proc.stdin.flush()
+        self._reader = threading.Thread(target=self._read_steps, daemon=True)
+        self._reader.start()
+        threading.Thread(target=self._read_reports, daemon=True).start()
+
+    def _read_steps(self) -> None:
+        for line in self.proc.stderr:
+            words = line.split()
+            if words[:1] != ["step"] or words[2:3] != ["rank"]:
+                continue
+            self.pids.add(int(words[1]))
+            rank = int(words[3].rstrip(":"))
+            for mark, step in _MARKS.items():
+                if mark in line and STEPS.index(step) > STEPS.index(self.steps[rank]):
+                    self.steps[rank] = step
+                    self.reached[step].set()
+
+    def _read_reports(self) -> None:
+        if self.proc.stdout.readline():
+            self.served.set()
+
+    def step(self) -> str:
+        return min(self.steps.values(), key=STEPS.index)
+
+    def kill(self) -> None:
+        """SIGKILL every rank that has started, as an operator kills an engine's
+        schedulers; the driver then ends the rest and reaps them."""
+        for pid in list(self.pids):
+            os.kill(pid, signal.SIGKILL)
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self._reader.join(timeout=60)
+
+    def finish(self, timeout_s: float = 600) -> None:
+        if not self.served.wait(timeout_s):
+            self.kill()
+            raise RuntimeError("the engine did not finish its set-up")
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=_bounded(int, 1, 256), default=8)
-    parser.add_argument("--seconds", type=_bounded(float, 0.5, 3600), default=40.0)
-    parser.add_argument("--namespaces", type=_bounded(int, 1, 64), default=3)
-    parser.add_argument("--ranks", type=_bounded(int, 1, 64), default=4)
-    parser.add_argument("--kill-interval", type=_bounded(float, 0.05, 60), default=0.7)
-    parser.add_argument("--seed", type=_bounded(int, 0, 2**31), default=0)
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
+    rng = random.Random(args.seed)
 
-    shm_dir = tempfile.mkdtemp(prefix="sglang-shm-stress-", dir="/dev/shm")
-    try:
-        result = run(
-            processes=args.processes,
-            seconds=args.seconds,
-            shm_dir=shm_dir,
-            namespaces=args.namespaces,
-            ranks=args.ranks,
-            kill_interval=args.kill_interval,
-            seed=args.seed,
+    left_by_step: dict[str, Counter] = {}
+    after_next = Counter()
+    for trial in range(args.trials):
+        port = _free_port()
+        target = rng.choice(STEPS[1:])
+        delay = rng.uniform(0, 0.5)
+        engine = Engine(port)
+        if not engine.reached[target].wait(600):
+            raise RuntimeError(f"no rank reached {target!r}")
+        time.sleep(delay)
+        engine.kill()
+        step = engine.step()  # every line printed before the kill read
+        left = _names(port)
+        left_by_step.setdefault(step, Counter())[len(left)] += 1
+        line = (
+            f"trial {trial}: killed {delay:.2f} s after a rank's {target!r}, least "
+            f"advanced rank at {step!r}: {len(left)} left"
         )
-    finally:
-        shutil.rmtree(shm_dir, ignore_errors=True)
-    print(f"processes             {result.processes} x {result.seconds:g} s")
-    print(f"claims                {result.claims}")
-    print(f"releases              {result.releases}")
-    print(f"refused (live owner)  {result.conflicts}")
-    print(f"owners killed         {result.owners_killed}")
-    print(f"live segments touched {result.live_touched}")
-    print(f"left behind           {len(result.leftovers)} {list(result.leftovers)[:5]}")
-    sys.exit(1 if result.live_touched or result.leftovers else 0)
+        if left:
+            Engine(port).finish()
+            after_next[len(_names(port))] += 1
+            line += f"; after the next engine: {len(_names(port))}"
+        print(line, flush=True)
+        for name in _names(port):
+            (SHM / name).unlink()
+
+    print("names left per kill, by the step the least advanced rank had reached:")
+    for step in STEPS:
+        if step in left_by_step:
+            counts = ", ".join(
+                f"{n} left x{c}" for n, c in sorted(left_by_step[step].items())
+            )
+            print(f"  {step:12} {counts}")
+    shown = ", ".join(f"{n} left x{c}" for n, c in sorted(after_next.items())) or "-"
+    print(f"after the next engine on the same address: {shown}")
 
 
 if __name__ == "__main__":

@@ -210,6 +210,7 @@ def _add_import_sorted(module: "cst.Module", line: str, where: str) -> "cst.Modu
 SHM_IMPORT = (
     "from sglang.srt.distributed.shm_collective import (  # noqa: F401\n"
     "    ShmNamespace,\n"
+    "    finish_shm_collective,\n"
     "    init_shm_collective,\n"
     "    start_shm_collective,\n"
     ")"
@@ -236,6 +237,14 @@ SHM_NEW = (
     "    pp_rank=parallel.pp_rank,\n"
     ")\n"
 )
+#: After this call in `_init_parallel_groups`, every rank of the stage is past
+#: `initialize`: FINISH (a barrier on the TP group) then unlinks the segment names.
+GROUPS_BUILT = "initialize_model_parallel"
+FINISH = "finish_shm_collective()\n"
+FINISH_COMMENT = (
+    "# Every rank of this stage called sgl_kernel::initialize before building its",
+    "# groups: past a barrier on the TP group, no rank opens a /dev/shm name again.",
+)
 
 
 def _find_run(
@@ -253,9 +262,41 @@ def rewrite_bootstrap(module: "cst.Module", rel: str) -> "cst.Module":
 
     Upstream's ``LOCAL_SIZE`` statement and its comment stay; the
     ``_set_shm_master_env`` and ``sgl_kernel.initialize`` calls after it become one
-    ``start_shm_collective(...)`` call.
+    ``start_shm_collective(...)`` call, and ``finish_shm_collective()`` follows the
+    ``initialize_model_parallel(...)`` call of ``_init_parallel_groups``.
     """
     module = _add_import_sorted(module, SHM_IMPORT, f"sglang/{rel}")
+    return _rewrite_groups(_rewrite_cpu_env(module, rel), rel)
+
+
+def _rewrite_groups(module: "cst.Module", rel: str) -> "cst.Module":
+    where = f"sglang/{rel}: _init_parallel_groups()"
+    func = _top_level(module, cst.FunctionDef, "_init_parallel_groups", where)
+    stmts = list(func.body.body)
+    built = [
+        i
+        for i, s in enumerate(stmts)
+        if isinstance(s, cst.SimpleStatementLine)
+        and isinstance(s.body[0], cst.Expr)
+        and isinstance(s.body[0].value, cst.Call)
+        and _same(module, s.body[0].value.func, GROUPS_BUILT)
+    ]
+    finishes = [i for i, s in enumerate(stmts) if _same(module, s, FINISH)]
+    if len(built) != 1 or finishes not in ([], [built[0] + 1]):
+        raise Refusal(
+            f"{where}: expected one `{GROUPS_BUILT}(...)` call statement, followed "
+            f"by nothing or by `{FINISH.strip()}`"
+        )
+    if finishes:
+        return module
+    comment = [cst.EmptyLine(comment=cst.Comment(line)) for line in FINISH_COMMENT]
+    stmts.insert(built[0] + 1, _statement(FINISH).with_changes(leading_lines=comment))
+    return module.deep_replace(
+        func, func.with_changes(body=func.body.with_changes(body=stmts))
+    )
+
+
+def _rewrite_cpu_env(module: "cst.Module", rel: str) -> "cst.Module":
     where = f"sglang/{rel}: _init_cpu_threads_env()"
     func = _top_level(module, cst.FunctionDef, "_init_cpu_threads_env", where)
     branch = next(

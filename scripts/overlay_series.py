@@ -219,30 +219,24 @@ SERIES: Tuple[Patch, ...] = (
     ),
     Patch(
         "shm-namespace",
-        "distributed: an explicit ShmNamespace, and errors an operator can act on",
+        "distributed: an explicit ShmNamespace for the CPU collective's segments",
         "An engine's /dev/shm segment names from its own init address, never from "
-        "MASTER_ADDR/MASTER_PORT; a full or read-only /dev/shm and a held lock named "
-        "with the file and the fix.",
-        "tests/test_bootstrap.py, tests/test_shm_errors.py",
+        "MASTER_ADDR/MASTER_PORT; bounded, validated, errors that show the value.",
+        "tests/test_bootstrap.py, tests/test_shm_hardening.py",
         "Nothing yet.",
-        files=(D + "shm_namespace.py", D + "shm_errors.py"),
-    ),
-    Patch(
-        "shm-owners",
-        "distributed: owner records of shared-memory segments",
-        "A flock per segment, the sweep of dead owners' segments, release at exit, "
-        "no trust in what another user made.",
-        "tests/test_shm_hardening.py",
-        "Nothing yet.",
-        files=(D + "shm_segments.py",),
+        files=(D + "shm_namespace.py",),
     ),
     Patch(
         "shm-bootstrap",
-        "bootstrap: the CPU collective's segments named by the engine's init address",
+        "bootstrap: per-engine segment names, unlinked once every rank has mapped them",
         "_init_cpu_threads_env hands the kernel an explicit namespace per pipeline "
-        "stage; LOCAL_SIZE stays as upstream sets it.",
-        "tests/test_bootstrap_engines.py, tests/test_upstream_shapes.py (bootstrap)",
-        "Co-located CPU engines no longer share segments; pipeline stages get their own.",
+        "stage (LOCAL_SIZE stays as upstream sets it); another user's file under its "
+        "names, a full or read-only /dev/shm are errors naming the path and the fix; "
+        "_init_parallel_groups unlinks the names after a barrier on the TP group.",
+        "tests/test_bootstrap_engines.py, tests/test_bootstrap.py, "
+        "tests/test_shm_errors.py, tests/test_upstream_shapes.py (bootstrap)",
+        "Co-located CPU engines and pipeline stages no longer share segments, and a "
+        "killed engine leaves nothing in /dev/shm.",
         files=(D + "shm_collective.py", "srt/distributed/bootstrap.py"),
     ),
     Patch(

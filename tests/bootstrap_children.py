@@ -11,6 +11,11 @@ the AMX flag, and NCCL's absence (this torch is a CUDA build; a CPU build has no
 NCCL, so ``SGLANG_NCCL_SO_PATH`` points nowhere). Whichever sglang package is first
 on the path runs, so the same driver serves the pristine and the overlaid one.
 
+``python bootstrap_children.py serve`` does the same, but prints the reports as soon
+as every rank has sent one and keeps the ranks alive (for a test to kill them) until
+stdin closes; a spec with ``"pause_before_groups": true`` reports instead when its
+rank is past ``initialize`` and about to build its groups, and waits there.
+
 ``python bootstrap_children.py hold SCHEMA ADDR PORT TP_SIZE TP_RANK`` initialises one
 rank with ``init_shm_collective`` and holds its segment until stdin closes.
 """
@@ -21,9 +26,11 @@ import json
 import logging
 import multiprocessing
 import os
+import queue as queue_module
 import stat
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -53,10 +60,17 @@ class _ListHandler(logging.Handler):
 
 
 def _capture_logs() -> _ListHandler:
+    """The package's log lines, kept for the report; with ``BOOTSTRAP_CHILDREN_STEPS=1``
+    also written to stderr at once, so that whoever kills the rank knows its step."""
     handler = _ListHandler()
     logger = logging.getLogger("sglang.srt.distributed")
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
+    if os.environ.get("BOOTSTRAP_CHILDREN_STEPS") == "1":
+        steps = logging.StreamHandler(sys.stderr)
+        steps.setLevel(logging.INFO)
+        steps.setFormatter(logging.Formatter("step %(process)d %(message)s"))
+        logger.addHandler(steps)
     return handler
 
 
@@ -68,26 +82,26 @@ def _py_environ() -> dict[str, Any]:
     return {name: os.environ.get(name) for name in WATCHED}
 
 
-def _owner_record(segment: Any) -> Any:
-    """The pid written in ``segment``'s owner record, or None (no record)."""
-    if not segment:
-        return None
-    path = os.path.join(
-        kernel.SHM_DIR, f"sglang_shm_owners_{os.getuid()}", segment + ".owner"
-    )
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
+def _pause_before_groups(bootstrap, key: dict, queue) -> None:
+    """Make the rank report, then wait to be killed, where bootstrap starts building
+    its groups (every rank of the engine past ``initialize``, nothing unlinked)."""
+
+    def paused(**_kwargs) -> None:
+        queue.put({**key, "pid": os.getpid(), "paused": True})
+        while True:
+            time.sleep(1)
+
+    bootstrap.init_distributed_environment = paused
 
 
-def rank_main(spec: dict, queue) -> None:
+def rank_main(spec: dict, queue, linger: bool = False) -> None:
     """One scheduler rank: bootstrap's real path, then a TP and a WORLD all-reduce."""
     key = {k: spec[k] for k in ("engine", "pp_rank", "tp_rank")}
     try:
         environ_before = dict(os.environ)
         logs = _capture_logs()
+        step = logging.getLogger("sglang.srt.distributed.steps").info
+        step(f"rank {spec['tp_rank']}: start")
         kernel.register(spec["schema"], threads_env=True, all_reduce=True)
 
         import torch
@@ -102,6 +116,8 @@ def rank_main(spec: dict, queue) -> None:
         # This host has no AMX: bootstrap's flag and the one is_shm_available reads.
         bootstrap._is_cpu_amx_available = True
         common.cpu_has_amx_support = lambda: True
+        if spec.get("pause_before_groups"):
+            _pause_before_groups(bootstrap, key, queue)
 
         tp_size, pp_size = spec["tp_size"], spec["pp_size"]
         tp_rank, pp_rank = spec["tp_rank"], spec["pp_rank"]
@@ -135,6 +151,7 @@ def rank_main(spec: dict, queue) -> None:
         world_tensor = torch.tensor([value])
         dist.all_reduce(world_tensor)  # WORLD, over gloo
 
+        step(f"rank {spec['tp_rank']}: served")
         calls = [dict(c) for c in kernel.CALLS]
         initialize = [c for c in calls if c["op"] == "initialize"]
         segment = initialize[0]["segment"] if initialize else None
@@ -150,7 +167,8 @@ def rank_main(spec: dict, queue) -> None:
                 if path and os.path.exists(path)
                 else None
             ),
-            "owner_record": _owner_record(segment),
+            # bootstrap unlinked the name once the groups were built.
+            "segment_exists": bool(path and os.path.exists(path)),
             "peer_prefixes": {str(r): p for r, p in kernel.peer_prefixes().items()},
             "environ_before": {n: environ_before.get(n) for n in WATCHED},
             "environ_after": after,
@@ -171,38 +189,48 @@ def rank_main(spec: dict, queue) -> None:
             "affinity": sorted(os.sched_getaffinity(0)),
             "num_threads": torch.get_num_threads(),
         }
-        dist.barrier()
-        try:
-            from sglang.srt.distributed.shm_collective import release_shm_collective
-        except ImportError:  # the pristine package keeps its segments
-            report["released"] = None
-        else:
-            report["released"] = release_shm_collective()
-        report["segment_after_release"] = bool(path and os.path.exists(path))
-        dist.barrier()
         report["logs"] = logs.lines
         queue.put(report)
     except BaseException:
         queue.put({**key, "error": traceback.format_exc()})
+        return
+    dist.barrier()  # no rank leaves while a peer still reads its segment
+    while linger:
+        time.sleep(1)
 
 
-def run_ranks(specs: list[dict], *, timeout_s: float = 300.0) -> list[dict]:
-    """Start one process per spec, return their reports; every process is reaped."""
+def run_ranks(
+    specs: list[dict], *, timeout_s: float = 300.0, serve: bool = False
+) -> list[dict]:
+    """Start one process per spec, return their reports; every process is reaped
+    (with ``serve``, once the reports are printed and stdin is closed)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
     queue = context.Queue()
-    processes = [context.Process(target=rank_main, args=(s, queue)) for s in specs]
+    processes = [
+        context.Process(target=rank_main, args=(s, queue, serve)) for s in specs
+    ]
     for process in processes:
         process.start()
     reports: list[dict] = []
     try:
-        for _ in processes:
-            reports.append(queue.get(timeout=timeout_s))
-            if "error" in reports[-1]:
-                break
+        deadline = time.monotonic() + timeout_s
+        while len(reports) < len(processes) and not any("error" in r for r in reports):
+            try:
+                reports.append(queue.get(timeout=1))
+            except queue_module.Empty:
+                # A killed rank never reports: stop waiting for the others.
+                killed = any(p.exitcode not in (None, 0) for p in processes)
+                if killed or time.monotonic() > deadline:
+                    break
+        if serve:
+            print(json.dumps(reports), flush=True)
+            sys.stdin.read()
     finally:
         for process in processes:
-            process.join(timeout=30 if len(reports) == len(processes) else 1)
+            # Served ranks wait to be killed; others end on their own.
+            done = len(reports) == len(processes) and not serve
+            process.join(timeout=30 if done else 1)
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -236,14 +264,16 @@ def _hold(schema: str, addr: str, port: int, tp_size: int, tp_rank: int) -> None
 def _main(argv: list[str]) -> None:
     if argv[1] == "hold":
         _hold(argv[2], argv[3], int(argv[4]), int(argv[5]), int(argv[6]))
-    elif argv[1] == "ranks":
+    elif argv[1] in ("ranks", "serve"):
         # By name, not as __main__, so that the fork server's children find it.
         import bootstrap_children
 
-        reports = bootstrap_children.run_ranks(json.load(sys.stdin))
-        print(json.dumps(reports))
+        specs = json.loads(sys.stdin.readline())
+        reports = bootstrap_children.run_ranks(specs, serve=argv[1] == "serve")
+        if argv[1] == "ranks":
+            print(json.dumps(reports))
     else:
-        raise SystemExit(f"usage: {argv[0]} ranks < SPECS.json | hold ...")
+        raise SystemExit(f"usage: {argv[0]} ranks|serve < SPECS.json | hold ...")
 
 
 if __name__ == "__main__":

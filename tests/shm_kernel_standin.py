@@ -15,10 +15,15 @@ names and schemas with ``torch.library`` and makes the same ``/dev/shm`` traffic
   what ``parallel_state``'s ``GroupCoordinator.all_reduce`` calls when
   ``is_shm_available`` says yes.
 
-Set-up is the CPU build's: ``shm_open(name, O_CREAT | O_RDWR, 0600)`` without
-``O_EXCL``, write a fresh workspace, then open every peer's segment, retrying while
-it does not exist; nothing is unlinked; a second ``initialize`` in a process does
-nothing. ``torch.library`` definitions live per process and one name can be defined
+Set-up is the CPU build's ``shm.cpp``: its three ``shm_open`` calls, all in the
+one-time ``initialize`` (a second one in a process does nothing): this rank's
+segment with ``O_CREAT | O_RDWR`` and mode 0600 but no ``O_EXCL`` (a leftover file
+of that name is reused), a fresh workspace written into it, the same name opened
+again and mapped, then each peer's segment opened in a loop that retries at once
+on ENOENT and never gives up in the real kernel; here only a test deadline
+(``SHM_STANDIN_PEER_DEADLINE_S``, default 120 s) ends it, so that a test cannot
+hang. Mappings are ``mmap`` of the full size, whatever the file's size, as in C.
+Nothing is opened after ``initialize``, and nothing is ever unlinked. ``torch.library`` definitions live per process and one name can be defined
 once, so every process (the test process and each spawned child) calls
 :func:`register` itself, and :func:`unregister` before switching schema.
 """
@@ -62,11 +67,19 @@ _state: dict = {
     "prefix": None,
     "rank": None,
     "maps": {},
+    "fds": [],
     "sequence": 0,
 }
-_libc = ctypes.CDLL(None)
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.getenv.restype = ctypes.c_char_p
 _libc.getenv.argtypes = [ctypes.c_char_p]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]  # fmt: skip
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+# glibc's shm_open adds O_NOFOLLOW and O_CLOEXEC to the flags it is given.
+_SHM_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def c_getenv(name: str) -> Optional[str]:
@@ -75,38 +88,54 @@ def c_getenv(name: str) -> Optional[str]:
     return None if value is None else value.decode()
 
 
-def _open_peer(path: str, deadline: float) -> int:
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"stand-in kernel: {path} never appeared") from None
-            time.sleep(0.01)
-            continue
-        if os.fstat(fd).st_size >= WORKSPACE_BYTES:
-            return fd
-        os.close(fd)
-        time.sleep(0.01)
+def _map(fd: int) -> ctypes.Array:
+    """``mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)``: past the end of
+    a shorter file the mapping exists, and touching it is a SIGBUS, as in C."""
+    address = _libc.mmap(
+        None, WORKSPACE_BYTES, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0
+    )
+    if address in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), "stand-in kernel: mmap failed")
+    return (ctypes.c_char * WORKSPACE_BYTES).from_address(address)
 
 
-def _shm_initialize(
-    size: int, rank: int, prefix: str, *, peer_timeout_s: float = 60.0
-) -> None:
+def _peer_deadline() -> float:
+    return time.monotonic() + float(
+        os.environ.get("SHM_STANDIN_PEER_DEADLINE_S", "120")
+    )
+
+
+def _shm_initialize(size: int, rank: int, prefix: str) -> None:
     own = os.path.join(SHM_DIR, f"{prefix}_{rank}")
-    fd = os.open(own, os.O_CREAT | os.O_RDWR, 0o600)
+    # shm_open 1 (shared_create): no O_EXCL, so a leftover of this name is reused.
+    fd = os.open(own, os.O_CREAT | os.O_RDWR | _SHM_OPEN_FLAGS, 0o600)
+    _state["fds"].append(fd)
     workspace = bytearray(WORKSPACE_BYTES)
     _HEADER.pack_into(workspace, 0, _MAGIC, os.getpid(), rank, size, prefix.encode())
     os.write(fd, bytes(workspace))
-    maps = {rank: mmap.mmap(fd, WORKSPACE_BYTES)}
-    os.close(fd)
-    deadline = time.monotonic() + peer_timeout_s
+    # shm_open 2 (shared_open): the same name opened again, and mapped.
+    fd = os.open(own, os.O_RDWR | _SHM_OPEN_FLAGS)
+    _state["fds"].append(fd)
+    maps = {rank: _map(fd)}
+    deadline = _peer_deadline()
     for peer in range(size):
         if peer == rank:
             continue
-        peer_fd = _open_peer(os.path.join(SHM_DIR, f"{prefix}_{peer}"), deadline)
-        maps[peer] = mmap.mmap(peer_fd, WORKSPACE_BYTES)
-        os.close(peer_fd)
+        path = os.path.join(SHM_DIR, f"{prefix}_{peer}")
+        while True:
+            try:
+                # shm_open 3 (shared_open in a loop while errno == ENOENT).
+                fd = os.open(path, os.O_RDWR | _SHM_OPEN_FLAGS)
+                break
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"stand-in kernel: rank {rank} still waits for {path} at the "
+                        f"test deadline (the real kernel would wait forever)"
+                    ) from None
+                os.sched_yield()  # the real loop does not even yield
+        _state["fds"].append(fd)
+        maps[peer] = _map(fd)
     _state.update(prefix=prefix, rank=rank, maps=maps)
 
 
@@ -178,7 +207,7 @@ def _init_cpu_threads_env(cpu_ids: str) -> str:
 
 
 def _wait_for_sequence(
-    m: mmap.mmap, offset: int, sequence: int, deadline: float
+    m: ctypes.Array, offset: int, sequence: int, deadline: float
 ) -> None:
     while _SEQUENCE.unpack_from(m, offset)[0] != sequence:
         if time.monotonic() > deadline:
@@ -256,8 +285,12 @@ def unregister() -> None:
     if lib is not None:
         lib._destroy()
     for m in _state["maps"].values():
-        m.close()
-    _state.update(lib=None, schema=None, prefix=None, rank=None, maps={}, sequence=0)
+        _libc.munmap(ctypes.addressof(m), WORKSPACE_BYTES)
+    for fd in _state["fds"]:
+        os.close(fd)
+    _state.update(
+        lib=None, schema=None, prefix=None, rank=None, maps={}, fds=[], sequence=0
+    )
     CALLS.clear()
     FAIL_NEXT.clear()
 

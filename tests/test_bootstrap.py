@@ -1,4 +1,4 @@
-"""ShmNamespace, init_shm_collective and stale segments.
+"""ShmNamespace, init_shm_collective, and segments left by a set-up that died.
 
 The kernel is the torch.library stand-in of ``shm_kernel_standin`` (real /dev/shm
 segments); other engines are real processes, killed for real. Bootstrap's whole
@@ -21,14 +21,12 @@ import shm_kernel_standin as kernel
 import torch
 
 from sglang.srt.distributed.shm_collective import (
-    NAME_MAX,
     ShmCollectiveError,
     ShmNamespace,
-    ShmNamespaceError,
     init_shm_collective,
-    release_shm_collective,
-    remove_stale_segments,
+    unlink_shm_segments,
 )
+from sglang.srt.distributed.shm_namespace import NAME_MAX, ShmNamespaceError
 from sglang.srt.utils.network import NetworkAddress
 
 SHM = "/dev/shm"
@@ -47,7 +45,7 @@ def namespace():
     """A namespace no other test or engine uses; its files are removed afterwards."""
     ns = ShmNamespace(addr="127.0.0.1", port=_unused_port())
     yield ns
-    release_shm_collective(ns)
+    unlink_shm_segments()
     _remove_namespace_files(ns)
 
 
@@ -67,10 +65,6 @@ def test_segment_name_matches_cpu_kernel_format():
     assert ns == ShmNamespace(addr="127.0.0.1", port=29500, uid=UID)
     assert ns.segment_name(3) == f"deepspeed_allreduce_buffer_{UID}_127.0.0.1_29500_3"
     assert ns.prefix + "_3" == ns.segment_name(3)
-    assert ns.rank_of(ns.segment_name(12)) == 12
-    assert ns.rank_of(ns.segment_name(1) + "_0") is None
-    assert ns.rank_of(ns.prefix + "_01") is None
-    assert ns.rank_of(ns.prefix + "_\u00b2") is None  # a digit to str.isdigit, not to int()
 
 
 @pytest.mark.parametrize(
@@ -104,8 +98,7 @@ def test_ipv6_and_stages():
     stage1 = ShmNamespace.from_init_method("tcp://[::1]:29500", pp_rank=1)
     assert stage1.segment_name(0) == f"deepspeed_allreduce_buffer_{UID}_::1@pp1_29500_0"
     assert ShmNamespace.from_init_method("tcp://[::1]:29500", pp_rank=0) == ns
-    assert stage1.rank_of(ns.segment_name(0)) is None
-    assert ns.rank_of(stage1.segment_name(0)) is None
+    assert not stage1.segment_name(0).startswith(ns.prefix + "_")
 
 
 @pytest.mark.parametrize(
@@ -168,11 +161,11 @@ def test_file_init_method_falls_back_to_a_path_digest(tmp_path):
     assert a.segment_name(0) != b.segment_name(0)
 
 
-def test_name_max_bounds_the_longest_segment_name_and_its_owner_record():
-    fixed = len(f"deepspeed_allreduce_buffer_{UID}__65535_99999.owner")
+def test_name_max_bounds_the_longest_segment_name():
+    fixed = len(f"deepspeed_allreduce_buffer_{UID}__65535_99999")
     longest_ok = "h" * (NAME_MAX - fixed)
     ns = ShmNamespace(addr=longest_ok, port=65535)
-    assert len(ns.segment_name(99999) + ".owner") == NAME_MAX
+    assert len(ns.segment_name(99999)) == NAME_MAX
     with pytest.raises(ShmNamespaceError, match="too long"):
         ShmNamespace(addr=longest_ok + "h", port=65535)
     with pytest.raises(ShmNamespaceError, match="rank=100000"):
@@ -182,7 +175,7 @@ def test_name_max_bounds_the_longest_segment_name_and_its_owner_record():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"addr": "", "port": 1}, "non-empty"),
+        ({"addr": "", "port": 1}, "expected a host name"),
         ({"addr": "h", "port": -1}, "port=-1"),
         ({"addr": "h", "port": 70000}, "port=70000"),
         ({"addr": "h", "port": "1"}, "port='1'"),
@@ -256,15 +249,12 @@ def test_released_schema_sees_namespace_only_during_the_call(namespace, master_e
         assert call["segment"] == namespace.segment_name(0)
         assert stat.S_IMODE(os.stat(segment).st_mode) == 0o600
         assert kernel.peer_prefixes() == {0: namespace.prefix}
-        record = os.path.join(
-            SHM, f"sglang_shm_owners_{UID}", namespace.segment_name(0) + ".owner"
-        )
-        owner_dir = os.path.dirname(record)
-        assert stat.S_IMODE(os.stat(owner_dir).st_mode) == 0o700
-        assert stat.S_IMODE(os.stat(record).st_mode) == 0o600
-        assert open(record).read().strip() == str(os.getpid())
-        assert release_shm_collective(namespace) == [namespace.segment_name(0)]
-        assert not os.path.exists(segment) and not os.path.exists(record)
+        # No other file: no owner record, no directory.
+        assert [n for n in os.listdir(SHM) if "sglang_shm_owners" in n] == []
+        assert unlink_shm_segments() == [segment]
+        assert not os.path.exists(segment)
+        # The kernel's mapping outlives the name.
+        assert kernel.peer_prefixes() == {0: namespace.prefix}
 
 
 def test_released_schema_restores_absent_variables(namespace, monkeypatch):
@@ -288,8 +278,9 @@ def test_released_schema_restores_environment_on_error(namespace, master_env):
         assert calls[0]["env"]["MASTER_ADDR"] == "127.0.0.1"
         assert {k: os.environ[k] for k in master_env} == master_env
         assert {k: kernel.c_getenv(k) for k in master_env} == master_env
-        # The failed rank keeps no owner record, so a retry can claim it.
-        assert release_shm_collective(namespace) == []
+        # The failed rank left nothing, and a retry works.
+        assert not os.path.exists(os.path.join(SHM, namespace.segment_name(0)))
+        assert unlink_shm_segments() == []
         assert init_shm_collective(namespace, tp_size=1, tp_rank=0)
 
 
@@ -303,7 +294,7 @@ def test_namespaced_schema_gets_the_prefix_and_no_environment(namespace, master_
             assert call["env"] == master_env
             assert os.path.exists(os.path.join(SHM, stage.segment_name(0)))
     finally:
-        release_shm_collective(stage)
+        unlink_shm_segments()
 
 
 def test_unknown_kernel_schema_is_refused(namespace):
@@ -362,106 +353,67 @@ class _Holder:
 
 
 def _remove_namespace_files(ns: ShmNamespace) -> None:
-    for directory in (SHM, os.path.join(SHM, f"sglang_shm_owners_{ns.uid}")):
-        for name in os.listdir(directory) if os.path.isdir(directory) else []:
-            if name.startswith(ns.prefix + "_"):
-                os.unlink(os.path.join(directory, name))
+    for name in os.listdir(SHM):
+        if name.startswith(ns.prefix + "_"):
+            os.unlink(os.path.join(SHM, name))
 
 
-@pytest.fixture(scope="module")
-def live_engine():
-    """Another engine, alive for the whole module, on its own address."""
-    ns = ShmNamespace(addr="127.0.0.1", port=_unused_port())
-    holder = _Holder("released", ns, 1, 0)
-    yield ns, holder
-    holder.stop()
-    _remove_namespace_files(ns)
-
-
-def test_killed_engines_segment_is_cleaned_and_a_live_one_elsewhere_untouched(
-    namespace, live_engine, caplog
+def test_rank_killed_in_initialize_leaves_its_segment_which_the_next_one_reuses(
+    namespace, caplog
 ):
-    caplog.set_level(logging.INFO, logger="sglang.srt.distributed")
-    live_ns, _live = live_engine
-    # Killed mid-startup: rank 1 of a TP-2 engine, waiting for a rank 0 that never came.
+    # Killed mid set-up: rank 1 of a TP 2 engine, in the kernel's open loop for rank 0.
     killed = _Holder("released", namespace, 2, 1)
     killed.kill()
-    stale = os.path.join(SHM, namespace.segment_name(1))
-    live_segment = os.path.join(SHM, live_ns.segment_name(0))
-    assert os.path.exists(stale) and os.path.exists(live_segment)
-    sweep = remove_stale_segments(namespace)
-    assert namespace.segment_name(1) in sweep.removed
-    assert live_ns.segment_name(0) not in sweep.removed
-    assert not os.path.exists(stale)
-    assert not os.path.exists(
-        os.path.join(
-            SHM, f"sglang_shm_owners_{UID}", namespace.segment_name(1) + ".owner"
-        )
-    )
-    assert os.path.exists(live_segment)
-    assert remove_stale_segments(live_ns).live == (live_ns.segment_name(0),)
-    assert os.path.exists(live_segment)
-    assert any("Removed stale" in r.getMessage() for r in caplog.records)
-
-
-def test_restarted_rank_replaces_a_dead_owners_segment(namespace, caplog):
-    caplog.set_level(logging.INFO, logger="sglang.srt.distributed")
-    killed = _Holder("released", namespace, 1, 0)
-    killed.kill()
-    segment = os.path.join(SHM, namespace.segment_name(0))
-    old_inode = os.stat(segment).st_ino
-    with kernel.registered("released"):
-        assert init_shm_collective(namespace, tp_size=1, tp_rank=0)
-        assert os.stat(segment).st_ino != old_inode
-        assert any(
-            "rank 0: removed stale shared-memory segment" in r.getMessage()
-            for r in caplog.records
-        )
-
-
-def test_same_namespace_with_a_live_owner_is_refused(live_engine):
-    live_ns, live = live_engine
-    segment = os.path.join(SHM, live_ns.segment_name(0))
-    with kernel.registered("released") as calls:
-        with pytest.raises(
-            ShmCollectiveError, match=f"pid {live.proc.pid}.*same address"
-        ):
-            init_shm_collective(live_ns, tp_size=1, tp_rank=0, owner_wait_s=0.2)
-        assert calls == []
-    assert os.path.exists(segment)
-
-
-def test_segment_without_owner_record_is_left_alone(namespace, caplog):
-    caplog.set_level(logging.WARNING, logger="sglang.srt.distributed")
-    legacy = os.path.join(SHM, namespace.segment_name(0))
-    fd = os.open(legacy, os.O_CREAT | os.O_RDWR, 0o600)
-    os.close(fd)
-    sweep = remove_stale_segments(namespace)
-    assert sweep.unknown == (namespace.segment_name(0),) and sweep.removed == ()
-    assert os.path.exists(legacy)
-    assert any("no owner record" in r.getMessage() for r in caplog.records)
-
-
-def test_owner_directory_that_is_not_private_is_passed_over(
-    tmp_path, namespace, caplog
-):
-    caplog.set_level(logging.WARNING, logger="sglang.srt.distributed")
-    owner_dir = tmp_path / f"sglang_shm_owners_{namespace.uid}"
-    owner_dir.mkdir(mode=0o770)
-    owner_dir.chmod(0o770)
-    with kernel.registered("released"):
-        assert init_shm_collective(
-            namespace, tp_size=1, tp_rank=0, shm_dir=str(tmp_path)
-        )
-    [private] = [
-        p for p in tmp_path.iterdir() if p.name.startswith(owner_dir.name + ".")
+    assert sorted(n for n in os.listdir(SHM) if namespace.prefix in n) == [
+        namespace.segment_name(1)
     ]
-    assert stat.S_IMODE(private.stat().st_mode) == 0o700
-    assert (private / (namespace.segment_name(0) + ".owner")).exists()
-    assert not list(owner_dir.iterdir())
-    assert any(
-        repr(str(owner_dir)) in r.getMessage() and "drwxrwx---" in r.getMessage()
-        for r in caplog.records
-    )
-    release_shm_collective(namespace)
-    assert not private.exists()
+    segment = os.path.join(SHM, namespace.segment_name(1))
+    left = os.stat(segment).st_ino
+    # The next engine on that address: its rank 0 first, then its rank 1 (here).
+    peer = _Holder("released", namespace, 2, 0)
+    try:
+        with kernel.registered("released") as calls:
+            assert init_shm_collective(namespace, tp_size=2, tp_rank=1)
+            # The kernel reused the file (O_CREAT, no O_EXCL): whoever opened the
+            # name before this rank came maps the very file this rank writes.
+            assert os.stat(segment).st_ino == left
+            assert calls[0]["segment"] == namespace.segment_name(1)
+            assert kernel.peer_prefixes() == {0: namespace.prefix, 1: namespace.prefix}
+            assert unlink_shm_segments() == [segment]
+    finally:
+        peer.stop()
+    assert not os.path.exists(segment)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root, to chown a file to another uid"
+)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_another_users_segment_is_refused_and_nothing_is_mapped(namespace, rank):
+    """A file another uid made under the engine's name, for this rank or a peer."""
+    planted = os.path.join(SHM, namespace.segment_name(rank))
+    fd = os.open(planted, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o666)
+    os.close(fd)
+    os.chown(planted, 54321, 54321)
+    with kernel.registered("released") as calls:
+        with pytest.raises(ShmCollectiveError) as info:
+            init_shm_collective(namespace, tp_size=2, tp_rank=0)
+        assert calls == [] and kernel.peer_prefixes() == {}
+    message = str(info.value)
+    assert message.startswith(f"rank 0: {planted!r} is owned by uid 54321")
+    assert "Have uid 54321 (or root) remove it" in message
+    assert "--dist-init-addr" in message
+    # Nothing of this rank's is left, and the planted file is untouched.
+    assert sorted(n for n in os.listdir(SHM) if namespace.prefix in n) == [
+        namespace.segment_name(rank)
+    ]
+    assert os.stat(planted).st_uid == 54321
+
+
+def test_finish_without_a_segment_needs_no_group_and_does_nothing():
+    """GPU ranks, and CPU hosts without the kernel, pass bootstrap's call unharmed."""
+    from sglang.srt.distributed.parallel_state import model_parallel_is_initialized
+    from sglang.srt.distributed.shm_collective import finish_shm_collective
+
+    assert not model_parallel_is_initialized()
+    assert finish_shm_collective() == []

@@ -27,7 +27,8 @@ BOOTSTRAP, ENGINE, ENVIRON = (
     "srt/environ.py",
 )
 NUMA = "srt/utils/numa_utils.py"
-SHM_IMPORT = "from sglang.srt.distributed.shm_collective import ShmNamespace, init_shm_collective, start_shm_collective"
+SHM_IMPORT = ("from sglang.srt.distributed.shm_collective import ShmNamespace, finish_shm_collective, "
+              "init_shm_collective, start_shm_collective")  # fmt: skip
 SHM_NEW = ("start_shm_collective(dist_init_method=dist_init_method, tp_size=parallel.tp_size, "
            "tp_rank=parallel.tp_rank, pp_rank=parallel.pp_rank)")  # fmt: skip
 SHM_KEEP = 'os.environ["LOCAL_SIZE"] = str(parallel.tp_size)'
@@ -203,10 +204,16 @@ def bootstrap_spans(text: str) -> List[Tuple[int, int]]:
     stmts = [
         s for s in branch.body if ast.unparse(s) in {_unparsed(c) for c in SHM_OLD}
     ]
+    built = next(
+        s
+        for s in _top(tree, "_init_parallel_groups").body
+        if "initialize_model_parallel(" in ast.unparse(s)
+    )
     # The comment block right above the first statement (4 lines) is replaced too.
     return [
         (environ.lineno - 2, environ.lineno - 1),
         (stmts[0].lineno - 5, stmts[-1].end_lineno),
+        (built.end_lineno, built.end_lineno),
     ]
 
 
@@ -248,6 +255,14 @@ def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
         in new[BOOTSTRAP].split("def _init_cpu_threads_env")[1]
     )
     assert_only_changed(old[BOOTSTRAP], new[BOOTSTRAP], bootstrap_spans(old[BOOTSTRAP]))
+    # Right after sglang builds its groups, the segment names go.
+    groups = _top(ast.parse(new[BOOTSTRAP]), "_init_parallel_groups").body
+    at = next(
+        i
+        for i, s in enumerate(groups)
+        if "initialize_model_parallel(" in ast.unparse(s)
+    )
+    assert ast.unparse(groups[at + 1]) == "finish_shm_collective()"
 
     up_fn, fn = (
         _top(ast.parse(t[ENGINE]), "_create_scheduler_actor") for t in (old, new)
@@ -373,6 +388,8 @@ NUMA_ANCHOR = "    SGLANG_CRASH_ON_NUMA_BIND_FAILURE = EnvBool(False)\n"
 UNKNOWN_SHAPES = {  # upstream edit -> (file, name the refusal must give)
     "no initialize call": (BOOTSTRAP, f"        {SHM_OLD[1]}\n", "", "_init_cpu_threads_env"),
     "no LOCAL_SIZE statement": (BOOTSTRAP, f"        {SHM_KEEP}\n", "", "_init_cpu_threads_env"),
+    "no group build": (BOOTSTRAP, "    initialize_model_parallel(\n", "    initialize_model_parallel_v2(\n",
+                       "_init_parallel_groups"),
     "renamed actor factory": (ENGINE, "def _create_scheduler_actor(", "def _create_scheduler_actor_v2(",
                               "_create_scheduler_actor"),
     "new actor parameter": (ENGINE, "    rank0_node_ip: str,\n) ->", "    rank0_node_ip: str,\n    x: int,\n) ->",

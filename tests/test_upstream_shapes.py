@@ -262,7 +262,7 @@ def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(
         ShmNamespace,
         init_shm_collective,
     )
-    from sglang.srt.distributed.shm_collective import release_shm_collective
+    from sglang.srt.distributed.shm_collective import unlink_shm_segments
 
     port = 40000 + os.getpid() % 20000
     method = f"tcp://127.0.0.1:{port}"
@@ -281,7 +281,7 @@ def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(
             )
             initialize = [dict(c) for c in calls if c.get("op") == "initialize"]
         finally:
-            release_shm_collective(namespace, rank=0)
+            unlink_shm_segments()
             os.sched_setaffinity(0, affinity_before)
     assert initialize and initialize[0]["segment"] == namespace.segment_name(0)
     # What parallel_state reads afterwards is what upstream sets; MASTER_ADDR/PORT are untouched.

@@ -1,54 +1,55 @@
-"""The CPU shared-memory collective of one rank, its segments named by an explicit :class:`ShmNamespace`.
+"""One rank's CPU shared-memory collective: segments named by an explicit :class:`ShmNamespace`, unlinked once every rank has mapped them.
 
-Bootstrap's ``_init_cpu_threads_env`` (AMX or arm64 hosts) calls
-:func:`start_shm_collective` where upstream set ``MASTER_ADDR``/``MASTER_PORT``
-and called ``sgl_kernel::initialize``, after setting ``LOCAL_SIZE`` as upstream
-does (``parallel_state``'s ``GroupCoordinator`` reads it to turn the
-shared-memory all-reduce on). ``ShmNamespace`` and the owners' API of
-:mod:`~sglang.srt.distributed.shm_segments` are re-exported here, for the import
-bootstrap gains (``from sglang.srt.distributed.bootstrap import ShmNamespace,
-init_shm_collective``).
+Bootstrap calls :func:`start_shm_collective` after setting ``LOCAL_SIZE`` as
+upstream does, instead of setting ``MASTER_ADDR``/``MASTER_PORT`` and calling
+``sgl_kernel::initialize``, and :func:`finish_shm_collective` once
+``initialize_model_parallel`` has built the groups.
 
-Kernel schemas
-    ``initialize(int size, int rank) -> ()`` (the released CPU build) reads the
-    names from the environment; it is called with ``MASTER_ADDR``,
-    ``MASTER_PORT`` and ``LOCAL_SIZE`` set for the call only, so ``MASTER_ADDR``
-    and ``MASTER_PORT`` are as before afterwards.
-    ``initialize(int size, int rank, str namespace) -> ()`` takes the segment
-    prefix (``ShmNamespace.prefix``: the whole name up to ``_<rank>``), appends
-    ``_<rank>`` for each rank's segment, and treats all ``size`` ranks as local.
+The kernel (sgl-kernel's CPU ``shm.cpp``) has three ``shm_open`` calls, all in its
+one-time ``initialize``: it creates this rank's segment (``O_CREAT``, no
+``O_EXCL``), reopens it by name, then opens each peer's in a loop that retries on
+ENOENT forever; nothing opens or unlinks a name later. So once a barrier on the
+stage's TP group (built after ``initialize`` on every rank) returns, each rank
+unlinks its own name: the mappings stay valid, and a killed engine leaves nothing.
+
+Before ``initialize`` a rank creates its segment itself (mode 0600, no symlink
+followed): a file another user made under the engine's names is refused; one of
+this user's, left by a set-up that died before the unlink, is reused as the
+kernel would reuse it, so a peer that already opened the name maps the same file.
+The released ``initialize(int size, int rank)`` reads the names from
+``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_SIZE``, set for the call only;
+``initialize(int size, int rank, str namespace)`` takes ``ShmNamespace.prefix``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
-from typing import Iterator, Mapping, Optional
+from typing import Iterator, Mapping, Optional, Sequence
 
-from sglang.srt.distributed.shm_errors import (
-    SHM_DIR,
-    ShmCollectiveError,
-    ensure_segment_space,
-)
-from sglang.srt.distributed.shm_namespace import (
-    NAME_MAX,
-    ShmNamespace,
-    ShmNamespaceError,
-    quoted,
-)
-from sglang.srt.distributed.shm_segments import (
-    claim_segment,
-    release_shm_collective,
-    remove_stale_segments,
-)
+from sglang.srt.distributed.shm_namespace import MAX_RANK, ShmNamespace, check_int
 
 logger = logging.getLogger(__name__)
 
+SHM_DIR = "/dev/shm"
+# sizeof(struct allreduce_workspace) in shm.cpp: two int states, a double buffer of
+# 1 MiB and one of 32 MiB. The kernel write()s this much into each rank's segment.
+KERNEL_SEGMENT_BYTES = 2 * 4 + 2 * (1 << 20) + 2 * (32 << 20)
+_MIB = 1 << 20
 # os.environ is process-wide: two threads scoping the same names would restore
 # each other's values, so every scoped change holds this lock for its block.
 _SCOPED_ENVIRON_LOCK = threading.RLock()
+# (pid, path) of the segments this process created and has not unlinked yet; the
+# pid keeps a forked child from unlinking its parent's.
+_PENDING: list[tuple[int, str]] = []
+
+
+class ShmCollectiveError(RuntimeError):
+    """The CPU shared-memory collective cannot be set up: another user's file under
+    its names, a full or read-only /dev/shm, or an unknown kernel op."""
 
 
 @contextlib.contextmanager
@@ -68,42 +69,87 @@ def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
                     os.environ[name] = value
 
 
-def init_shm_collective(
-    namespace: ShmNamespace,
-    *,
-    tp_size: int,
-    tp_rank: int,
-    shm_dir: str = SHM_DIR,
-    owner_wait_s: float = 10.0,
-) -> bool:
+def segment_bytes_missing(
+    sizes: Sequence[Optional[int]], *, segment_bytes: int = KERNEL_SEGMENT_BYTES
+) -> int:
+    """Bytes the kernel will still write into segments of these sizes (None: absent)."""
+    return sum(segment_bytes - min(size or 0, segment_bytes) for size in sizes)
+
+
+def _full_error(rank: int, needed: int, segment: str) -> ShmCollectiveError:
+    info = os.statvfs(SHM_DIR)
+    free, total = info.f_bavail * info.f_frsize, info.f_blocks * info.f_frsize
+    size = -(-(total - free + needed) // _MIB)  # MiB, rounded up
+    return ShmCollectiveError(
+        f"rank {rank}: {SHM_DIR!r} has {free} of {total} bytes free, but the CPU "
+        f"shared-memory all-reduce needs {needed} bytes more there: each rank's "
+        f"segment (this rank's is {segment!r}) takes {KERNEL_SEGMENT_BYTES} bytes, "
+        f"about {KERNEL_SEGMENT_BYTES // _MIB} MiB. Grow it to at least {size} MiB: "
+        f"as root, `mount -o remount,size={size}M {SHM_DIR}`; in a container, start "
+        f"it with `--shm-size={size}m` (docker) or a larger memory-backed volume at "
+        f"{SHM_DIR}; or remove what else fills it"
+    )
+
+
+def _lstat(path: str) -> Optional[os.stat_result]:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _check_owner(rank: int, path: str, info: Optional[os.stat_result]) -> None:
+    if info is not None and info.st_uid != os.geteuid():
+        raise ShmCollectiveError(
+            f"rank {rank}: {path!r} is owned by uid {info.st_uid}, not by this "
+            f"process's uid {os.geteuid()}: another user made a file under this "
+            f"engine's segment name, which the CPU kernel would fail to open or would "
+            f"share with that user. Have uid {info.st_uid} (or root) remove it, or "
+            f"give this engine another --dist-init-addr or port"
+        )
+
+
+def _prepare(namespace: ShmNamespace, *, tp_size: int, rank: int) -> None:
+    """Refuse another user's file under the engine's names, create this rank's
+    segment, and check for room: the kernel never checks its write(), and touching
+    a mapping past the end of a short file is a SIGBUS."""
+    paths = [os.path.join(SHM_DIR, namespace.segment_name(r)) for r in range(tp_size)]
+    for path in paths:
+        _check_owner(rank, path, _lstat(path))
+    own = paths[rank]
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(own, flags, 0o600)
+    except PermissionError:
+        _check_owner(rank, own, _lstat(own))
+        raise
+    try:
+        _check_owner(rank, own, os.fstat(fd))
+    finally:
+        os.close(fd)
+    _PENDING.append((os.getpid(), own))
+    needed = segment_bytes_missing([getattr(_lstat(p), "st_size", None) for p in paths])
+    info = os.statvfs(SHM_DIR)
+    if info.f_bavail * info.f_frsize < needed:
+        raise _full_error(rank, needed, own)
+
+
+def init_shm_collective(namespace: ShmNamespace, *, tp_size: int, tp_rank: int) -> bool:
     """Initialise the CPU shared-memory collective of rank ``tp_rank`` in ``namespace``.
 
     Returns True if ``sgl_kernel::initialize`` was called, False (one DEBUG line) if no
-    such op is registered. Before the call this rank claims its segment
-    (:func:`~sglang.srt.distributed.shm_segments.claim_segment`) and checks that
-    ``shm_dir`` has room for the segments its engine has still to write.
+    such op is registered. Once every rank of ``namespace`` is past this call (a
+    barrier), call :func:`unlink_shm_segments`, as :func:`finish_shm_collective` does.
     """
-    for name, value in (("tp_size", tp_size), ("tp_rank", tp_rank)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ShmNamespaceError(f"{name}={quoted(value)}: expected an integer")
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ShmNamespaceError(
-            f"tp_rank={tp_rank}, tp_size={tp_size}: expected 0 <= tp_rank < tp_size "
-            f"(--tp-size sets tp_size)"
-        )
-    # The kernel package is never imported here: whoever wants the CPU kernel
-    # imports it first.
-    op = None
-    with contextlib.suppress(ImportError):
+    check_int("tp_size", tp_size, 1, MAX_RANK + 1)
+    check_int("tp_rank", tp_rank, 0, tp_size - 1)
+    op = None  # whoever wants the CPU kernel imports its package first
+    with contextlib.suppress(ImportError, AttributeError, RuntimeError):
         import torch
 
-        with contextlib.suppress(AttributeError, RuntimeError):
-            op = torch.ops.sgl_kernel.initialize
+        op = torch.ops.sgl_kernel.initialize
     if op is None:
-        logger.debug(
-            f"rank {tp_rank}: no sgl_kernel::initialize op is registered; "
-            f"the CPU shared-memory collective is not set up"
-        )
+        logger.debug(f"rank {tp_rank}: no sgl_kernel::initialize op, no shm collective")
         return False
     schema = op.default._schema
     types = tuple(str(argument.type) for argument in schema.arguments)
@@ -114,10 +160,21 @@ def init_shm_collective(
             f"size, int rank) or initialize(int size, int rank, str namespace): "
             f"install the sgl-kernel CPU build that matches this sglang"
         )
-
-    claim_segment(namespace, rank=tp_rank, shm_dir=shm_dir, wait_s=owner_wait_s)
+    segment = os.path.join(SHM_DIR, namespace.segment_name(tp_rank))
     try:
-        ensure_segment_space(namespace, rank=tp_rank, tp_size=tp_size, shm_dir=shm_dir)
+        try:
+            _prepare(namespace, tp_size=tp_size, rank=tp_rank)
+        except OSError as exc:
+            if exc.errno == errno.EROFS:
+                raise ShmCollectiveError(
+                    f"rank {tp_rank}: cannot create {segment!r}: {SHM_DIR!r} is "
+                    f"mounted read-only, and the CPU shared-memory all-reduce keeps "
+                    f"its segments there. Mount it read-write (as root, `mount -o "
+                    f"remount,rw {SHM_DIR}`); in a container, do not mount it read-only"
+                ) from exc
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _full_error(tp_rank, KERNEL_SEGMENT_BYTES, segment) from exc
+            raise
         if kind == "namespaced":
             op(tp_size, tp_rank, namespace.prefix)
         else:
@@ -130,39 +187,53 @@ def init_shm_collective(
             ):
                 op(tp_size, tp_rank)
     except BaseException:
-        release_shm_collective(namespace, rank=tp_rank)
+        unlink_shm_segments()
         raise
     logger.info(
         f"rank {tp_rank}: CPU shared-memory collective initialised (segment "
-        f"{namespace.segment_name(tp_rank)}, tp_size={tp_size}, {kind} kernel schema)"
+        f"{segment}, tp_size={tp_size}, {kind} kernel schema)"
     )
     return True
 
 
+def unlink_shm_segments() -> list[str]:
+    """Unlink the segments this process created; their mappings stay valid. Only once
+    every rank of their namespace is past ``initialize``: a peer still in its open
+    loop would wait forever for a name unlinked before it opened it."""
+    unlinked = []
+    while _PENDING:
+        pid, path = _PENDING.pop()
+        if pid == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            unlinked.append(path)
+    return unlinked
+
+
+def finish_shm_collective() -> list[str]:
+    """Bootstrap's CPU path, once sglang has built its groups: a barrier on this rank's
+    TP group (each rank of the stage called ``initialize`` before building groups),
+    then :func:`unlink_shm_segments`, also if the barrier fails. No segment, no
+    barrier."""
+    if not _PENDING:
+        return []
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    try:
+        group.barrier()
+    finally:
+        unlinked = unlink_shm_segments()
+    logger.info(f"rank {group.rank_in_group}: unlinked {unlinked}: all ranks map it")
+    return unlinked
+
+
 def start_shm_collective(
-    *,
-    dist_init_method: Optional[str],
-    tp_size: int,
-    tp_rank: int,
-    pp_rank: int,
+    *, dist_init_method: Optional[str], tp_size: int, tp_rank: int, pp_rank: int
 ) -> bool:
     """Bootstrap's CPU path: :func:`init_shm_collective` in the namespace of the
-    engine's own init method and this rank's pipeline stage (each stage of an engine
-    gets its own segments, ``<addr>@pp<k>``)."""
+    engine's init method and this rank's pipeline stage (``<addr>@pp<k>``)."""
     namespace = ShmNamespace.from_init_method(
         dist_init_method or "env://", pp_rank=pp_rank
     )
     return init_shm_collective(namespace, tp_size=tp_size, tp_rank=tp_rank)
-
-
-__all__ = [
-    "NAME_MAX",
-    "ShmCollectiveError",
-    "ShmNamespace",
-    "ShmNamespaceError",
-    "init_shm_collective",
-    "release_shm_collective",
-    "remove_stale_segments",
-    "scoped_environ",
-    "start_shm_collective",
-]

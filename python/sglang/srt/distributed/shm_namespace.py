@@ -1,17 +1,13 @@
 """ShmNamespace: the value that names one engine's ``/dev/shm`` segments, built from its init address.
 
 The CPU build of ``sgl_kernel`` names its segments
-``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``, where ``<uid>`` is the
-real user id of the process (``getuid()``) and ``<addr>``/``<port>`` are, for the
-released kernel, read from ``MASTER_ADDR``/``MASTER_PORT``. Two engines on one
-host must therefore never hand the kernel the same address and port, so the
-name is an explicit value derived from the engine's own init address rather
-than from whatever the process environment happens to hold.
-
-``host:port`` is split by upstream's :class:`~sglang.srt.utils.network.NetworkAddress`
-(the class that formats the init method in the first place); this module adds
-only the bounds a segment name needs: ports in ASCII digits from 1 to 65535,
-IPv6 hosts in brackets, and names that fit ``NAME_MAX``.
+``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` (``<uid>`` is
+``getuid()``; the released kernel reads ``<addr>``/``<port>`` from
+``MASTER_ADDR``/``MASTER_PORT``), so two engines on one host must never hand it the
+same address and port: the name comes from the engine's own init address, split
+by upstream's ``NetworkAddress``, never from the process environment. This module
+adds the bounds a name needs: ASCII ports 1 to 65535, IPv6 hosts in brackets,
+names within ``NAME_MAX``.
 """
 
 from __future__ import annotations
@@ -27,12 +23,9 @@ from sglang.srt.utils.network import NetworkAddress
 
 SHM_SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
 NAME_MAX = 255
-# Each segment has an owner record named after it plus this suffix (see shm_segments).
-OWNER_RECORD_SUFFIX = ".owner"
-# Room for ranks up to 99999 and for the owner record's suffix is reserved in every
-# name, so a namespace that passes validation never yields an over-long name later.
-_MAX_RANK = 99999
-_RANK_RE = re.compile(r"0|[1-9][0-9]{0,4}")  # 0 to _MAX_RANK, as the kernel writes it
+# Room for ranks up to 99999 is reserved in every name, so a namespace that passes
+# validation never yields an over-long name later.
+MAX_RANK = 99999
 # Reserved for the pipeline-stage suffix; never valid in a host name or address.
 _STAGE_MARK = "@pp"
 _ADDR_RE = re.compile(r"[A-Za-z0-9._:%-]+")
@@ -54,12 +47,11 @@ def quoted(value: object) -> str:
     """``repr(value)`` for an error message, cut short when long: a NUL or control
     character stays visible and a huge value cannot flood the line."""
     text = repr(value)
-    if len(text) <= _SHOWN_MAX:
-        return text
-    return f"{text[:_SHOWN_MAX]}... ({len(text)} characters)"
+    short = len(text) <= _SHOWN_MAX
+    return text if short else f"{text[:_SHOWN_MAX]}... ({len(text)} characters)"
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> int:
+def check_int(name: str, value: object, low: int, high: int) -> int:
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if not is_int or not low <= value <= high:
         raise ShmNamespaceError(
@@ -76,8 +68,7 @@ def parse_port(text: str, *, what: str) -> int:
             f"{what}: port {quoted(text)} is not a number; expected an integer from 1 "
             f"to {_MAX_PORT} in ASCII digits"
         )
-    # Bounded before int(): a long digit string would cost time, and int() refuses
-    # 4300+ digits.
+    # Bounded before int(), which is slow on long strings and refuses 4300+ digits.
     digits = stripped.lstrip("0")
     if len(digits) > len(str(_MAX_PORT)) or not 0 < int(digits or "0") <= _MAX_PORT:
         raise ShmNamespaceError(
@@ -93,8 +84,7 @@ def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
     """
     rest = method[len("tcp://") :].partition("?")[0]
     rest = rest[:-1] if rest.endswith("/") else rest
-    # No longer address can yield a segment name within NAME_MAX; the bound also
-    # keeps upstream's messages, which show the whole value, short.
+    # No longer address fits a segment name; upstream's messages show it whole.
     if len(rest) > NAME_MAX:
         raise ShmNamespaceError(
             f"{what} is too long: no /dev/shm segment name can hold a {len(rest)}-"
@@ -118,10 +108,9 @@ def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
 class ShmNamespace:
     """Names one engine's (one pipeline stage's) shared-memory segments.
 
-    ``addr`` and ``port`` come from the engine's init address; ``uid`` is the real
-    user id the kernel puts in the name; ``pp_rank`` > 0 gives each pipeline stage
-    of one engine its own segments (stage 0 keeps the released kernel's names).
-    ``port`` 0 means the rendezvous is not over TCP (see :meth:`from_init_method`).
+    ``addr``/``port`` come from the engine's init address (``port`` 0: not over TCP);
+    ``uid`` is the real user id the kernel puts in the name; ``pp_rank`` > 0 gives
+    each pipeline stage its own segments (stage 0 keeps the released kernel's names).
     """
 
     addr: str
@@ -132,29 +121,21 @@ class ShmNamespace:
     def __post_init__(self) -> None:
         what = f"ShmNamespace.addr={quoted(self.addr)}"
         if not isinstance(self.addr, str) or not self.addr:
-            raise ShmNamespaceError(
-                f"{what}: expected a non-empty host name or address"
-            )
-        if "/" in self.addr:
-            raise ShmNamespaceError(
-                f"{what} contains '/', which cannot appear in a /dev/shm segment name; "
-                f"use the host's name or IP address"
-            )
+            raise ShmNamespaceError(f"{what}: expected a host name or address")
         if not _ADDR_RE.fullmatch(self.addr):
             bad = sorted({c for c in self.addr if not _ADDR_RE.fullmatch(c)})
             raise ShmNamespaceError(
                 f"{what} contains {quoted(''.join(bad))}; only letters, digits and "
                 f". _ - : % are allowed in a /dev/shm segment name"
             )
-        _check_int("ShmNamespace.port", self.port, 0, _MAX_PORT)
-        _check_int("ShmNamespace.uid", self.uid, 0, 2**32 - 1)
-        _check_int("ShmNamespace.pp_rank", self.pp_rank, 0, _MAX_RANK)
-        longest = len(self.segment_name(_MAX_RANK) + OWNER_RECORD_SUFFIX)
+        check_int("ShmNamespace.port", self.port, 0, _MAX_PORT)
+        check_int("ShmNamespace.uid", self.uid, 0, 2**32 - 1)
+        check_int("ShmNamespace.pp_rank", self.pp_rank, 0, MAX_RANK)
+        longest = len(self.segment_name(MAX_RANK))
         if longest > NAME_MAX:
             raise ShmNamespaceError(
-                f"{what} is too long: segment names and their owner records would be "
-                f"up to {longest} characters, over the {NAME_MAX} allowed in /dev/shm; "
-                f"{_SHORTER}"
+                f"{what} is too long: segment names would be up to {longest} "
+                f"characters, over the {NAME_MAX} allowed in /dev/shm; {_SHORTER}"
             )
 
     @classmethod
@@ -168,11 +149,9 @@ class ShmNamespace:
     ) -> "ShmNamespace":
         """The namespace of the engine whose ``torch.distributed`` init method is ``method``.
 
-        ``tcp://host:port`` and ``tcp://[ipv6]:port`` give ``(host, port)``. Fallbacks:
-        ``env://`` reads (never writes) ``MASTER_ADDR``/``MASTER_PORT`` from ``environ``
-        (default ``os.environ``), as torch does for that method; ``file:///path`` has no
-        address, so the address becomes ``file.<16 hex of sha256(path)>`` and the port 0,
-        where ``path`` is the file torch's rendezvous uses.
+        ``tcp://host:port`` and ``tcp://[ipv6]:port`` give ``(host, port)``; ``env://``
+        reads (never writes) ``MASTER_ADDR``/``MASTER_PORT`` from ``environ``, as torch
+        does; ``file:///path`` gives ``file.<16 hex of sha256(path)>`` and port 0.
         """
         what = f"dist_init_method={quoted(method)}"
         if not isinstance(method, str) or not method.strip():
@@ -196,11 +175,8 @@ class ShmNamespace:
             # NetworkAddress drops an IPv6 MASTER_ADDR's brackets, as upstream does.
             host = NetworkAddress(host, port).host
         elif scheme == "file":
-            # No address, so a digest of the store's path stands in for one. The path
-            # is the one torch's _file_rendezvous_handler opens: urlparse(url).path,
-            # taken as it is. That drops the netloc (file://tmp/x is /x) and the query,
-            # and never depends on the working directory, so every rank of one engine
-            # gets the same name wherever it starts.
+            # The path torch's _file_rendezvous_handler opens, as it is (file://tmp/x
+            # is /x): the same for every rank, whatever its working directory.
             path = urlparse(method).path
             if not path:
                 raise ShmNamespaceError(
@@ -231,13 +207,4 @@ class ShmNamespace:
 
     def segment_name(self, rank: int) -> str:
         """The ``/dev/shm`` name the CPU kernel uses for ``rank``."""
-        return f"{self.prefix}_{_check_int('rank', rank, 0, _MAX_RANK)}"
-
-    def rank_of(self, name: str) -> Optional[int]:
-        """The rank if ``name`` is one of this namespace's segment names, else None."""
-        head, _, tail = name.rpartition("_")
-        return int(tail) if head == self.prefix and _RANK_RE.fullmatch(tail) else None
-
-    def describe(self) -> str:
-        """``host:port`` of the engine, for messages."""
-        return quoted(NetworkAddress(self.addr, self.port).to_host_port_str())
+        return f"{self.prefix}_{check_int('rank', rank, 0, MAX_RANK)}"
