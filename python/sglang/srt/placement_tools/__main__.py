@@ -20,8 +20,8 @@ from sglang.srt.placement.cpulist import (
     parse_cpulist,
     shown,
 )
-from sglang.srt.placement_tools.plan_args import PlanArgs
 from sglang.srt.placement.types import AFFINITY_MODES, PlacementError, ProcessAffinity
+from sglang.srt.placement_tools.plan_args import PlanArgs
 
 PROG = "python -m sglang.srt.placement_tools"
 

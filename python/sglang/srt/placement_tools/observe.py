@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from sglang.srt.placement.libnuma import read_mempolicy
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
+from sglang.srt.placement.libnuma import read_mempolicy
 from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import MemPolicy, ProcessPlacement, Strategy
 

@@ -191,8 +191,7 @@ def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> lis
     """
     import sglang.srt.ray.engine as engine
     from sglang.srt.placement import settings
-    from sglang.srt.placement.policy import placement_view
-    from sglang.srt.placement.policy import PlacementPolicy
+    from sglang.srt.placement.policy import PlacementPolicy, placement_view
     from sglang.srt.scheduler_placement import ray_actors
 
     deadline = ray_actors.Deadline(timeout_s)

@@ -29,8 +29,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from sglang.srt.placement import settings
-from sglang.srt.placement.policy import placement_view
-from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.policy import PlacementPolicy, placement_view
 from sglang.srt.placement.types import PlacementError, RankIdentity
 from sglang.srt.scheduler_placement.ray_plan import (
     GPU,

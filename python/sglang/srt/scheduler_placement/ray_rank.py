@@ -24,8 +24,7 @@ import ray
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.plan import plan_node
-from sglang.srt.placement.policy import placement_view
-from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.policy import PlacementPolicy, placement_view
 from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import (
     PlacementError,

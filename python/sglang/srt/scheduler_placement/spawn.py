@@ -29,8 +29,7 @@ from sglang.srt.placement import settings
 from sglang.srt.placement.apply import handle_bind_failure
 from sglang.srt.placement.numactl import numactl_prefix, run_numactl
 from sglang.srt.placement.plan import HostFacts, place_gpu_id
-from sglang.srt.placement.policy import placement_view
-from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.policy import PlacementPolicy, placement_view
 from sglang.srt.placement.resolve import describe
 from sglang.srt.placement.types import ProcessPlacement, Strategy
 from sglang.srt.scheduler_placement.spawn_hook import hook_reachable, spawn_with_prefix
@@ -40,6 +39,7 @@ logger = logging.getLogger(__name__)
 EXEC_WAIT_S = 30.0
 """How long the watch waits for a child to leave numactl (about a millisecond; far
 more under load)."""
+
 
 def spawn_label(server_args: Any, gpu_id: int) -> str:
     """How logs name the spawn of ``gpu_id``: the GPU, and the visible devices when
