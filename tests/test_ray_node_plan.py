@@ -75,7 +75,7 @@ def test_each_id_is_placed_as_the_device_ray_names_whatever_this_process_sees(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     placements = plan(two_sockets, ["3", "2", "1", "0"], tp_size=4)
     assert [p.pci for p in placements] == GPUS[::-1]
-    assert [p.gpu_id for p in placements] == [3, 2, 1, 0]  # the id sglang's actor uses
+    assert [p.rank.gpu_id for p in placements] == [3, 2, 1, 0]  # the id sglang's actor uses
     assert [p.numa_node for p in placements] == [1, 1, 0, 0]
     assert placements[0].numactl_args == ("--cpunodebind=1", "--membind=1")
     assert all(p.launcher == "ray" and p.strategy == "exec" for p in placements)
@@ -105,7 +105,8 @@ def test_a_setting_that_does_not_fit_one_id_fails_only_that_id(
     one_node_eight_cpus, monkeypatch
 ):
     monkeypatch.setenv("SGLANG_NUMA_AFFINITY_MODE", "exclusive")
-    # --numa-node has no entry for GPU 3: the rank that gets it fails; the others still share the node.
+    # --numa-node has no entry for GPU 3: the rank that gets it fails; the others keep
+    # their slice of the node, cut among its four GPUs.
     placements = plan(
         one_node_eight_cpus, ["0", "1", "2", "3"], tp_size=4, numa_node=[0, 0, 0]
     )
@@ -113,9 +114,9 @@ def test_a_setting_that_does_not_fit_one_id_fails_only_that_id(
     assert isinstance(missing, str) and "--numa-node has 3 entries" in missing
     assert "uses GPU 3: give one node per GPU id, at least 4 entries" in missing
     assert [p.cpus for p in good] == [
-        frozenset({0, 1, 2}),
-        frozenset({3, 4, 5}),
-        frozenset({6, 7}),
+        frozenset({0, 1}),
+        frozenset({2, 3}),
+        frozenset({4, 5}),
     ]
 
 
@@ -128,7 +129,7 @@ def test_cpu_device_ids_are_placed_by_the_numa_index_bootstrap_will_use(
         frozenset(range(4)),
         frozenset(range(8, 12)),
     ]
-    assert [p.gpu_id for p in placements[:2]] == [1, 0]
+    assert [p.rank.gpu_id for p in placements[:2]] == [1, 0]
     # Index 2 has no group: only the rank that gets Ray's GPU 2 fails, naming the setting.
     assert isinstance(placements[2], str)
     assert "SGLANG_CPU_OMP_THREADS_BIND='8-11|0-3' has 2 group(s)" in placements[2]

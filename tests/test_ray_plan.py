@@ -22,7 +22,7 @@ from sglang.srt.scheduler_placement.ray_rank import thread_mismatches
 
 NUMACTL = "/usr/bin/numactl"
 PYTHON = "/work/main/.venv/bin/python3.11"
-RANK = RankIdentity(dp_rank=1, pp_rank=0, tp_rank=1, gpu_id=0, global_rank=3)
+RANK = RankIdentity(dp_rank=1, pp_rank=0, tp_rank=1, gpu_id=0)
 POLICY = PlacementPolicy(launcher="ray", device="cuda")
 
 
@@ -30,7 +30,7 @@ def placement(
     gpu: int = 0, cpus=(1,), args=("--physcpubind=1", "--membind=0"), **changes
 ) -> ProcessPlacement:
     return ProcessPlacement(
-        dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=gpu, pci=f"0000:{0x18 + 16 * gpu:02x}:00.0",
+        rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=gpu), pci=f"0000:{0x18 + 16 * gpu:02x}:00.0",
         numa_node=0, cpus=frozenset(cpus), mem_nodes=frozenset({0}), mem_policy="bind",
         strategy="exec", reasons=(f"GPU {gpu}",), numactl_args=tuple(args), launcher="ray",
     ).replace(**changes)  # fmt: skip
@@ -91,7 +91,7 @@ def test_one_exec_candidate_starts_under_numactl_as_the_rank_it_is_for():
     ((only),) = start.candidates
     # Told which rank it is for; its GPU id stays the device's (Ray's id), not the one RayEngine passed.
     got = only.placement
-    assert (got.dp_rank, got.tp_rank, got.gpu_id, got.strategy) == (1, 1, 3, "exec")
+    assert (got.rank.dp_rank, got.rank.tp_rank, got.rank.gpu_id, got.strategy) == (1, 1, 3, "exec")
     assert start.enforced and start.node_id == "node-a" and start.policy is POLICY
 
 
@@ -183,11 +183,13 @@ def test_an_actor_on_another_node_or_gpu_than_planned_places_itself_and_says_why
 
 def test_a_bundle_placement_for_a_rank_keeps_its_device_or_takes_the_ranks_id():
     (own,) = decide(candidate(2))[0].candidates
-    assert own.placement.gpu_id == 2
+    assert own.placement.rank.gpu_id == 2
     no_device = Candidate(
-        accelerator_id="2", placement=placement(2).replace(gpu_id=None)
+        accelerator_id="2", placement=placement(2).replace(
+            rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=None)
+        ),
     )
-    assert decide(no_device)[0].candidates[0].placement.gpu_id == RANK.gpu_id
+    assert decide(no_device)[0].candidates[0].placement.rank.gpu_id == RANK.gpu_id
 
 
 # ----------------------------------------------------------------------------- what the driver forwards

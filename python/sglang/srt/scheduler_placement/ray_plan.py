@@ -159,12 +159,11 @@ def start_for_rank(
 
     def for_rank(p: ProcessPlacement) -> ProcessPlacement:
         # Told which rank it is for; its GPU id stays the device's, when it has one.
-        gpu_id = rank.gpu_id if p.gpu_id is None else p.gpu_id
-        p = p.replace(dp_rank=rank.dp_rank, pp_rank=rank.pp_rank, tp_rank=rank.tp_rank)
+        gpu_id = rank.gpu_id if p.rank.gpu_id is None else p.rank.gpu_id
+        p = p.replace(rank=replace(rank, gpu_id=gpu_id))
         if not why or p.strategy != Strategy.EXEC:
-            return p.replace(gpu_id=gpu_id)
+            return p
         return p.replace(
-            gpu_id=gpu_id,
             strategy=Strategy.IN_PROCESS,
             numactl_args=(),
             reasons=(*p.reasons, f"{why}: in-process bind with libnuma"),

@@ -62,14 +62,7 @@ def own_placement(
         policy=policy,
     )
     reasons = [f"{why}: the actor placed the GPU Ray gave it", *placement.reasons]
-    warning = placement.warning
-    if policy.affinity_mode == "exclusive" and placement.bound:
-        reasons.append(
-            "exclusive mode needs the other ranks of the node, which this actor does "
-            "not know: bound to the whole node"
-        )
-        warning = True
-    return placement.replace(reasons=tuple(reasons), warning=warning)
+    return placement.replace(reasons=tuple(reasons))
 
 
 def thread_mismatches(
