@@ -258,10 +258,7 @@ def handle_bind_failure(message: str, *, log: logging.Logger = logger) -> None:
     silently slower rank."""
     log.warning(message)
     if settings.bind_failure_is_fatal():
-        raise PlacementError(
-            f"{message} (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 makes this fatal: fix the "
-            "cause, or unset it to run with the weaker binding)"
-        )
+        raise PlacementError(message)
 
 
 def can_set_mempolicy() -> bool:
