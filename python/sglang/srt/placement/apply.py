@@ -107,7 +107,11 @@ def bind_in_process(
     notes: list[str] = []
 
     def degrade(what: str) -> None:
-        handle_bind_failure(f"{label}: {what}")
+        handle_bind_failure(
+            f"{label}: {what}",
+            fatal_hint=". SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 makes this fatal; fix "
+            "the cause, or unset it to run with the weaker binding.",
+        )
         notes.append(what)
 
     lib: Optional[LibNumaApi] = None
@@ -251,14 +255,16 @@ def _err(exc: OSError) -> str:
     return f"{name} {text}".strip()
 
 
-def handle_bind_failure(message: str, *, log: logging.Logger = logger) -> None:
+def handle_bind_failure(
+    message: str, *, log: logging.Logger = logger, fatal_hint: str = ""
+) -> None:
     """The one failure policy, upstream's: a rank less bound than intended is a warning
     (on ``log``, naming the rank), or under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 an error
     raised before the rank runs, so an operator who asked for strictness never gets a
     silently slower rank."""
     log.warning(message)
     if settings.bind_failure_is_fatal():
-        raise PlacementError(message)
+        raise PlacementError(message + fatal_hint)
 
 
 def can_set_mempolicy() -> bool:
