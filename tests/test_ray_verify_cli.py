@@ -99,7 +99,7 @@ def test_exclusive_mode_gives_each_rank_of_a_node_its_own_cpus(two_nodes):
         assert (
             r["observed_cpus"] == r["cpus"]
         )  # really bound here: these CPUs exist on this host
-        assert any(why.startswith("exclusive mode: slice ") for why in r["reasons"])
+        assert any(why.startswith("exclusive mode: GPU ") for why in r["reasons"])
 
 
 def test_a_rank_that_cannot_start_fails_verify_in_one_line_naming_it(two_nodes):
