@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import List, Optional
+
+from sglang.srt.placement.policy import (  # noqa: F401  (this module's names too)
+    placement_fields,
+    placement_view,
+)
 
 DEVICE_CHOICES = ("cuda", "xpu", "cpu")
 
@@ -132,34 +136,3 @@ _CLI_FLAGS = (
     (("--device",), "device", "cuda, xpu or cpu."),
 )
 """sglang's own flag names for the PlanArgs fields: (names, dest, help)."""
-
-
-# The ServerArgs fields placement reads, with upstream's defaults: upstream's helpers only
-# promise to read ``numa_node``, so a caller may hand in any object that has it.
-_PLACEMENT_FIELDS = {
-    "tp_size": 1,
-    "pp_size": 1,
-    "dp_size": 1,
-    "nnodes": 1,
-    "node_rank": 0,
-    "base_gpu_id": 0,
-    "gpu_id_step": 1,
-    "numa_node": None,
-    "device": None,
-    "enable_dp_attention": False,
-}
-
-
-def placement_fields(server_args: Any) -> dict[str, Any]:
-    """The ServerArgs fields placement reads, taken from any object, with upstream's defaults for those it lacks."""
-    fields = {
-        name: getattr(server_args, name, default)
-        for name, default in _PLACEMENT_FIELDS.items()
-    }
-    fields["device"] = fields["device"] or "cuda"
-    return fields
-
-
-def placement_view(server_args: Any) -> types.SimpleNamespace:
-    """The placement fields of ``server_args`` as a light value (a Ray task unpickles it without ServerArgs)."""
-    return types.SimpleNamespace(**placement_fields(server_args))

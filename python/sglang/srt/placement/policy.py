@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -65,5 +66,38 @@ class PlacementPolicy:
             affinity_mode=affinity_mode or settings.affinity_mode(),
             numa_nodes=tuple(numa_nodes) if numa_nodes is not None else None,
             cpu_threads_bind=settings.cpu_threads_bind() if device == "cpu" else "all",
-            exec_supported=exec_supported,
+            # Ray starts its workers itself: an actor binds in-process once running.
+            exec_supported=exec_supported and launcher != "ray",
         )
+
+
+# The ServerArgs fields placement reads, with upstream's defaults: upstream's helpers only
+# promise to read ``numa_node``, so a caller may hand in any object that has it.
+_PLACEMENT_FIELDS = {
+    "tp_size": 1,
+    "pp_size": 1,
+    "dp_size": 1,
+    "nnodes": 1,
+    "node_rank": 0,
+    "base_gpu_id": 0,
+    "gpu_id_step": 1,
+    "numa_node": None,
+    "device": None,
+    "enable_dp_attention": False,
+}
+
+
+def placement_fields(server_args: Any) -> dict[str, Any]:
+    """The ServerArgs fields placement reads, taken from any object, with upstream's defaults for those it lacks."""
+    fields = {
+        name: getattr(server_args, name, default)
+        for name, default in _PLACEMENT_FIELDS.items()
+    }
+    fields["device"] = fields["device"] or "cuda"
+    return fields
+
+
+def placement_view(server_args: Any) -> types.SimpleNamespace:
+    """The placement fields of ``server_args``, complete whatever object the caller
+    handed in."""
+    return types.SimpleNamespace(**placement_fields(server_args))

@@ -29,8 +29,7 @@ from sglang.srt.placement import settings
 from sglang.srt.placement.apply import handle_bind_failure
 from sglang.srt.placement.numactl import numactl_prefix, run_numactl
 from sglang.srt.placement.plan import HostFacts, place_gpu_id
-from sglang.srt.placement.plan_args import placement_view
-from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.policy import PlacementPolicy, placement_view
 from sglang.srt.placement.resolve import describe
 from sglang.srt.placement.types import PlacementError, ProcessPlacement, Strategy
 from sglang.srt.scheduler_placement.spawn_hook import hook_reachable, spawn_with_prefix
