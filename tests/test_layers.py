@@ -2,8 +2,7 @@
 
 ``placement`` (host facts, the pure decision, the ways to apply it) imports
 nothing of the project's but ``environ``; ``scheduler_placement`` is the glue
-sglang's own launchers call (the spawn hook, the Ray planning round, the
-in-rank apply); the owned ``ray.scheduler_actor`` and upstream's modules sit
+sglang's own launchers call (the spawn hook, the Ray actor's own bind); the owned ``ray.scheduler_actor`` and upstream's modules sit
 above the glue; ``placement.__main__``, ``placement.verify`` and
 ``placement.verify_ray`` drive sglang's launch path, so they sit on top.
 
@@ -88,7 +87,7 @@ def test_placement_imports_only_environ_and_the_glue_imports_no_actor_nor_cli():
     assert "placement.cli" not in edges["scheduler_placement"]
     assert "ray.scheduler_actor" not in edges["scheduler_placement"]
     assert "placement.cli" not in edges["ray.scheduler_actor"]
-    # The owned actor is built on the glue; the CLI drives sglang's own launch path (the overlaid engine).
+    # The owned actor binds through the glue; the CLI drives sglang's own launch path (upstream's engine).
     assert "scheduler_placement" in edges["ray.scheduler_actor"]
     assert {"ray.engine", "scheduler_placement"} <= edges["placement.cli"]
 
@@ -100,6 +99,9 @@ def test_no_module_names_the_removed_launchers():
         "run_ranks_ray",
         "ray_launcher",
         "lifeline",
+        "ray_plan",
+        "py_executable",
+        "scheduler_actor_class",
     )
     root = SRT.parents[2]
     found = []
@@ -108,4 +110,17 @@ def test_no_module_names_the_removed_launchers():
         found += [
             f"{path.relative_to(root)}: {name}" for name in removed if name in text
         ]
+    assert found == []
+
+
+def test_the_glue_imports_none_of_the_operator_tools():
+    tools = {"plan_args", "observe", "capture", "__main__", *CLI}
+    found = []
+    for path in (SRT / "scheduler_placement").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                if parts[:3] == ["sglang", "srt", "placement"] and len(parts) > 3:
+                    if parts[3] in tools:
+                        found.append(f"{path.name}: {node.module}")
     assert found == []
