@@ -70,7 +70,9 @@ def test_segment_name_matches_cpu_kernel_format():
     assert ns.rank_of(ns.segment_name(12)) == 12
     assert ns.rank_of(ns.segment_name(1) + "_0") is None
     assert ns.rank_of(ns.prefix + "_01") is None
-    assert ns.rank_of(ns.prefix + "_\u00b2") is None  # a digit to str.isdigit, not to int()
+    assert (
+        ns.rank_of(ns.prefix + "_\u00b2") is None
+    )  # a digit to str.isdigit, not to int()
 
 
 @pytest.mark.parametrize(

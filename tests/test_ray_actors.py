@@ -141,9 +141,7 @@ def test_actors_sharing_a_bundle_each_bind_to_their_own_gpus_node_every_thread(
         assert placement["pci"] == cluster.gpus[gpu]
         assert placement["numa_node"] == GPU_NODE[gpu]
         cpu = cluster.gpu_cpu(gpu)
-        assert info["cpus"] == [cpu] and set(info["thread_cpus"].values()) == {
-            str(cpu)
-        }
+        assert info["cpus"] == [cpu] and set(info["thread_cpus"].values()) == {str(cpu)}
         # Every thread was moved (Ray's worker runs several; those started later
         # inherit the CPUs).
         assert 1 < info["threads_bound"] <= len(info["thread_cpus"])

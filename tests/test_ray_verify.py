@@ -109,7 +109,9 @@ def test_a_probe_that_fails_to_start_fails_verify_with_its_error_and_leaves_noth
     # --numa-node has an entry for GPU 0 only: the rank Ray gives another GPU fails,
     # as sglang's actor would.
     with pytest.raises(VerifyError) as info:
-        verify_ray(PlanArgs(tp_size=4, device="cuda", numa_node=[0]), timeout_s=TIMEOUT_S)
+        verify_ray(
+            PlanArgs(tp_size=4, device="cuda", numa_node=[0]), timeout_s=TIMEOUT_S
+        )
     message = str(info.value)
     assert (
         message.startswith("DP0 PP0 TP")

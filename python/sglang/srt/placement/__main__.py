@@ -380,9 +380,18 @@ def _local_ray_cluster(server_args: PlanArgs) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
+    # sglang's actors read the engine's settings where they run: hand them to the
+    # job's workers, as an operator hands them to RayEngine's.
+    names = [name for name in settings.ENGINE_POLICY_VARS if name in os.environ]
+    job = {"env_vars": {name: os.environ[name] for name in names}} if names else None
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if address:
-        ray.init(address=address, configure_logging=False, log_to_driver=False)
+        ray.init(
+            address=address,
+            runtime_env=job,
+            configure_logging=False,
+            log_to_driver=False,
+        )
     else:
         from sglang.srt.placement.ranks import local_ranks
 
@@ -396,6 +405,7 @@ def _local_ray_cluster(server_args: PlanArgs) -> Iterator[None]:
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             include_dashboard=False,
+            runtime_env=job,
             configure_logging=False,
             log_to_driver=False,
         )
