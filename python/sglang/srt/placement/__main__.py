@@ -301,10 +301,19 @@ PLAN_JSON_KEYS = (
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from sglang.srt.placement.plan import plan_engine
+    from sglang.srt.placement.policy import PlacementPolicy
     from sglang.srt.placement.resolve import describe
 
     server_args = PlanArgs.from_cli_args(args)
-    placements = plan_engine(server_args, launcher=args.launcher, **plan_inputs(args))
+    inputs = plan_inputs(args)
+    # A Ray actor binds itself in-process once running: Ray starts its workers.
+    policy = PlacementPolicy.from_env(
+        server_args,
+        launcher=args.launcher,
+        affinity_mode=inputs.pop("affinity_mode"),
+        exec_supported=args.launcher != "ray",
+    )
+    placements = plan_engine(server_args, policy=policy, **inputs)
     if args.json:
         rows = [{key: p.to_dict()[key] for key in PLAN_JSON_KEYS} for p in placements]
         print(json.dumps({"ranks": rows}, indent=2))

@@ -66,8 +66,7 @@ class PlacementPolicy:
             affinity_mode=affinity_mode or settings.affinity_mode(),
             numa_nodes=tuple(numa_nodes) if numa_nodes is not None else None,
             cpu_threads_bind=settings.cpu_threads_bind() if device == "cpu" else "all",
-            # Ray starts its workers itself: an actor binds in-process once running.
-            exec_supported=exec_supported and launcher != "ray",
+            exec_supported=exec_supported,
         )
 
 

@@ -30,7 +30,7 @@ def actor_placement(
     """Where the actor of ``rank`` runs, on this host; ``rank.gpu_id`` is the id the
     actor uses (``int`` of Ray's first id, else the one passed)."""
     view = placement_view(server_args)
-    policy = PlacementPolicy.from_env(view, launcher="ray")
+    policy = PlacementPolicy.from_env(view, launcher="ray", exec_supported=False)
     env: Any = os.environ
     if assigned_gpus:
         # Without Ray's one-GPU view, the id names the device it names for Ray.
