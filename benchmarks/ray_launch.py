@@ -1,26 +1,23 @@
 """What placement costs a RayEngine launch: the same 4-rank engine placed and unplaced, interleaved, on one cluster.
 
 Run (after scripts/setup.sh): .venv/bin/python benchmarks/ray_launch.py [--repeat N]
-[--modes placed,in-process,unplaced]
+[--modes placed,unplaced]
 
 A local cluster declares 4 GPUs on this CPU host; its raylet reads a fake /sys
 (SGLANG_SYSFS_ROOT, ``tests/ray_gpu_cluster.two_numa_nodes``): GPUs 0 and 1
 on NUMA node 0, GPUs 2 and 3 on node 1, each node holding one real CPU of this
-host, so a placed launch really binds. Each launch
-does what ``RayEngine._launch_scheduler_processes`` does: it reserves the
-engine's placement group (one bundle of 4 GPUs), then calls the overlaid
-``sglang.srt.ray.engine._create_scheduler_actor`` once per rank, then waits
-for every actor's ``get_info``. The actors are verify's probe (sglang's
-``SchedulerRank`` placement steps without a model; sglang's own actor would
-add the same 20 s engine import to every mode). Modes:
+host, so a placed launch really binds. Each launch does what
+``RayEngine._launch_scheduler_processes`` does: it reserves the engine's
+placement group (one bundle of 4 GPUs), then calls upstream's
+``sglang.srt.ray.engine._create_scheduler_actor`` once per rank, then waits for
+every actor's ``get_info``. The actors are verify's probe (upstream's
+constructor and the actor's own bind, ``bind_scheduler_actor``, without a
+model; sglang's own actor would add the same 20 s engine import to both modes).
+Modes:
 
-* ``placed``: ``--numa-node 0 0 0 0``: the first call plans the group on its
-  node (a probe per bundle, one plan per node); every GPU of the bundle binds
-  alike, so every actor starts under numactl (exec).
-* ``in-process``: node discovery: the GPUs of the bundle sit on two nodes, so
-  each actor binds itself once it knows its GPU.
-* ``unplaced``: the same actors created as upstream's ``_create_scheduler_actor``
-  creates them, placement off: no planning, nothing bound.
+* ``placed``: each actor places the GPU Ray gave it and binds itself
+  in-process (every thread, memory policy, pages migrated).
+* ``unplaced``: the same probe without the bind.
 
 Each launch is timed from reserving the placement group until every actor is
 ready (shutdown is printed apart), once the previous launch's GPUs are free
@@ -54,24 +51,26 @@ from ray.util.placement_group import (  # noqa: E402
     placement_group,
     remove_placement_group,
 )
-from ray.util.scheduling_strategies import (  # noqa: E402
-    PlacementGroupSchedulingStrategy,
-)
 from ray_gpu_cluster import two_numa_nodes  # noqa: E402
 
 from sglang.srt.placement_tools.plan_args import PlanArgs  # noqa: E402
-from sglang.srt.placement.types import RankIdentity  # noqa: E402
-from sglang.srt.placement_tools.verify_ray import ProbeActor  # noqa: E402
-from sglang.srt.scheduler_placement import ray_actors  # noqa: E402
-from sglang.srt.scheduler_placement.ray_plan import ActorStart  # noqa: E402
+from sglang.srt.placement_tools.verify_ray import PlacementProbe, ProbeActor  # noqa: E402
 
 RANKS = 4
-MODES = {
-    "placed": PlanArgs(tp_size=RANKS, device="cuda", numa_node=[0] * RANKS),
-    "in-process": PlanArgs(tp_size=RANKS, device="cuda"),
-    "unplaced": None,
-}
 PHASES = ("placement_group_s", "first_call_s", "other_calls_s", "ready_s")
+
+
+class UnplacedProbe(PlacementProbe):
+    """verify's probe without the bind: what the same actor costs unplaced."""
+
+    def __init__(self, server_args: Any, port_args: Any, gpu_id: int, **ranks: Any):
+        assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        self._gpu_id = int(assigned[0]) if assigned else gpu_id
+        self._assigned = [str(i) for i in assigned]
+        self._bound = None
+
+
+MODES = {"placed": ProbeActor, "unplaced": ray.remote(UnplacedProbe)}
 
 
 def wait_released(gpus: float, *, limit_s: float = 60.0) -> None:
@@ -83,34 +82,11 @@ def wait_released(gpus: float, *, limit_s: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def upstream_call(
-    *, pg: Any, bundle_idx: int, gpu_id: int, tp_rank: int, **_: Any
-) -> Any:
-    """Upstream's ``_create_scheduler_actor`` body, with the probe and placement off."""
-    rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=tp_rank, gpu_id=gpu_id)
-    return ProbeActor.options(
-        num_cpus=0,
-        num_gpus=1,
-        name=f"sglang_scheduler_bench_tp{tp_rank}_pg{pg.id.hex()[:8]}",
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=bundle_idx
-        ),
-    ).remote(
-        PlanArgs(tp_size=RANKS),
-        None,
-        gpu_id,
-        tp_rank,
-        0,
-        0,
-        start=ActorStart(rank, policy=None),
-    )
-
-
 def one_launch(mode: str) -> dict[str, Any]:
     import sglang.srt.ray.engine as engine
 
     wait_released(RANKS)
-    server_args = MODES[mode]
+    server_args = PlanArgs(tp_size=RANKS, device="cuda")
     timings: dict[str, Any] = {}
     started = time.perf_counter()
     pg = placement_group([{"CPU": 1, "GPU": RANKS}], strategy="STRICT_PACK")
@@ -118,13 +94,10 @@ def one_launch(mode: str) -> dict[str, Any]:
     try:
         ray.get(pg.ready(), timeout=120)
         timings["placement_group_s"] = time.perf_counter() - started
-        create = (
-            upstream_call if MODES[mode] is None else engine._create_scheduler_actor
-        )
-        with ray_actors.scheduler_actor_class(ProbeActor):
+        with unittest.mock.patch.object(engine, "SchedulerActor", MODES[mode]):
             for tp_rank in range(RANKS):
                 t = time.perf_counter()
-                actors.append(create(
+                actors.append(engine._create_scheduler_actor(
                     pg=pg, bundle_idx=0, gpu_id=tp_rank, server_args=server_args, port_args=None,
                     tp_rank=tp_rank, pp_rank=0, dp_rank=0, dist_init_addr="127.0.0.1:0",
                     rank0_node_ip="127.0.0.1",
@@ -140,11 +113,8 @@ def one_launch(mode: str) -> dict[str, Any]:
         for actor in actors:
             ray.kill(actor)
         remove_placement_group(pg)
-        ray_actors.forget_group(pg)
         timings["shutdown_s"] = time.perf_counter() - t
-    strategies = {
-        (r["binding"].get("placement") or {}).get("strategy", "off") for r in reports
-    }
+    strategies = {(r["placement"] or {}).get("strategy", "off") for r in reports}
     timings["strategy"] = ",".join(sorted(strategies))
     return timings
 
@@ -190,7 +160,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
         "--modes",
-        default="placed,in-process,unplaced",
+        default="placed,unplaced",
         help=f"comma-separated, of {', '.join(MODES)}",
     )
     args = parser.parse_args()

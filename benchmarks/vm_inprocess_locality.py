@@ -1,8 +1,9 @@
-"""Where a late-bound process's pages live, with and without migration, on a two-node VM.
+"""Where a Ray scheduler actor's pages live after it binds itself, with and without migration, on a two-node VM.
 
 Boots a fresh VM per measurement (page cache placement carries over otherwise)
 and runs tests/vm_scripts/inprocess_bind.py in it: the process starts on node 0,
-touches --mib MiB, binds in process to node 1, touches --mib MiB more.
+imports torch, touches --mib MiB, runs the actor's bind (``bind_scheduler_actor``,
+for a GPU on node 1), touches --mib MiB more.
 
     .venv/bin/python benchmarks/vm_inprocess_locality.py [--mib 64]
 """
@@ -32,17 +33,17 @@ def main() -> None:
     args = parser.parse_args()
     numavm.require_vm()
     print(
-        f"{'migration':<10} {'before':>8} {'after bind':>11} {'after alloc':>12} {'anon':>7} {'bind s':>7}  not moved"
+        f"{'migration':<10} {'before':>8} {'after bind':>11} {'after alloc':>12} {'anon':>7} {'bind s':>7} {'MiB':>5}  not moved"
     )
     for migrate in (False, True):
         out = measure(mib=args.mib, migrate=migrate)
         print(
             f"{'on' if migrate else 'off':<10} {out['ratio_before']:>8.3f} {out['ratio_after_bind']:>11.3f} "
-            f"{out['ratio_after_alloc']:>12.3f} {out['anon_ratio_after_alloc']:>7.3f} {out['bind_seconds']:>7.3f}  "
+            f"{out['ratio_after_alloc']:>12.3f} {out['anon_ratio_after_alloc']:>7.3f} {out['bind_seconds']:>7.3f} {out['resident_mib_before']:>5}  "
             f"{out['pages_not_migrated']}"
         )
     print(
-        f"(share of resident kB on node 1, the target; {args.mib} MiB touched before and after the bind; TCG emulation)"
+        f"(share of resident kB on node 1, the target; MiB resident before the bind, torch imported; {args.mib} MiB touched before and after it; TCG emulation)"
     )
 
 

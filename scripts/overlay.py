@@ -158,15 +158,6 @@ def _is_import(stmt: "cst.BaseStatement") -> bool:
     )
 
 
-def _is_docstring(stmt: "cst.BaseStatement") -> bool:
-    return (
-        isinstance(stmt, cst.SimpleStatementLine)
-        and len(stmt.body) == 1
-        and isinstance(stmt.body[0], cst.Expr)
-        and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
-    )
-
-
 def _from_module(module: "cst.Module", stmt: "cst.BaseStatement") -> Optional[str]:
     """The module of a top-level ``from X import ...`` statement, else None."""
     if not _is_import(stmt):
@@ -204,7 +195,7 @@ def _add_import_sorted(module: "cst.Module", line: str, where: str) -> "cst.Modu
 
 
 # --------------------------------------------------------------------------
-# The three rewrites of upstream files: each returns the module unchanged when
+# The two rewrites of upstream files: each returns the module unchanged when
 # it is already applied, and raises Refusal when upstream is not the known shape.
 
 SHM_IMPORT = (
@@ -336,108 +327,6 @@ def _rewrite_cpu_env(module: "cst.Module", rel: str) -> "cst.Module":
     return module.deep_replace(branch, branch.with_changes(body=body))
 
 
-ACTOR_PARAMS = (
-    "pg", "bundle_idx", "gpu_id", "server_args", "port_args",
-    "tp_rank", "pp_rank", "dp_rank", "dist_init_addr", "rank0_node_ip",
-)  # fmt: skip
-ACTOR_IMPORT = (
-    "from sglang.srt.scheduler_placement.ray_actors import create_scheduler_actor\n"
-)
-_ACTOR_KEYWORDS = "".join(f"    {p}={p},\n" for p in ACTOR_PARAMS)
-ACTOR_RETURN = (
-    "return create_scheduler_actor(\n"
-    "    actor_class=SchedulerActor,\n" + _ACTOR_KEYWORDS + ")\n"
-)
-#: Earlier overlays' delegation (another module path, no actor class): updated.
-STALE_ACTOR_RETURN = "return create_scheduler_actor(\n" + _ACTOR_KEYWORDS + ")\n"
-#: Keyword names of upstream's `SchedulerActor.options(...).remote(...)` call.
-ACTOR_OPTIONS = {"num_cpus", "num_gpus", "name", "scheduling_strategy"}
-ACTOR_REMOTE = {
-    "server_args",
-    "port_args",
-    "gpu_id",
-    "tp_rank",
-    "pp_rank",
-    "dp_rank",
-    "dist_init_addr",
-}
-
-
-def _is_upstream_actor_return(module: "cst.Module", stmt: "cst.BaseStatement") -> bool:
-    """Whether ``stmt`` is ``return SchedulerActor.options(...).remote(...)`` with the known keywords."""
-    try:
-        (ret,) = ast.parse(module.code_for_node(stmt).strip()).body
-    except (SyntaxError, ValueError):
-        return False
-    remote = ret.value if isinstance(ret, ast.Return) else None
-    if not (
-        isinstance(remote, ast.Call)
-        and isinstance(remote.func, ast.Attribute)
-        and remote.func.attr == "remote"
-    ):
-        return False
-    options = remote.func.value
-    return (
-        isinstance(options, ast.Call)
-        and ast.unparse(options.func) == "SchedulerActor.options"
-        and {k.arg for k in options.keywords} == ACTOR_OPTIONS
-        and {k.arg for k in remote.keywords} == ACTOR_REMOTE
-        and not options.args
-        and not remote.args
-    )
-
-
-def _imports_create_scheduler_actor(stmt: "cst.BaseStatement") -> bool:
-    """Whether ``stmt`` is ``from <module> import create_scheduler_actor``."""
-    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
-        return False
-    imp = stmt.body[0]
-    return (
-        isinstance(imp, cst.ImportFrom)
-        and imp.module is not None
-        and not imp.relative
-        and not isinstance(imp.names, cst.ImportStar)
-        and [(a.name.value, a.asname) for a in imp.names]
-        == [("create_scheduler_actor", None)]
-    )
-
-
-def rewrite_ray_engine(module: "cst.Module", rel: str) -> "cst.Module":
-    """Keep `_create_scheduler_actor`'s signature and docstring; delegate its body."""
-    where = f"sglang/{rel}: _create_scheduler_actor()"
-    func = _top_level(module, cst.FunctionDef, "_create_scheduler_actor", where)
-    params = func.params
-    if (
-        [p.name.value for p in params.params] != list(ACTOR_PARAMS)
-        or any(p.default is not None for p in params.params)
-        or params.posonly_params
-        or params.kwonly_params
-        or params.star_kwarg is not None
-        or not isinstance(params.star_arg, cst.MaybeSentinel)
-    ):
-        raise Refusal(
-            f"{where}: expected the signature ({', '.join(ACTOR_PARAMS)}), found ({_one_line(module, params)})"
-        )
-    stmts = list(func.body.body)
-    doc = stmts[:1] if stmts and _is_docstring(stmts[0]) else []
-    rest = stmts[len(doc) :]
-    delegation = func.body.with_changes(
-        body=[*doc, _statement(ACTOR_IMPORT), _statement(ACTOR_RETURN, blank_lines=1)]
-    )
-    if len(rest) == 2 and _imports_create_scheduler_actor(rest[0]):
-        current = _same(module, rest[0], ACTOR_IMPORT)
-        if current and _same(module, rest[1], ACTOR_RETURN):
-            return module
-        if any(_same(module, rest[1], r) for r in (ACTOR_RETURN, STALE_ACTOR_RETURN)):
-            return module.deep_replace(func, func.with_changes(body=delegation))
-    if len(rest) != 1 or not _is_upstream_actor_return(module, rest[0]):
-        raise Refusal(
-            f"{where}: expected the body (after the docstring) to be one "
-            "`return SchedulerActor.options(...).remote(...)` with the known keywords"
-        )
-    return module.deep_replace(func, func.with_changes(body=delegation))
-
-
 ENV_ANCHOR = "SGLANG_CRASH_ON_NUMA_BIND_FAILURE = EnvBool(False)"
 ENV_FIELDS = (
     ("SGLANG_CPU_OMP_THREADS_BIND", 'SGLANG_CPU_OMP_THREADS_BIND = EnvStr("all")'),
@@ -493,7 +382,6 @@ def rewrite_environ(module: "cst.Module", rel: str) -> "cst.Module":
 
 REWRITES: Dict[str, Callable[["cst.Module", str], "cst.Module"]] = {
     "srt/distributed/bootstrap.py": rewrite_bootstrap,
-    "srt/ray/engine.py": rewrite_ray_engine,
     "srt/environ.py": rewrite_environ,
 }
 

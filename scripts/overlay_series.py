@@ -193,29 +193,18 @@ SERIES: Tuple[Patch, ...] = (
         files=(NUMA,),
     ),
     Patch(
-        "ray-node-plan",
-        "scheduler_placement: the values and node tasks of Ray's planning round",
-        "Where each bundle is, which GPU ids it holds, and each node's placement for "
-        "them, resolved on the node; the py_executable string checked token by token.",
-        "tests/test_ray_plan.py, tests/test_ray_node_plan.py",
-        "Nothing yet.",
-        files=(G + "ray_plan.py",),
-    ),
-    Patch(
         "ray-actor",
-        "ray: scheduler actors start under the placement planned on their node",
-        "_create_scheduler_actor plans the placement group on its nodes (keyed by all "
-        "it depends on) and starts each actor under numactl or binds it in-process, "
-        "then reads its binding back, every thread included; SchedulerActor keeps "
-        "upstream's contract.",
-        "tests/test_ray_actors.py, tests/test_upstream_shapes.py (Ray)",
-        "Ray scheduler actors are bound (they were silently unbound).",
-        files=(
-            G + "ray_rank.py",
-            G + "ray_actors.py",
-            "srt/ray/scheduler_actor.py",
-            "srt/ray/engine.py",
-        ),
+        "ray: scheduler actors bind themselves to their own GPU's node",
+        "Each SchedulerActor places the GPU Ray gave it, by Ray's id, with the spawn "
+        "path's place_gpu_id, and binds in-process before its Scheduler exists: every "
+        "thread, the memory policy, the pages touched so far. _create_scheduler_actor "
+        "stays as upstream wrote it.",
+        "tests/test_ray_actors.py, tests/test_upstream_shapes.py (Ray), "
+        "tests/test_vm_inprocess.py",
+        "Ray scheduler actors on nodes with several GPUs are bound to their own GPU's "
+        "node, all threads, pages moved (they were unbound, or bound to the wrong "
+        "node, from one thread).",
+        files=(G + "ray_rank.py", "srt/ray/scheduler_actor.py"),
     ),
     Patch(
         "shm-namespace",

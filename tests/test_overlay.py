@@ -36,14 +36,6 @@ SHM_OLD = (
     "_set_shm_master_env(dist_init_method)",
     "torch.ops.sgl_kernel.initialize(parallel.tp_size, parallel.tp_rank)",
 )
-ACTOR_PARAMS = ["pg", "bundle_idx", "gpu_id", "server_args", "port_args", "tp_rank", "pp_rank", "dp_rank",
-                "dist_init_addr", "rank0_node_ip"]  # fmt: skip
-ACTOR_IMPORT = (
-    "from sglang.srt.scheduler_placement.ray_actors import create_scheduler_actor"
-)
-STALE_ACTOR_IMPORT = (
-    "from sglang.srt.an_older_glue.ray_actors import create_scheduler_actor"
-)
 ENV_FIELDS = {"SGLANG_CPU_OMP_THREADS_BIND": "EnvStr('all')", "SGLANG_NUMA_AFFINITY_MODE": "EnvStr('node')",
               "SGLANG_SYSFS_ROOT": "EnvStr('/sys')"}  # fmt: skip
 REPO_FILES = {
@@ -228,6 +220,8 @@ def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
     assert r.returncode == 0, r.stderr
     old = {rel: (pristine / rel).read_text() for rel in (BOOTSTRAP, ENGINE, ENVIRON)}
     new = {rel: (pkg / rel).read_text() for rel in (BOOTSTRAP, ENGINE, ENVIRON)}
+    # Ray's _create_scheduler_actor stays as upstream wrote it: the actor binds itself.
+    assert new[ENGINE] == old[ENGINE]
 
     assert SHM_IMPORT in _imports(new[BOOTSTRAP])
     fn = _top(ast.parse(new[BOOTSTRAP]), "_init_cpu_threads_env")
@@ -264,29 +258,6 @@ def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
     )
     assert ast.unparse(groups[at + 1]) == "finish_shm_collective()"
 
-    up_fn, fn = (
-        _top(ast.parse(t[ENGINE]), "_create_scheduler_actor") for t in (old, new)
-    )
-    for part in (
-        lambda f: f.args,
-        lambda f: f.returns,
-        lambda f: f.body[0],
-    ):  # signature and docstring kept
-        assert ast.dump(part(fn)) == ast.dump(part(up_fn))
-    imp, ret = fn.body[1:]
-    assert ast.unparse(imp) == ACTOR_IMPORT
-    assert (
-        ast.unparse(ret.value.func) == "create_scheduler_actor" and not ret.value.args
-    )
-    keywords = [(k.arg, ast.unparse(k.value)) for k in ret.value.keywords]
-    assert keywords == [
-        ("actor_class", "SchedulerActor"),
-        *zip(ACTOR_PARAMS, ACTOR_PARAMS),
-    ]
-    assert_only_changed(
-        old[ENGINE], new[ENGINE], [(up_fn.body[0].end_lineno, up_fn.end_lineno)]
-    )
-
     envs = _top(ast.parse(new[ENVIRON]), "Envs")
     fields = {
         ast.unparse(s.targets[0]): ast.unparse(s.value)
@@ -307,28 +278,7 @@ def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
         assert (pkg / rel).stat().st_mode == (pristine / rel).stat().st_mode
     manifest = json.loads((pkg / ".placement-overlay.json").read_text())
     assert set(manifest["added"]) == set(REPO_FILES) - {NUMA}
-    assert set(manifest["replaced"]) == {BOOTSTRAP, ENGINE, ENVIRON, NUMA}
-
-
-def test_the_delegation_names_the_module_of_this_repo_that_defines_it() -> None:
-    module, _, name = ACTOR_IMPORT.removeprefix("from ").partition(" import ")
-    source = OVERLAY.parents[1] / "python" / Path(*module.split(".")).with_suffix(".py")
-    assert source.is_file(), source
-    tree = ast.parse(source.read_text())
-    assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-
-
-def test_a_package_rewritten_by_an_earlier_overlay_is_brought_up_to_date(
-    pkg: Path, repo: Path
-) -> None:
-    assert overlay(pkg, repo).returncode == 0
-    fresh = (pkg / ENGINE).read_text()
-    # What earlier overlays wrote: the old module path, and no actor class passed.
-    edit(pkg / ENGINE, ACTOR_IMPORT, STALE_ACTOR_IMPORT)
-    edit(pkg / ENGINE, "        actor_class=SchedulerActor,\n", "")
-    r = overlay(pkg, repo)
-    assert r.returncode == 0, r.stderr
-    assert (pkg / ENGINE).read_text() == fresh
+    assert set(manifest["replaced"]) == {BOOTSTRAP, ENVIRON, NUMA}
 
 
 def test_overlaid_environ_loads(pkg: Path, repo: Path) -> None:
@@ -365,16 +315,17 @@ def test_diff_writes_nothing(pkg: Path, repo: Path, pristine: Path) -> None:
     r = overlay(pkg, repo, "--diff")
     assert r.returncode == 0, r.stderr
     assert snapshot(pkg) == before
-    for rel in (BOOTSTRAP, ENGINE, ENVIRON, NUMA):
+    for rel in (BOOTSTRAP, ENVIRON, NUMA):
         assert f"--- a/sglang/{rel}\n+++ b/sglang/{rel}\n@@ " in r.stdout
+    assert f"b/sglang/{ENGINE}" not in r.stdout
     for rel in set(REPO_FILES) - {NUMA}:
         assert f"--- /dev/null\n+++ b/sglang/{rel}\n@@ -0,0 +1" in r.stdout
     n = sum(text.count("\n") for rel, text in REPO_FILES.items() if rel != NUMA)
-    summary = rf"overlay --diff: 4 upstream files changed \(\+\d+ -\d+ lines\), 3 new files \({n} lines\)\n"
+    summary = rf"overlay --diff: 3 upstream files changed \(\+\d+ -\d+ lines\), 3 new files \({n} lines\)\n"
     assert re.fullmatch(summary, r.stderr), r.stderr
     # the printed diff is exactly what a real run then does
     assert overlay(pkg, repo).returncode == 0
-    for rel in (BOOTSTRAP, ENGINE, ENVIRON):
+    for rel in (BOOTSTRAP, ENVIRON):
         old, new = ((p / rel).read_text().splitlines(True) for p in (pristine, pkg))
         assert (
             "".join(
@@ -390,10 +341,6 @@ UNKNOWN_SHAPES = {  # upstream edit -> (file, name the refusal must give)
     "no LOCAL_SIZE statement": (BOOTSTRAP, f"        {SHM_KEEP}\n", "", "_init_cpu_threads_env"),
     "no group build": (BOOTSTRAP, "    initialize_model_parallel(\n", "    initialize_model_parallel_v2(\n",
                        "_init_parallel_groups"),
-    "renamed actor factory": (ENGINE, "def _create_scheduler_actor(", "def _create_scheduler_actor_v2(",
-                              "_create_scheduler_actor"),
-    "new actor parameter": (ENGINE, "    rank0_node_ip: str,\n) ->", "    rank0_node_ip: str,\n    x: int,\n) ->",
-                            "_create_scheduler_actor"),
     "conflicting env field": (ENVIRON, NUMA_ANCHOR, NUMA_ANCHOR + '    SGLANG_SYSFS_ROOT = EnvStr("/proc")\n',
                               "Envs.SGLANG_SYSFS_ROOT"),
 }  # fmt: skip
@@ -454,7 +401,7 @@ def test_module_deleted_from_repo_is_removed(pkg: Path, repo: Path) -> None:
 def test_hard_linked_copy_stays_pristine(
     pkg: Path, repo: Path, link_source: Path
 ) -> None:
-    touched = (BOOTSTRAP, ENGINE, ENVIRON, NUMA)
+    touched = (BOOTSTRAP, ENVIRON, NUMA)
     assert all(
         (pkg / r).stat().st_ino == (link_source / r).stat().st_ino for r in touched
     )
@@ -465,7 +412,7 @@ def test_hard_linked_copy_stays_pristine(
     assert (pkg / "srt/server_args.py").stat().st_ino == (
         link_source / "srt/server_args.py"
     ).stat().st_ino
-    assert _has_upstream_actor_body(link_source) and not _has_upstream_actor_body(pkg)
+    assert (pkg / ENGINE).stat().st_ino == (link_source / ENGINE).stat().st_ino
     assert not [p for p in pkg.rglob("*overlay-tmp*")]
 
 
@@ -554,7 +501,7 @@ def test_checkout_gets_the_package_and_the_ported_tests(
         and f"added python/sglang/{'srt/placement/plan.py'}" in lines
     )
     assert (
-        lines[-1] == f"overlay: {len(REPO_FILES) + 3 + 2} file(s) changed in {checkout}"
+        lines[-1] == f"overlay: {len(REPO_FILES) + 2 + 2} file(s) changed in {checkout}"
     )
     manifest = json.loads((pkg / ".placement-overlay.json").read_text())
     assert manifest["tests_added"] == [PORTED_NEW]
@@ -587,7 +534,7 @@ def test_checkout_diff_names_checkout_paths_and_writes_nothing(
     r = overlay(checkout, repo_tests, "--diff")
     assert r.returncode == 0, r.stderr
     assert snapshot(checkout) == before
-    for rel in (BOOTSTRAP, ENGINE, ENVIRON, NUMA):
+    for rel in (BOOTSTRAP, ENVIRON, NUMA):
         assert f"--- a/python/sglang/{rel}\n+++ b/python/sglang/{rel}\n@@ " in r.stdout
     assert (
         f"--- a/test/{PORTED}\n+++ b/test/{PORTED}\n@@ -1 +1,4 @@\n-{UPSTREAM_TEST}+import unittest\n"
@@ -599,7 +546,7 @@ def test_checkout_diff_names_checkout_paths_and_writes_nothing(
     n = sum(t.count("\n") for rel, t in REPO_FILES.items() if rel != NUMA) + REPO_TESTS[
         PORTED_NEW
     ].count("\n")
-    summary = rf"overlay --diff: 5 upstream files changed \(\+\d+ -\d+ lines\), 4 new files \({n} lines\)\n"
+    summary = rf"overlay --diff: 4 upstream files changed \(\+\d+ -\d+ lines\), 4 new files \({n} lines\)\n"
     assert re.fullmatch(summary, r.stderr), r.stderr
     # The diff is the pull request against the checkout: it applies at its root as it is.
     check = subprocess.run(["git", "apply", "--check", "-"], input=r.stdout, cwd=checkout, capture_output=True,
@@ -637,7 +584,7 @@ def test_checkout_refusals_write_nothing(
         shutil.rmtree(checkout / "test")
         want = f"{checkout} is not an sglang package dir"
     elif problem == "unknown upstream shape":
-        rel, old, new, name = UNKNOWN_SHAPES["renamed actor factory"]
+        rel, old, new, name = UNKNOWN_SHAPES["no initialize call"]
         edit(checkout / "python" / "sglang" / rel, old, new)
         want = name
     else:

@@ -355,18 +355,17 @@ def test_sglang_router_imports_its_launch_server_from_the_overlaid_package():
 
 # --------------------------------------------------------------------------- Ray actors as RayEngine creates them
 @pytest.mark.ray
-def test_scheduler_actors_created_as_ray_engine_creates_them_start_under_their_placement(
+def test_scheduler_actors_created_as_ray_engine_creates_them_bind_to_their_gpus_node(
     ray_cluster,
 ):
     """RayEngine's own placement group (one bundle of the node's GPUs: GPUs 0 and 1, on
-    NUMA node 0 of the session cluster's fake /sys) and its ``_create_scheduler_actor``
-    call per rank, with a real ServerArgs; the actors build sglang's stand-in Scheduler
-    (``upstream_standins``)."""
+    NUMA node 0 of the session cluster's fake /sys) and upstream's unchanged
+    ``_create_scheduler_actor`` call per rank, with a real ServerArgs; the actors bind
+    themselves, then build sglang's stand-in Scheduler (``upstream_standins``)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from sglang.srt.ray.engine import _create_scheduler_actor
-    from sglang.srt.scheduler_placement.ray_actors import forget_group
 
     args = server_args(tp_size=2, device="cuda")
     pg = placement_group([{"CPU": 1, "GPU": 2}], strategy="STRICT_PACK")
@@ -389,7 +388,6 @@ def test_scheduler_actors_created_as_ray_engine_creates_them_start_under_their_p
                 )
             )
         infos = ray.get([a.get_info.remote() for a in actors], timeout=300)
-        bindings = ray.get([a.binding_report.remote() for a in actors], timeout=60)
         ray.get([a.run_event_loop.remote() for a in actors], timeout=60)
         names = sorted(
             n for n in ray.util.list_named_actors() if n.startswith("sglang_scheduler")
@@ -398,18 +396,16 @@ def test_scheduler_actors_created_as_ray_engine_creates_them_start_under_their_p
         for actor in actors:
             ray.kill(actor)
         remove_placement_group(pg)
-        forget_group(pg)
     # Each actor built the stand-in Scheduler for its GPU, after upstream's configure step.
     assert sorted(i["cuda_visible_devices"] for i in infos) == ["0", "1"]
     assert all(i["configured_gpu_id"] == int(i["cuda_visible_devices"]) for i in infos)
     assert {i["model_path"] for i in infos} == {"/nonexistent"}
-    # Both GPUs are on node 0: the plan agrees, and each worker started under numactl.
+    # Both GPUs are on node 0: each actor bound every thread there, memory too.
     cpu = ray_cluster.node_cpu[0]
     assert [(i["cpus"], i["policy"], i["policy_nodes"]) for i in infos] == [
         ([cpu], "bind", [0])
     ] * 2
-    assert [b["placement"]["strategy"] for b in bindings] == ["exec", "exec"]
-    assert [b["mismatches"] for b in bindings] == [[], []]
+    assert [i["thread_cpus"] for i in infos] == [[(cpu,)]] * 2
     assert len(names) == 2 and all(
         "_dp0_pp0_tp" in n and "_bundle0" in n for n in names
     )

@@ -32,6 +32,12 @@ class Scheduler:
             "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "cpus": sorted(os.sched_getaffinity(0)),
+            "thread_cpus": sorted(
+                {
+                    tuple(os.sched_getaffinity(int(tid)))
+                    for tid in os.listdir("/proc/self/task")
+                }
+            ),
             "policy": policy,
             "policy_nodes": sorted(nodes),
             "configured_gpu_id": CONFIGURED.get("gpu_id"),
@@ -49,7 +55,19 @@ class Scheduler:
 def configure_scheduler_process(
     server_args: Any, gpu_id: int, *args: Any, **kwargs: Any
 ) -> None:
+    from sglang.srt.environ import envs
+    from sglang.srt.utils.numa_utils import (
+        get_numa_node_if_available,
+        numa_bind_to_node,
+    )
+
     CONFIGURED["gpu_id"] = gpu_id
+    # The part of upstream's configure_scheduler_process that places the process: the
+    # legacy bind.
+    if not envs.SGLANG_NUMA_BIND_V2.get():
+        numa_node = get_numa_node_if_available(server_args, gpu_id)
+        if numa_node is not None:
+            numa_bind_to_node(numa_node)
 
 
 def resolve_spawn_dp_rank(dp_rank: Optional[int]) -> Optional[int]:

@@ -1,7 +1,11 @@
-"""Inside a multi-NUMA VM: touch memory on node 0, bind in process to node 1, report where pages are.
+"""Inside a multi-NUMA VM: a Ray scheduler actor's bind, after torch, from node 0 to node 1.
 
-Plain Python only (no torch): under emulation every import is slow. Prints one
-JSON object on its last line of stdout.
+The process pins itself to cpu 0 (node 0), imports torch (as a Ray worker has
+by the time its actor binds), touches memory, then runs the function sglang's
+``SchedulerActor`` runs to bind itself (``bind_scheduler_actor``) for Ray's GPU
+id 1 with ``--numa-node 0 1`` (the VM has no GPU to discover), and reports
+where its pages are. ``--no-migrate`` applies the same placement without
+moving pages, for comparison. Prints one JSON object on its last line of stdout.
 
     python tests/vm_scripts/inprocess_bind.py [--no-migrate] [--mib 64]
 """
@@ -34,7 +38,6 @@ def _touch(mib: int) -> bytearray:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--node", type=int, default=1)
-    parser.add_argument("--cpus", default="2-3")
     parser.add_argument("--start-cpu", type=int, default=0)
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--no-migrate", action="store_true")
@@ -46,12 +49,25 @@ def main() -> None:
         os.environ[_PINNED_MARK] = "1"
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
-    from sglang.srt.placement.apply import bind_in_process
-    from sglang.srt.placement.cpulist import parse_cpulist
-    from sglang.srt.placement_tools.observe import compare_binding, observe_self
-    from sglang.srt.placement.types import ProcessPlacement, RankIdentity
+    started = time.monotonic()
+    import torch  # noqa: F401
 
+    torch_seconds = time.monotonic() - started
+    from types import SimpleNamespace
+
+    from sglang.srt.placement.apply import bind_in_process
+    from sglang.srt.placement_tools.observe import compare_binding, observe_self
+    from sglang.srt.placement.types import RankIdentity
+    from sglang.srt.scheduler_placement.ray_rank import (
+        actor_placement,
+        bind_scheduler_actor,
+    )
+
+    server_args = SimpleNamespace(numa_node=[0, args.node], tp_size=2)
     early = _touch(args.mib)
+    # From here on as a Ray worker that happened to start on node 0: its pages are
+    # there, and it may run on every CPU of its raylet.
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
     # A thread already running at bind time: its memory policy stays default (only the calling
     # thread's policy is set), so its pages are local only because its CPUs moved too.
     go = threading.Event()
@@ -66,18 +82,22 @@ def main() -> None:
     thread.start()
     before = observe_self()
 
-    placement = ProcessPlacement(
-        rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=None),
-        pci=None,
-        numa_node=args.node,
-        cpus=parse_cpulist(args.cpus),
-        mem_nodes=frozenset({args.node}),
-        mem_policy="bind",
-        strategy="in-process",
-        reasons=("vm test",),
-    )
     started = time.monotonic()
-    outcome = bind_in_process(placement, migrate=not args.no_migrate)
+    if args.no_migrate:
+        rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=args.node)
+        placement = actor_placement(
+            server_args, rank=rank, assigned_gpus=[str(args.node)]
+        )
+        outcome = bind_in_process(placement, migrate=False)
+    else:
+        placement, outcome = bind_scheduler_actor(
+            server_args,
+            gpu_id=args.node,
+            assigned_gpus=[str(args.node)],
+            tp_rank=0,
+            pp_rank=0,
+            dp_rank=0,
+        )
     bind_seconds = time.monotonic() - started
     after_bind = observe_self()
 
@@ -90,6 +110,11 @@ def main() -> None:
         json.dumps(
             {
                 "summary": outcome.summary,
+                "strategy": placement.strategy,
+                "reasons": placement.reasons,
+                "threads_bound": outcome.threads,
+                "torch_import_seconds": round(torch_seconds, 1),
+                "resident_mib_before": sum(kb for _, kb in before.resident_kb) >> 10,
                 "pages_not_migrated": outcome.pages_not_migrated,
                 "bind_seconds": round(bind_seconds, 3),
                 "ratio_before": before.local_page_ratio(target),

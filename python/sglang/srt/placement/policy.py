@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.types import AFFINITY_MODES, LAUNCHERS
-
-if TYPE_CHECKING:
-    from sglang.srt.server_args import ServerArgs
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,7 @@ class PlacementPolicy:
     @classmethod
     def from_env(
         cls,
-        server_args: "ServerArgs",
+        server_args: Any,
         *,
         launcher: str,
         affinity_mode: Optional[str] = None,
@@ -100,5 +97,6 @@ def placement_fields(server_args: Any) -> dict[str, Any]:
 
 
 def placement_view(server_args: Any) -> types.SimpleNamespace:
-    """The placement fields of ``server_args`` as a light value (a Ray task unpickles it without ServerArgs)."""
+    """The placement fields of ``server_args``, complete whatever object the caller
+    handed in."""
     return types.SimpleNamespace(**placement_fields(server_args))

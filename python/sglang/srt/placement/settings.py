@@ -72,4 +72,5 @@ ENGINE_POLICY_VARS = (
     "SGLANG_NUMA_AFFINITY_MODE",
     "SGLANG_CPU_OMP_THREADS_BIND",
 )
-"""Settings that belong to the engine: a launcher passes the driver's values to every node that runs a rank."""
+"""Settings that belong to the engine, which every rank reads where it runs: ``verify``
+hands the driver's values to its Ray job's workers."""

@@ -302,10 +302,19 @@ PLAN_JSON_KEYS = (
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from sglang.srt.placement.plan import plan_engine
+    from sglang.srt.placement.policy import PlacementPolicy
     from sglang.srt.placement.resolve import describe
 
     server_args = PlanArgs.from_cli_args(args)
-    placements = plan_engine(server_args, launcher=args.launcher, **plan_inputs(args))
+    inputs = plan_inputs(args)
+    # A Ray actor binds itself in-process once running: Ray starts its workers.
+    policy = PlacementPolicy.from_env(
+        server_args,
+        launcher=args.launcher,
+        affinity_mode=inputs.pop("affinity_mode"),
+        exec_supported=args.launcher != "ray",
+    )
+    placements = plan_engine(server_args, policy=policy, **inputs)
     if args.json:
         rows = [{key: p.to_dict()[key] for key in PLAN_JSON_KEYS} for p in placements]
         print(json.dumps({"ranks": rows}, indent=2))
@@ -381,9 +390,18 @@ def _local_ray_cluster(server_args: PlanArgs) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
+    # sglang's actors read the engine's settings where they run: hand them to the
+    # job's workers, as an operator hands them to RayEngine's.
+    names = [name for name in settings.ENGINE_POLICY_VARS if name in os.environ]
+    job = {"env_vars": {name: os.environ[name] for name in names}} if names else None
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if address:
-        ray.init(address=address, configure_logging=False, log_to_driver=False)
+        ray.init(
+            address=address,
+            runtime_env=job,
+            configure_logging=False,
+            log_to_driver=False,
+        )
     else:
         from sglang.srt.placement.ranks import local_ranks
 
@@ -397,6 +415,7 @@ def _local_ray_cluster(server_args: PlanArgs) -> Iterator[None]:
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             include_dashboard=False,
+            runtime_env=job,
             configure_logging=False,
             log_to_driver=False,
         )

@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import List, Optional
 
-from sglang.srt.placement.policy import placement_fields, placement_view
+from sglang.srt.placement.policy import (  # noqa: F401  (this module's names too)
+    placement_fields,
+    placement_view,
+)
 
 DEVICE_CHOICES = ("cuda", "xpu", "cpu")
 

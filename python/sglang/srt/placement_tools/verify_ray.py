@@ -2,21 +2,25 @@
 
 As ``RayEngine._launch_scheduler_processes`` (sglang 0.5.23) does, verify
 reserves one bundle of a node's GPUs per node, puts rank 0 in the bundle on the
-driver's node and creates every rank through the overlaid
-``_create_scheduler_actor``, with the per-node GPU index RayEngine passes (its
-data-parallel controller does the same for each dp rank in turn). Only the
-actor differs: ``PlacementProbe`` is placed as sglang's ``SchedulerActor`` is
-(``SchedulerRank``), then reports what its process observes instead of loading
-a model. Everything verify starts is stopped on every exit, within ``timeout_s``.
+driver's node and creates every rank through sglang's own, unmodified
+``ray.engine._create_scheduler_actor``, with the per-node GPU index RayEngine
+passes (its data-parallel controller does the same for each dp rank in turn).
+Only the actor differs: while verify calls it, ``ray.engine``'s
+``SchedulerActor`` name is ``ProbeActor``, which takes the same arguments and
+runs the same bind as sglang's actor (``bind_scheduler_actor``), then reports
+what its process observes instead of loading a model. Everything verify starts
+is stopped on every exit, within ``timeout_s``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import re
-from typing import Any, Sequence
+import time
+from typing import Any, Iterator, Optional, Sequence
 
 import ray
 from ray.util.placement_group import (
@@ -27,9 +31,10 @@ from ray.util.placement_group import (
 
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.ranks import engine_gpu_id, rank_ranges
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity
+from sglang.srt.placement.topology import read_process_affinity
+from sglang.srt.placement.types import ProcessPlacement, RankIdentity, TopologyError
 from sglang.srt.placement_tools.verify import DEFAULT_TIMEOUT_S, VerifyError, verify_row
-from sglang.srt.scheduler_placement.ray_rank import SchedulerRank
+from sglang.srt.scheduler_placement.ray_rank import bind_scheduler_actor
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +42,32 @@ logger = logging.getLogger(__name__)
 _EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(\w+(?:Error|Exception)): (.*)$")
 
 
-class PlacementProbe(SchedulerRank):
-    """A scheduler rank without a model: placed as a real one, then reporting what its process observes."""
+class PlacementProbe:
+    """A scheduler rank without a model: built as sglang's ``SchedulerActor`` is, up to
+    its ``Scheduler``, then reporting what its process observes."""
+
+    def __init__(
+        self,
+        server_args: Any,
+        port_args: Any,
+        gpu_id: int,
+        tp_rank: int,
+        pp_rank: int,
+        dp_rank: Optional[int],
+        dist_init_addr: Optional[str] = None,
+    ) -> None:
+        # The GPU id sglang's actor uses: Ray's first, else the one passed.
+        assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        self._gpu_id = int(assigned[0]) if assigned else gpu_id
+        self._assigned = [str(i) for i in assigned]
+        self._bound = bind_scheduler_actor(
+            server_args,
+            gpu_id=self._gpu_id,
+            assigned_gpus=assigned,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            dp_rank=dp_rank,
+        )
 
     def get_info(self) -> dict:
         from sglang.srt.placement_tools.observe import observe_self
@@ -47,13 +76,19 @@ class PlacementProbe(SchedulerRank):
             launcher_cpus = os.sched_getaffinity(os.getppid())
         except OSError:
             launcher_cpus = os.sched_getaffinity(0)
+        placement, outcome = self._bound or (None, None)
         context = ray.get_runtime_context()
         return {
+            "pid": os.getpid(),
             "observed": observe_self().to_dict(),
-            "binding": self.binding_report(),
+            "thread_cpus": _thread_cpus(),
+            "placement": placement and placement.to_dict(),
+            "threads_bound": outcome and outcome.threads,
+            "pages_not_migrated": outcome and outcome.pages_not_migrated,
             "node_id": context.get_node_id(),
             "actor": context.get_actor_name(),
-            "gpu_id": self._rank.gpu_id,
+            "accelerator_ids": self._assigned,
+            "gpu_id": self._gpu_id,
             # What a worker of this node gets when nothing binds it: its raylet's CPUs.
             "unbound_cpus": format_cpulist(launcher_cpus),
         }
@@ -63,6 +98,44 @@ class PlacementProbe(SchedulerRank):
 
 
 ProbeActor = ray.remote(PlacementProbe)
+
+
+def _thread_cpus(tasks_dir: str = "/proc/self/task") -> dict[int, str]:
+    """Each thread's CPUs: ``/proc/self/status`` shows the main thread's only."""
+    found = {}
+    for name in filter(str.isdigit, os.listdir(tasks_dir)):
+        try:
+            status = os.path.join(tasks_dir, name, "status")
+            found[int(name)] = format_cpulist(read_process_affinity(status).cpus)
+        except TopologyError:
+            continue  # the thread exited after the listing
+    return found
+
+
+class Deadline:
+    """One deadline for the whole command."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._at = time.monotonic() + timeout_s
+
+    def remaining(self) -> float:
+        return max(0.0, self._at - time.monotonic())
+
+    def text(self) -> str:
+        return f"{self.timeout_s:g} s"
+
+
+@contextlib.contextmanager
+def probe_as_scheduler_actor(engine: Any) -> Iterator[None]:
+    """Within the block, ``engine._create_scheduler_actor`` creates ``ProbeActor``s:
+    its module-global ``SchedulerActor`` name is swapped, and restored after."""
+    real = engine.SchedulerActor
+    engine.SchedulerActor = ProbeActor
+    try:
+        yield
+    finally:
+        engine.SchedulerActor = real
 
 
 def ray_engine_ranks(
@@ -112,11 +185,18 @@ def _engine_bundle_order(pg: Any, nnodes: int) -> tuple[list[int], str]:
     return order, engine_ip
 
 
-def _row(rank: RankIdentity, report: dict) -> dict:
-    binding = report.get("binding") or {}
-    on = binding.get("placement") is not None
+def actor_name(rank: RankIdentity, *, pg: Any, bundle_idx: int, rank0_ip: str) -> str:
+    """The name sglang's ``_create_scheduler_actor`` gives the actor of ``rank``."""
+    return (
+        f"sglang_scheduler_node{rank0_ip}_dp{rank.dp_rank}_pp{rank.pp_rank}"
+        f"_tp{rank.tp_rank}_pg{pg.id.hex()[:8]}_bundle{bundle_idx}"
+    )
+
+
+def _row(rank: RankIdentity, report: dict, *, expected_actor: str) -> dict:
+    on = report.get("placement") is not None
     placement = (
-        ProcessPlacement.from_dict(binding["placement"])
+        ProcessPlacement.from_dict(report["placement"])
         if on
         else ProcessPlacement.unbound(
             rank,
@@ -132,17 +212,24 @@ def _row(rank: RankIdentity, report: dict) -> dict:
     row = verify_row(placement, report, launcher="ray", unbound_cpus=unbound)
     row.update(
         {
-            "engine_gpu_id": rank.gpu_id,
-            "accelerator_ids": binding.get("accelerator_ids", []),
-            "planned_on": binding.get("planned_on"),
-            "actor_mismatches": binding.get("mismatches", []),
+            key: report[key]
+            for key in ("accelerator_ids", "threads_bound", "pages_not_migrated")
         }
     )
-    extra = [f"the actor's own read-back: {m}" for m in row["actor_mismatches"]]
-    if on and row["planned_on"] is None:
+    row["engine_gpu_id"] = rank.gpu_id
+    extra = []
+    threads = report["thread_cpus"]
+    expected = format_cpulist(placement.cpus) if placement.bound else None
+    off = sorted(tid for tid, cpus in threads.items() if cpus != expected)
+    if expected is not None and off:
         extra.append(
-            "the rank was not started with a plan from its node (sglang's _create_scheduler_actor "
-            "plans every rank there): " + "; ".join(placement.reasons[:1])
+            f"{len(off)} of {len(threads)} threads run outside the planned CPUs "
+            f"(thread {off[0]}: cpus {threads[off[0]] or '(none)'}, planned {expected})"
+        )
+    if report["actor"] != expected_actor:
+        extra.append(
+            f"the actor is named {report['actor']!r}, not {expected_actor!r}: it was "
+            "not created by sglang's _create_scheduler_actor"
         )
     if extra:
         row["differences"] = [*row["differences"], *extra]
@@ -187,14 +274,11 @@ def _collect(
 def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict]:
     """One row per rank of the engine, each started as RayEngine starts it on the
     connected Ray cluster, comparing what the rank observes with the placement it
-    applied (and whether its node planned it).
+    bound itself to.
     """
     import sglang.srt.ray.engine as engine
-    from sglang.srt.placement import settings
-    from sglang.srt.placement.policy import PlacementPolicy, placement_view
-    from sglang.srt.scheduler_placement import ray_actors
 
-    deadline = ray_actors.Deadline(timeout_s)
+    deadline = Deadline(timeout_s)
     # The placement group RayEngine reserves when it has none.
     total_gpus = server_args.dp_size * server_args.tp_size * server_args.pp_size
     nnodes = server_args.nnodes
@@ -207,7 +291,7 @@ def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> lis
     bundles = [{"CPU": 1, "GPU": total_gpus // nnodes}] * nnodes
     strategy = "STRICT_PACK" if nnodes == 1 else "SPREAD"
     pg = placement_group(bundles, strategy=strategy)
-    started: list[tuple[RankIdentity, Any]] = []
+    started: list[tuple[RankIdentity, Any, str]] = []
     try:
         ready, _ = ray.wait([pg.ready()], timeout=deadline.remaining())
         if not ready:
@@ -217,19 +301,7 @@ def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> lis
                 "rank, for --device cpu too (declare GPUs with `ray start --num-gpus N`)"
             )
         order, rank0_ip = _engine_bundle_order(pg, nnodes)
-        if settings.bind_v2():
-            # Planned here under verify's deadline; the actors' calls then find the plan kept.
-            policy = PlacementPolicy.from_env(
-                placement_view(server_args), launcher="ray"
-            )
-            plan = ray_actors.group_plan(
-                pg, server_args, policy=policy, deadline=deadline
-            )
-            if plan is None:
-                raise VerifyError(
-                    "the placement group could not be planned on its nodes (see above)"
-                )
-        with ray_actors.scheduler_actor_class(ProbeActor):
+        with probe_as_scheduler_actor(engine):
             for rank, bundle_idx in ray_engine_ranks(server_args, order):
                 handle = engine._create_scheduler_actor(
                     pg=pg,
@@ -244,14 +316,19 @@ def verify_ray(server_args: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> lis
                     dist_init_addr=f"{rank0_ip}:0",
                     rank0_node_ip=rank0_ip,
                 )
-                started.append((rank, handle))
-        reports = _collect(started, deadline=deadline)
-        return [_row(rank, report) for (rank, _), report in zip(started, reports)]
+                name = actor_name(rank, pg=pg, bundle_idx=bundle_idx, rank0_ip=rank0_ip)
+                started.append((rank, handle, name))
+        reports = _collect(
+            [(rank, handle) for rank, handle, _ in started], deadline=deadline
+        )
+        return [
+            _row(rank, report, expected_actor=name)
+            for (rank, _, name), report in zip(started, reports)
+        ]
     finally:
-        for rank, handle in started:
+        for rank, handle, _ in started:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception as exc:  # noqa: BLE001 - keep stopping the others
                 logger.warning(f"{rank.label}: could not kill its probe actor: {exc}")
         remove_placement_group(pg)
-        ray_actors.forget_group(pg)

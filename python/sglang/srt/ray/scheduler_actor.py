@@ -11,24 +11,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Ray actor wrapper for SGLang Scheduler, started under the placement planned on its node.
-
-Upstream's contract holds: ``SchedulerActor.options(...).remote(server_args,
-port_args, gpu_id, tp_rank, pp_rank, dp_rank, dist_init_addr=None)`` builds
-sglang's ``Scheduler``, and the engine calls ``get_info()`` then
-``run_event_loop()``. What changed is where the rank runs. sglang's
-``_create_scheduler_actor`` plans the rank's bundle on its node first and
-hands the actor the result as ``start`` (one placement per GPU id Ray may give
-it; it takes the one of the id it got). An ``exec`` placement started the
-worker under numactl; anything else is applied in-process before the
-scheduler allocates. An actor without a plan for its id places the GPU Ray
-gave it, on its node, by Ray's own id, and binds in-process. Either way it
-reads its binding back, every thread included: a rank that is not where its
-placement says is a warning naming the rank, or, under
-SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1, an initialisation error raised before the
-``Scheduler`` is built. Those steps are ``SchedulerRank``'s
-(``scheduler_placement.ray_rank``); this module adds upstream's bring-up.
-"""
+"""Ray actor wrapper for SGLang Scheduler."""
 
 from __future__ import annotations
 
@@ -37,35 +20,37 @@ from typing import Any, Dict, Optional
 
 import ray
 
-from sglang.srt.scheduler_placement.ray_rank import SchedulerRank
+from sglang.srt.arg_groups.overrides import declare_resolution
+from sglang.srt.runtime_context import SpawnRanks, get_device, publish, spawn_world_rank
+from sglang.srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
 @ray.remote
-class SchedulerActor(SchedulerRank):
+class SchedulerActor:
     """Ray actor wrapper for SGLang Scheduler.
 
     Each actor manages one GPU and runs the Scheduler + TpModelWorker stack.
     Ray is used for process lifecycle; ZMQ handles request/response communication.
     """
 
-    def _start_scheduler(
+    def __init__(
         self,
-        server_args: Any,
-        port_args: Any,
-        *,
+        server_args: ServerArgs,
+        port_args: PortArgs,
         gpu_id: int,
+        tp_rank: int,
+        pp_rank: int,
         dp_rank: Optional[int],
-        dist_init_addr: Optional[str],
-    ) -> None:
-        from sglang.srt.arg_groups.overrides import declare_resolution
+        dist_init_addr: Optional[str] = None,
+    ):
         from sglang.srt.managers.scheduler import (
             Scheduler,
             configure_scheduler_process,
             resolve_spawn_dp_rank,
         )
-        from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
+        from sglang.srt.scheduler_placement.ray_rank import bind_scheduler_actor
 
         # Declared, not copied: Ray deserializes the argument per call, so this
         # record is the actor's own and nothing else in the process holds it.
@@ -76,6 +61,19 @@ class SchedulerActor(SchedulerRank):
                 server_args, "ray.scheduler_actor", dist_init_addr=dist_init_addr
             )
 
+        # Get actual GPU IDs from Ray runtime context
+        accelerator_ids = ray.get_runtime_context().get_accelerator_ids()
+        assigned_gpus = accelerator_ids.get("GPU", [])
+
+        if assigned_gpus:
+            # Ray assigned specific GPU(s), use the first one
+            actual_gpu_id = int(assigned_gpus[0])
+            logger.info(f"[TP{tp_rank}] Ray assigned GPU: {actual_gpu_id}")
+        else:
+            # Fallback to passed gpu_id
+            actual_gpu_id = gpu_id
+            logger.info(f"[TP{tp_rank}] Using passed gpu_id: {gpu_id}")
+
         dp_rank = resolve_spawn_dp_rank(dp_rank)
 
         # This actor takes the place of run_scheduler_process, which is where
@@ -85,26 +83,39 @@ class SchedulerActor(SchedulerRank):
             role="scheduler",
             ranks=SpawnRanks(
                 world_rank=spawn_world_rank(
-                    server_args, tp_rank=self._tp_rank, pp_rank=self._pp_rank
+                    server_args, tp_rank=tp_rank, pp_rank=pp_rank
                 ),
                 dp_rank=dp_rank,
-                gpu_id=gpu_id,
+                gpu_id=actual_gpu_id,
             ),
         )
 
-        # Configure worker (logging, process title, etc.); the legacy V1 bind
-        # (SGLANG_NUMA_BIND_V2=0) happens in there too.
-        configure_scheduler_process(server_args, gpu_id)
+        # Configure worker (logging, process title, etc.)
+        configure_scheduler_process(server_args, actual_gpu_id)
 
-        # Before the scheduler allocates anything: what numactl did not apply
-        # (an in-process bind) is applied here, and the binding read back.
-        self._place(server_args)
+        # Ray actors can't use the numactl subprocess-wrapping approach
+        # (SGLANG_NUMA_BIND_V2's normal path), so bind in-process: every thread,
+        # the memory policy, and the pages touched so far, for the GPU Ray gave
+        # this actor (by Ray's id, not index 0 of its one-GPU view). The V1 path
+        # inside configure_scheduler_process already handles
+        # SGLANG_NUMA_BIND_V2=False.
+        bind_scheduler_actor(
+            server_args,
+            gpu_id=actual_gpu_id,
+            assigned_gpus=assigned_gpus,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            dp_rank=dp_rank,
+        )
 
         # Create scheduler (loads model into GPU, initializes NCCL)
         self.scheduler = Scheduler(
             server_args=server_args,
             port_args=port_args,
         )
+
+        self._tp_rank = tp_rank
+        self._pp_rank = pp_rank
 
     def get_info(self) -> Dict[str, Any]:
         """Return scheduler initialization info for handshake."""
@@ -114,8 +125,6 @@ class SchedulerActor(SchedulerRank):
         """Run the scheduler's event loop. Blocks until shutdown."""
         try:
             import torch
-
-            from sglang.srt.runtime_context import get_device
 
             # Need to set the GPU id for the event loop for nccl to work
             torch.cuda.set_device(get_device().gpu_id)
