@@ -21,6 +21,7 @@ tests included; the series is refused (naming the patch) otherwise.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,7 @@ class Partial:
     """name -> definitions of the final module inserted before it (names upstream lacks)."""
     remove: Tuple[str, ...] = ()
     imports: Tuple[str, ...] = ()
-    """Import lines added after upstream's last top-level import."""
+    """``from X import ...`` lines: each replaces upstream's import from X, or is added where isort puts it."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,74 @@ DT = TEST + "registered/distributed/"
 RT = TEST + "registered/ray/"
 TT = TEST + "registered/placement_tools/"
 LATER = "Launches are unchanged until numa_utils uses it (patch 9 on); "
+
+#: numa_utils in steps: each state is upstream's module with these definitions
+#: taken from the final one, and the ported tests that pass on it.
+NUMA_DISCOVERY = Partial(
+    NUMA,
+    replace=("_query_numa_node_for_gpu",),
+    add_before={"_query_numa_node_for_gpu": ("_platform_flag", "_host_topology")},
+    remove=(
+        "_list_xpu_pci_addresses",
+        "_is_integrated_xpu",
+        "_xpu_pci_sort_key",
+        "_xpu_visible_device_indices",
+        "_xpu_visible_pci_addresses",
+        "_xpu_pci_address",
+        "_read_pci_numa_node",
+        "_query_numa_node_for_xpu",
+    ),
+    imports=("from sglang.srt.placement import settings",),
+)
+NUMA_BIND = dataclasses.replace(
+    NUMA_DISCOVERY,
+    replace=NUMA_DISCOVERY.replace
+    + (
+        "get_libnuma",
+        "numa_bind_to_node",
+        "_node_cpus",
+        "_handle_numa_bind_failure",
+        "_can_set_mempolicy",
+        "_is_numa_available",
+        "get_numa_node_if_available",
+    ),
+    add_before={
+        **NUMA_DISCOVERY.add_before,
+        "_node_cpus": ("_node_exists",),
+    },
+    remove=NUMA_DISCOVERY.remove + ("_Bitmask",),
+    imports=NUMA_DISCOVERY.imports + ("from typing import Any, Optional",),
+)
+NUMA_TESTS = UT + "test_numa_utils.py"
+TESTS_DISCOVERY = (
+    "NUMA_UTILS_LOGGER",
+    "SPAWN_LOGGER",
+    "NVIDIA",
+    "GPU_CLASS",
+    "MEMBIND_REFUSED",
+    "CPU_REFUSED",
+    "_cpulist",
+    "write_sysfs",
+    "write_numactl",
+    "numactl_calls",
+    "probes",
+    "start_spawned_child",
+    "_HostCase",
+    "_nvml_standin",
+    "_live_pci_device",
+    "TestQueryNumaNodeForGpu",
+)
+TESTS_BIND = TESTS_DISCOVERY + (
+    "TestIsNumaAvailable",
+    "TestIsNumaAvailableSysfsRoot",
+    "TestGetNumaNodeIfAvailable",
+    "_get_gpu_info",
+    "_gpu_name",
+    "_query_single_numa_node_for_gpu",
+    "TestGraceBlackwellNumaTopology",
+    "TestB200NumaTopology",
+    "TestStripMemoryArgs",
+)
 
 SERIES: Tuple[Patch, ...] = (
     Patch(
@@ -137,7 +206,8 @@ SERIES: Tuple[Patch, ...] = (
         "Where one rank runs from host facts and policy alone (node, socket and "
         "exclusive modes); the engine's and the data-parallel controller's gpu_id "
         "formulas in one place.",
-        LATER + "SGLANG_NUMA_AFFINITY_MODE=exclusive then splits a node among its GPUs.",
+        LATER
+        + "SGLANG_NUMA_AFFINITY_MODE=exclusive then splits a node among its GPUs.",
         files=(P + "resolve.py", P + "ranks.py", PT + "test_resolve.py"),
     ),
     Patch(
@@ -177,38 +247,29 @@ SERIES: Tuple[Patch, ...] = (
         "helpers give way to placement's, in Level Zero's order.",
         "get_numa_node_if_available answers from the PCI numa_node, without NVML's "
         "memory-affinity mask.",
+        partial=(NUMA_DISCOVERY, Partial(NUMA_TESTS, keep=TESTS_DISCOVERY)),
+    ),
+    Patch(
+        "numa-bind-to-node",
+        "numa_utils: numa_bind_to_node moves every thread, through placement's helpers",
+        "numa_bind_to_node, _node_cpus, _can_set_mempolicy and the failure policy "
+        "read the host through placement (SGLANG_SYSFS_ROOT) and bind with one "
+        "libnuma loader; the numactl probe ladder's tests move to placement's.",
+        "numa_bind_to_node (the legacy V1 path, Ray actors, the diffusion worker) "
+        "moves every thread of the process, not only the calling one.",
         files=(UT + "test_numa_utils_xpu.py",),
-        partial=(
-            Partial(
-                NUMA,
-                replace=("_query_numa_node_for_gpu",),
-                add_before={
-                    "_query_numa_node_for_gpu": ("_platform_flag", "_host_topology")
-                },
-                remove=(
-                    "_list_xpu_pci_addresses",
-                    "_is_integrated_xpu",
-                    "_xpu_pci_sort_key",
-                    "_xpu_visible_device_indices",
-                    "_xpu_visible_pci_addresses",
-                    "_xpu_pci_address",
-                    "_read_pci_numa_node",
-                    "_query_numa_node_for_xpu",
-                ),
-                imports=("from sglang.srt.placement import settings",),
-            ),
-        ),
+        partial=(NUMA_BIND, Partial(NUMA_TESTS, keep=TESTS_BIND)),
     ),
     Patch(
         "configure-subprocess",
-        "numa_utils: configure_subprocess, numa_bind_to_node, init_threads_binding on the placement",
+        "numa_utils: configure_subprocess and init_threads_binding on the placement",
         "Each spawn inside configure_subprocess(server_args, gpu_id) starts under the "
-        "placement of that GPU id (CPU-device ranks too); numa_bind_to_node moves "
-        "every thread; init_threads_binding reads the setting as plan does.",
+        "placement of that GPU id (CPU-device ranks too); init_threads_binding reads "
+        "the setting as plan does.",
         "CPU-device ranks start under numactl (SGLANG_NUMA_BIND_V2=0 restores "
         "upstream); a rank less bound than intended gets one WARNING, or an error "
         "before any child starts under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.",
-        files=(NUMA, UT + "test_numa_utils.py"),
+        files=(NUMA, NUMA_TESTS),
     ),
     Patch(
         "ray-node-plan",
@@ -315,34 +376,36 @@ def _names(node: ast.stmt) -> Tuple[str, ...]:
         ast.AnnAssign: lambda n: [n.target],
         ast.AugAssign: lambda n: [n.target],
     }.get(type(node), lambda n: [])(node)
-    return tuple(
-        n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)
-    )
+    return tuple(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
 
 
 def kept(final: str, keep: Sequence[str]) -> str:
     """``final``'s unnamed statements and those naming one of ``keep``, spaced as black spaces them.
 
     Each statement carries the comments above it; two blank lines go around a
-    def or class, other statements keep their own spacing (at most two).
+    def or class, other statements keep their own spacing, or that of the
+    statements dropped before them (at most two).
     """
     lines = final.splitlines(keepends=True)
     out: List[str] = []
     previous = None
     end = 0
+    dropped = 0  # the blank lines before the statements dropped since the last kept
     for node in ast.parse(final).body:
         chunk, end = lines[end : node.end_lineno], node.end_lineno
-        names = _names(node)
-        if names and not set(names) & set(keep):
-            continue
         body = list(chunk)
         while body and not body[0].strip():
             body.pop(0)
         blank = len(chunk) - len(body)
+        names = _names(node)
+        if names and not set(names) & set(keep):
+            dropped = max(dropped, blank)
+            continue
         if previous is not None and (_is_def(node) or _is_def(previous)):
             blank = 2
-        out += ["\n"] * (0 if previous is None else min(blank, 2)) + body
-        previous = node
+        out += ["\n"] * (0 if previous is None else min(max(blank, dropped), 2))
+        out += body
+        previous, dropped = node, 0
     return "".join(out).rstrip("\n") + "\n"
 
 
@@ -351,12 +414,12 @@ def _is_def(node: ast.stmt) -> bool:
 
 
 def _spans(source: str) -> Dict[str, Tuple[int, int]]:
-    """Top-level definition name -> (first line, last line), 1-based, decorators included."""
+    """Top-level name -> (first line, last line) of what defines it, 1-based, decorators included."""
     spans = {}
     for node in ast.parse(source).body:
-        if _is_def(node):
-            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            spans[node.name] = (first, node.end_lineno)
+        decorators = getattr(node, "decorator_list", [])
+        first = min([node.lineno, *(d.lineno for d in decorators)])
+        spans.update((name, (first, node.end_lineno)) for name in _names(node))
     return spans
 
 
@@ -383,17 +446,36 @@ def edited(upstream: str, final: str, partial: Partial) -> str:
     for start, end, new in sorted(edits, reverse=True):
         lines[start:end] = new
     text = "".join(lines).rstrip("\n") + "\n"
-    if partial.imports:
-        tree = ast.parse(text)
-        last_import = max(
-            n.end_lineno
-            for n in tree.body
-            if isinstance(n, (ast.Import, ast.ImportFrom))
-        )
-        out = text.splitlines(keepends=True)
-        out[last_import:last_import] = [line + "\n" for line in partial.imports]
-        text = "".join(out)
+    for line in partial.imports:
+        text = _with_import(text, line)
     return text
+
+
+def _with_import(text: str, line: str) -> str:
+    """``text`` with the ``from X import ...`` statement ``line`` where isort puts it:
+    in place of upstream's import from X, else before the first import from a module
+    of X's package that sorts after X, else after the last import."""
+    module = ast.parse(line).body[0].module
+    lines = text.splitlines(keepends=True)
+    imports = [
+        n for n in ast.parse(text).body if isinstance(n, (ast.Import, ast.ImportFrom))
+    ]
+    froms = [n for n in imports if isinstance(n, ast.ImportFrom) and not n.level]
+    same = [n for n in froms if n.module == module]
+    later = [
+        n
+        for n in froms
+        if n.module.split(".")[0] == module.split(".")[0]
+        and n.module.lower() > module.lower()
+    ]
+    if same:
+        start, end = same[0].lineno - 1, same[0].end_lineno
+    elif later:
+        start = end = later[0].lineno - 1
+    else:
+        start = end = imports[-1].end_lineno
+    lines[start:end] = [line + "\n"]
+    return "".join(lines)
 
 
 def _gap_end(lines: Sequence[str], last: int) -> int:
@@ -490,9 +572,7 @@ def build(
             if path.startswith(TEST) and not with_tests:
                 continue
             if path not in by_path:
-                raise refuse(
-                    f"{where} names {path}, which the overlay does not change"
-                )
+                raise refuse(f"{where} names {path}, which the overlay does not change")
             change = by_path[path]
             new = change.new
             if partial is not None:
@@ -504,7 +584,9 @@ def build(
                 new = text.encode()
             kind = "added" if state[path] is None else "replaced"
             text, _, _ = unified_diff(
-                change_type(change.rel, state[path], new, change.mode, kind, change.area)
+                change_type(
+                    change.rel, state[path], new, change.mode, kind, change.area
+                )
             )
             diff += text
             state[path] = new
@@ -516,7 +598,9 @@ def build(
         out.append((patch, diff, lines))
     left = sorted(set(by_path) - set(claimed))
     if left:
-        raise refuse(f"no patch of the series holds {', '.join(left)}: add it to SERIES")
+        raise refuse(
+            f"no patch of the series holds {', '.join(left)}: add it to SERIES"
+        )
     return out
 
 

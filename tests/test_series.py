@@ -42,12 +42,16 @@ PATCH_TESTS_TIMEOUT_S = 240
 SKIP = {"__pycache__", ".placement-overlay.json"}
 
 
+def copy_tree(source: Path, dest: Path) -> Path:
+    """A copy of ``source`` (cp: several times faster than shutil on sglang's 10,000 files)."""
+    subprocess.run(["cp", "-R", str(source), str(dest)], check=True)
+    return dest
+
+
 def make_checkout(where: Path) -> Path:
     (where / "test" / "registered").mkdir(parents=True)
     (where / "python").mkdir()
-    shutil.copytree(
-        PRISTINE, where / "python" / "sglang", ignore=shutil.ignore_patterns(*SKIP)
-    )
+    copy_tree(PRISTINE, where / "python" / "sglang")
     return where
 
 
@@ -120,10 +124,8 @@ def test_each_patch_applies_and_its_own_tests_pass_right_after_it(
     checkout_series, tmp_path
 ):
     pristine, out, names, _ = checkout_series
-    applied = tmp_path / "applied"
-    shutil.copytree(pristine, applied)
-    made = tmp_path / "made"
-    shutil.copytree(pristine, made)
+    applied = copy_tree(pristine, tmp_path / "applied")
+    made = copy_tree(pristine, tmp_path / "made")
     done = run(sys.executable, OVERLAY, made)
     assert done.returncode == 0, done.stderr
     states = tmp_path / "states"
@@ -158,22 +160,42 @@ def test_each_patch_applies_and_its_own_tests_pass_right_after_it(
         assert int(ran.group(1)) > int(skipped.group(1) if skipped else 0), name
     assert same_tree(applied / "python", made / "python") == []
     assert same_tree(applied / "test", made / "test") == []
-    if states.exists():
-        for linter in (
-            ["black", "--check", "--quiet"],
-            ["isort", "--check-only", "--quiet", "--profile", "black", "-p", "sglang"],
-        ):
-            done = run(sys.executable, "-m", *linter, states)
-            assert done.returncode == 0, done.stdout + done.stderr
+    for linter in (
+        [sys.executable, "-m", "black", "--check"],
+        [
+            sys.executable,
+            "-m",
+            "isort",
+            "--check-only",
+            "--profile",
+            "black",
+            "-p",
+            "sglang",
+        ],
+    ):
+        held = [
+            state
+            for state in states.rglob("*.py")
+            if held_to(linter, state, pristine, states)
+        ]
+        done = run(*linter, *held)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def held_to(linter: list[str], state: Path, pristine: Path, states: Path) -> bool:
+    """As scripts/lint.sh: a state of an upstream file is held to a linter only where
+    upstream's own file passes it (upstream's findings are upstream's)."""
+    upstream = pristine.joinpath(*state.relative_to(states).parts[1:])
+    return not upstream.exists() or run(*linter, upstream).returncode == 0
 
 
 def test_the_package_form_has_no_tests_and_ends_as_the_overlay(tmp_path):
     names, _ = write_series(tmp_path / "out", PRISTINE)
     assert not (PRISTINE / overlay.MANIFEST_NAME).exists()
     applied = tmp_path / "applied"
-    shutil.copytree(PRISTINE, applied / "sglang", ignore=shutil.ignore_patterns(*SKIP))
-    made = tmp_path / "made"
-    shutil.copytree(PRISTINE, made, ignore=shutil.ignore_patterns(*SKIP))
+    applied.mkdir()
+    copy_tree(PRISTINE, applied / "sglang")
+    made = copy_tree(PRISTINE, tmp_path / "made")
     for name in names:
         assert all(p.startswith("sglang/") for p in touched(tmp_path / "out" / name))
         done = run("git", "apply", "-p1", tmp_path / "out" / name, cwd=applied)
@@ -242,7 +264,9 @@ def test_a_patch_over_800_lines_is_refused(changes):
     first, second, *rest = overlay_series.SERIES
     merged = dataclasses.replace(first, files=first.files + second.files)
     found = refusal(changes, [merged, *rest])
-    assert re.search(r"patch 1 \(placement-value\) changes \d+ lines, more than 800", found)
+    assert re.search(
+        r"patch 1 \(placement-value\) changes \d+ lines, more than 800", found
+    )
 
 
 def test_a_file_in_two_patches_or_in_none_is_refused(changes):
@@ -255,7 +279,9 @@ def test_a_file_in_two_patches_or_in_none_is_refused(changes):
 
 def test_a_partial_naming_what_the_final_file_lacks_is_refused(changes):
     partial = overlay_series.Partial(overlay_series.P + "topology.py", keep=("nope",))
-    topology = with_patch(1, files=overlay_series.SERIES[1].files[1:], partial=(partial,))
+    topology = with_patch(
+        1, files=overlay_series.SERIES[1].files[1:], partial=(partial,)
+    )
     found = refusal(changes, topology)
     assert "patch 2 (topology) names nope, which the final" in found
 
