@@ -77,7 +77,7 @@ PT = TEST + "registered/placement/"
 DT = TEST + "registered/distributed/"
 RT = TEST + "registered/ray/"
 TT = TEST + "registered/placement_tools/"
-LATER = "Launches are unchanged until numa_utils uses it (patch 9 on); "
+LATER = "Launches are unchanged until numa_utils uses it (numa-utils-discovery on); "
 
 #: numa_utils in steps: each state is upstream's module with these definitions
 #: taken from the final one, and the ported tests that pass on it.
@@ -156,7 +156,7 @@ SERIES: Tuple[Patch, ...] = (
         "settings (SGLANG_NUMA_AFFINITY_MODE, SGLANG_CPU_OMP_THREADS_BIND, "
         "SGLANG_SYSFS_ROOT) in envs, each checked where it is read.",
         "sglang's envs list SGLANG_NUMA_AFFINITY_MODE, SGLANG_CPU_OMP_THREADS_BIND "
-        "and SGLANG_SYSFS_ROOT; launches read them from patch 9 on.",
+        "and SGLANG_SYSFS_ROOT; launches read them from numa-utils-discovery on.",
         files=(
             PY + "srt/environ.py",
             P + "cpulist.py",
@@ -188,7 +188,7 @@ SERIES: Tuple[Patch, ...] = (
         "placement: binding a running process with libnuma",
         "Every thread's CPUs, the memory policy (bind, then preferred, then CPU only) "
         "and the pages touched before the bind, with upstream's failure policy.",
-        "numa_bind_to_node moves every thread once numa_utils uses this (patch 10).",
+        "numa_bind_to_node moves every thread once numa_utils uses this (numa-bind-to-node).",
         files=(P + "libnuma.py", P + "apply.py", PT + "test_bind_in_process.py"),
     ),
     Patch(
@@ -230,7 +230,7 @@ SERIES: Tuple[Patch, ...] = (
         "A thread-local wrapper of multiprocessing.util.spawnv_passfds puts numactl in "
         "front of a spawned child's command line only (by its structure), survives "
         "other wrappers, writes no file; the failure policy acts before the spawn.",
-        "Launches are unchanged until configure_subprocess uses it (patch 10); only "
+        "Launches are unchanged until configure_subprocess uses it; only "
         "the scheduler child, never a helper process, then starts under numactl.",
         files=(
             G + "__init__.py",
@@ -302,7 +302,7 @@ SERIES: Tuple[Patch, ...] = (
         "An engine's /dev/shm segment names from its own init address, never from "
         "MASTER_ADDR/MASTER_PORT; a full or read-only /dev/shm and a held lock named "
         "with the file and the fix.",
-        "CPU engines are unchanged until patch 15 uses it; an init address too long "
+        "CPU engines are unchanged until shm-bootstrap uses it; an init address too long "
         "for a /dev/shm name is then refused with the setting to change.",
         files=(
             D + "shm_namespace.py",
@@ -315,7 +315,7 @@ SERIES: Tuple[Patch, ...] = (
         "distributed: owner records of shared-memory segments",
         "A flock per segment, the sweep of dead owners' segments, release at exit, "
         "no trust in what another user made.",
-        "CPU engines are unchanged until patch 15 uses it; segments a crashed engine "
+        "CPU engines are unchanged until shm-bootstrap uses it; segments a crashed engine "
         "left in /dev/shm are then removed at the next start.",
         files=(D + "shm_segments.py", DT + "test_shm_segments.py"),
     ),
