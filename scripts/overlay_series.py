@@ -460,11 +460,11 @@ def _with_import(text: str, line: str) -> str:
     imports = [
         n for n in ast.parse(text).body if isinstance(n, (ast.Import, ast.ImportFrom))
     ]
-    froms = [n for n in imports if isinstance(n, ast.ImportFrom) and not n.level]
-    same = [n for n in froms if n.module == module]
+    from_imports = [n for n in imports if isinstance(n, ast.ImportFrom) and not n.level]
+    same = [n for n in from_imports if n.module == module]
     later = [
         n
-        for n in froms
+        for n in from_imports
         if n.module.split(".")[0] == module.split(".")[0]
         and n.module.lower() > module.lower()
     ]
@@ -565,9 +565,9 @@ def build(
         diff: List[str] = []
         steps = [(p.path, p) for p in patch.partial] + [(f, None) for f in patch.files]
         for path, partial in steps:
+            if path in claimed:
+                raise refuse(f"{path} is in patches {claimed[path]} and {where}")
             if partial is None:
-                if path in claimed:
-                    raise refuse(f"{path} is in patches {claimed[path]} and {where}")
                 claimed[path] = where
             if path.startswith(TEST) and not with_tests:
                 continue
