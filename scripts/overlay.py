@@ -5,14 +5,15 @@ Copies the project's own modules into the package and rewrites a few upstream
 call sites (with libcst, leaving the rest of each file byte-identical) so that
 they delegate into those modules; ``--diff`` prints the change instead.
 
-Usage: python scripts/overlay.py TARGET [--diff] [--repo-python DIR]
+Usage: python scripts/overlay.py TARGET [--diff | --series OUT] [--repo-python DIR]
 
 TARGET is an sglang package dir (an installed ``site-packages/sglang``, or a
 checkout's ``python/sglang``), or an sglang checkout (a dir holding
 ``python/sglang`` and ``test/``). For a checkout, upstream's own tests as this
 repo ports them (``tests/upstream/``, beside ``--repo-python``) go to the same
 paths under the checkout's ``test/`` as well, and ``--diff`` names every file
-by its path in the checkout.
+by its path in the checkout. ``--series OUT`` writes the change as patches that
+apply in order to a pristine TARGET (see ``overlay_series``).
 
 Exit status: 0 done (or nothing to do), 2 refused (upstream is not the shape
 this script knows, or bad input; nothing is written), 1 I/O error.
@@ -731,7 +732,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         type=Path,
         metavar="OUT",
         help="write the change as a patch series into OUT (new or empty); TARGET, a pristine "
-        "package, is left untouched",
+        "checkout (each patch with its tests) or package, is left untouched",
     )
     parser.add_argument(
         "--repo-python",
@@ -771,14 +772,14 @@ def run(args: argparse.Namespace) -> int:
                 f"--series needs a pristine sglang package; {pkg} holds an earlier overlay "
                 f"({MANIFEST_NAME})"
             )
-        if target.tests is not None:
-            raise Refusal(
-                "--series takes a package dir (python/sglang of a checkout), not a checkout"
-            )
         import overlay_series
 
         built = overlay_series.build(
-            changes, change_type=Change, unified_diff=unified_diff, refuse=Refusal
+            changes,
+            with_tests=target.tests is not None,
+            change_type=Change,
+            unified_diff=unified_diff,
+            refuse=Refusal,
         )
         for line in overlay_series.write(args.series, built):
             print(line)
