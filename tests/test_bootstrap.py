@@ -26,7 +26,7 @@ from sglang.srt.distributed.shm_collective import (
     init_shm_collective,
     unlink_shm_segments,
 )
-from sglang.srt.distributed.shm_namespace import NAME_MAX, ShmNamespaceError
+from sglang.srt.distributed.shm_namespace import NAME_MAX
 from sglang.srt.utils.network import NetworkAddress
 
 SHM = "/dev/shm"
@@ -129,7 +129,7 @@ def test_ipv6_and_stages():
     ],
 )
 def test_malformed_init_methods_get_clear_errors(method, needle):
-    with pytest.raises(ShmNamespaceError) as info:
+    with pytest.raises(ShmCollectiveError) as info:
         ShmNamespace.from_init_method(method)
     assert needle in str(info.value)
     assert "dist_init_method" in str(info.value)
@@ -144,9 +144,9 @@ def test_env_init_method_reads_master_variables_without_writing_them(monkeypatch
     assert ShmNamespace.from_init_method("env://", environ=bracketed).addr == "::1"
     monkeypatch.delenv("MASTER_PORT", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
-    with pytest.raises(ShmNamespaceError, match="MASTER_PORT=''"):
+    with pytest.raises(ShmCollectiveError, match="MASTER_PORT=''"):
         ShmNamespace.from_init_method("env://")
-    with pytest.raises(ShmNamespaceError, match="MASTER_PORT"):
+    with pytest.raises(ShmCollectiveError, match="MASTER_PORT"):
         ShmNamespace.from_init_method(
             "env://", environ={"MASTER_ADDR": "h", "MASTER_PORT": "x"}
         )
@@ -166,9 +166,9 @@ def test_name_max_bounds_the_longest_segment_name():
     longest_ok = "h" * (NAME_MAX - fixed)
     ns = ShmNamespace(addr=longest_ok, port=65535)
     assert len(ns.segment_name(99999)) == NAME_MAX
-    with pytest.raises(ShmNamespaceError, match="too long"):
+    with pytest.raises(ShmCollectiveError, match="too long"):
         ShmNamespace(addr=longest_ok + "h", port=65535)
-    with pytest.raises(ShmNamespaceError, match="rank=100000"):
+    with pytest.raises(ShmCollectiveError, match="rank=100000"):
         ns.segment_name(100000)
 
 
@@ -185,7 +185,7 @@ def test_name_max_bounds_the_longest_segment_name():
     ],
 )
 def test_explicit_construction_is_validated(kwargs, needle):
-    with pytest.raises(ShmNamespaceError) as info:
+    with pytest.raises(ShmCollectiveError) as info:
         ShmNamespace(**kwargs)
     assert needle in str(info.value)
 
@@ -311,7 +311,7 @@ def test_unknown_kernel_schema_is_refused(namespace):
 
 @pytest.mark.parametrize("tp_size, tp_rank", [(0, 0), (2, 2), (2, -1), (True, 0)])
 def test_bad_ranks_are_refused(namespace, tp_size, tp_rank):
-    with pytest.raises(ShmNamespaceError, match="tp_rank|tp_size"):
+    with pytest.raises(ShmCollectiveError, match="tp_rank|tp_size"):
         init_shm_collective(namespace, tp_size=tp_size, tp_rank=tp_rank)
 
 

@@ -19,8 +19,8 @@ from sglang.srt.distributed.shm_collective import (
 )
 from sglang.srt.distributed.shm_namespace import (
     NAME_MAX,
+    ShmCollectiveError,
     ShmNamespace,
-    ShmNamespaceError,
     parse_port,
 )
 
@@ -51,7 +51,7 @@ def test_longest_accepted_host_makes_a_segment_and_one_more_character_is_rejecte
         lambda: ShmNamespace.from_init_method(f"tcp://{longest}h:65535"),
         lambda: dataclasses.replace(ns, pp_rank=1),
     ):
-        with pytest.raises(ShmNamespaceError, match="too long.*--dist-init-addr"):
+        with pytest.raises(ShmCollectiveError, match="too long.*--dist-init-addr"):
             make()
 
 
@@ -63,13 +63,13 @@ def test_longest_accepted_host_makes_a_segment_and_one_more_character_is_rejecte
 )
 def test_port_must_be_ascii_digits_and_the_error_shows_the_value(port_text):
     method = f"tcp://127.0.0.1:{port_text}"
-    with pytest.raises(ShmNamespaceError) as info:
+    with pytest.raises(ShmCollectiveError) as info:
         ShmNamespace.from_init_method(method)
     message = str(info.value)
     assert message.startswith(f"dist_init_method={method!r}: ")
     assert repr(port_text)[1:-1] in message.partition(": ")[2]
     assert message.isprintable()
-    with pytest.raises(ShmNamespaceError) as info:
+    with pytest.raises(ShmCollectiveError) as info:
         ShmNamespace.from_init_method(
             "env://", environ={"MASTER_ADDR": "h", "MASTER_PORT": port_text}
         )
@@ -77,7 +77,7 @@ def test_port_must_be_ascii_digits_and_the_error_shows_the_value(port_text):
 
 
 def test_port_digit_count_is_bounded_before_conversion():
-    with pytest.raises(ShmNamespaceError, match="out of range"):
+    with pytest.raises(ShmCollectiveError, match="out of range"):
         parse_port("9" * 5000, what="MASTER_PORT")
     assert parse_port("029500", what="x") == 29500
 
@@ -111,7 +111,7 @@ def test_file_init_method_uses_torchs_path_whatever_the_working_directory(
     )
     assert seen[0][1] == ShmNamespace.from_init_method("file:///x")
     assert seen[0][0] != seen[0][1]
-    with pytest.raises(ShmNamespaceError, match="names no file"):
+    with pytest.raises(ShmCollectiveError, match="names no file"):
         ShmNamespace.from_init_method("file://tmp")
 
 
@@ -139,6 +139,6 @@ def test_file_init_method_uses_torchs_path_whatever_the_working_directory(
     ],
 )
 def test_outside_values_in_errors_are_escaped(call):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises((ShmCollectiveError, ValueError)) as info:
         call()
     assert str(info.value).isprintable(), str(info.value)

@@ -30,7 +30,12 @@ import os
 import threading
 from typing import Iterator, Mapping, Optional, Sequence
 
-from sglang.srt.distributed.shm_namespace import MAX_RANK, ShmNamespace, check_int
+from sglang.srt.distributed.shm_namespace import (
+    MAX_RANK,
+    ShmCollectiveError,
+    ShmNamespace,
+    check_int,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +50,6 @@ _SCOPED_ENVIRON_LOCK = threading.RLock()
 # (pid, path) of the segments this process created and has not unlinked yet; the
 # pid keeps a forked child from unlinking its parent's.
 _PENDING: list[tuple[int, str]] = []
-
-
-class ShmCollectiveError(RuntimeError):
-    """The CPU shared-memory collective cannot be set up: another user's file under
-    its names, a full or read-only /dev/shm, or an unknown kernel op."""
 
 
 @contextlib.contextmanager

@@ -39,8 +39,9 @@ _ALL_FORMS = f"{_TCP_FORMS}, 'env://' or 'file:///path'"
 _SHORTER = "give --dist-init-addr (or --host) as an IP address or a shorter host name"
 
 
-class ShmNamespaceError(ValueError):
-    """A value that names shared-memory segments (an address, a port, a rank) is not usable."""
+class ShmCollectiveError(RuntimeError):
+    """The CPU collective's segments cannot be named (a bad address, port or rank) or
+    set up (another user's file under their names, a full or read-only /dev/shm)."""
 
 
 def quoted(value: object) -> str:
@@ -54,7 +55,7 @@ def quoted(value: object) -> str:
 def check_int(name: str, value: object, low: int, high: int) -> int:
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if not is_int or not low <= value <= high:
-        raise ShmNamespaceError(
+        raise ShmCollectiveError(
             f"{name}={quoted(value)}: expected an integer from {low} to {high}"
         )
     return value
@@ -64,14 +65,14 @@ def parse_port(text: str, *, what: str) -> int:
     """A TCP port from text in ASCII digits, 1 to 65535; ``what`` names the setting."""
     stripped = text.strip() if isinstance(text, str) else ""
     if not _PORT_RE.fullmatch(stripped):
-        raise ShmNamespaceError(
+        raise ShmCollectiveError(
             f"{what}: port {quoted(text)} is not a number; expected an integer from 1 "
             f"to {_MAX_PORT} in ASCII digits"
         )
     # Bounded before int(), which is slow on long strings and refuses 4300+ digits.
     digits = stripped.lstrip("0")
     if len(digits) > len(str(_MAX_PORT)) or not 0 < int(digits or "0") <= _MAX_PORT:
-        raise ShmNamespaceError(
+        raise ShmCollectiveError(
             f"{what}: port {quoted(text)} is out of range; expected 1 to {_MAX_PORT}"
         )
     return int(digits)
@@ -86,7 +87,7 @@ def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
     rest = rest[:-1] if rest.endswith("/") else rest
     # No longer address fits a segment name; upstream's messages show it whole.
     if len(rest) > NAME_MAX:
-        raise ShmNamespaceError(
+        raise ShmCollectiveError(
             f"{what} is too long: no /dev/shm segment name can hold a {len(rest)}-"
             f"character address; {_SHORTER}"
         )
@@ -95,9 +96,9 @@ def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
     except ValueError as exc:
         # Upstream's message shows the value as it is: escape what is unprintable.
         shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(exc))
-        raise ShmNamespaceError(f"{what}: {shown}; expected {_TCP_FORMS}") from None
+        raise ShmCollectiveError(f"{what}: {shown}; expected {_TCP_FORMS}") from None
     if ":" in address.host and not rest.startswith("["):
-        raise ShmNamespaceError(
+        raise ShmCollectiveError(
             f"{what}: host {quoted(address.host)} has ':' but no brackets; write an IPv6 "
             f"address as 'tcp://[ipv6]:port'"
         )
@@ -121,10 +122,10 @@ class ShmNamespace:
     def __post_init__(self) -> None:
         what = f"ShmNamespace.addr={quoted(self.addr)}"
         if not isinstance(self.addr, str) or not self.addr:
-            raise ShmNamespaceError(f"{what}: expected a host name or address")
+            raise ShmCollectiveError(f"{what}: expected a host name or address")
         if not _ADDR_RE.fullmatch(self.addr):
             bad = sorted({c for c in self.addr if not _ADDR_RE.fullmatch(c)})
-            raise ShmNamespaceError(
+            raise ShmCollectiveError(
                 f"{what} contains {quoted(''.join(bad))}; only letters, digits and "
                 f". _ - : % are allowed in a /dev/shm segment name"
             )
@@ -133,7 +134,7 @@ class ShmNamespace:
         check_int("ShmNamespace.pp_rank", self.pp_rank, 0, MAX_RANK)
         longest = len(self.segment_name(MAX_RANK))
         if longest > NAME_MAX:
-            raise ShmNamespaceError(
+            raise ShmCollectiveError(
                 f"{what} is too long: segment names would be up to {longest} "
                 f"characters, over the {NAME_MAX} allowed in /dev/shm; {_SHORTER}"
             )
@@ -155,7 +156,7 @@ class ShmNamespace:
         """
         what = f"dist_init_method={quoted(method)}"
         if not isinstance(method, str) or not method.strip():
-            raise ShmNamespaceError(f"{what}: expected {_ALL_FORMS}")
+            raise ShmCollectiveError(f"{what}: expected {_ALL_FORMS}")
         method = method.strip()
         scheme = method.split("://", 1)[0].lower() if "://" in method else ""
         if scheme == "tcp":
@@ -166,7 +167,7 @@ class ShmNamespace:
             host = environ.get("MASTER_ADDR", "")
             port_text = environ.get("MASTER_PORT", "")
             if not host or not port_text:
-                raise ShmNamespaceError(
+                raise ShmCollectiveError(
                     f"{what} takes the address from MASTER_ADDR and MASTER_PORT, but "
                     f"MASTER_ADDR={quoted(host)}, MASTER_PORT={quoted(port_text)}; set "
                     f"both, or use a tcp://host:port init method"
@@ -179,20 +180,20 @@ class ShmNamespace:
             # is /x): the same for every rank, whatever its working directory.
             path = urlparse(method).path
             if not path:
-                raise ShmNamespaceError(
+                raise ShmCollectiveError(
                     f"{what} names no file; expected 'file:///path'"
                 )
             digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()
             host, port = f"file.{digest[:16]}", 0
         else:
-            raise ShmNamespaceError(
+            raise ShmCollectiveError(
                 f"{what}: unsupported scheme; expected {_ALL_FORMS}"
             )
         uid = os.getuid() if uid is None else uid
         try:
             return cls(addr=host, port=port, uid=uid, pp_rank=pp_rank)
-        except ShmNamespaceError as exc:
-            raise ShmNamespaceError(f"{what}: {exc}") from None
+        except ShmCollectiveError as exc:
+            raise ShmCollectiveError(f"{what}: {exc}") from None
 
     @property
     def kernel_addr(self) -> str:
