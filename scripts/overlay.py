@@ -772,10 +772,26 @@ def run(args: argparse.Namespace) -> int:
                 f"--series needs a pristine sglang package; {pkg} holds an earlier overlay "
                 f"({MANIFEST_NAME})"
             )
+        if args.series.is_dir() and any(args.series.iterdir()):
+            raise FileExistsError(
+                f"{args.series} is not empty; give a new or empty directory"
+            )
         import overlay_series
 
+        ported = changes
+        if (
+            target.tests is None
+        ):  # the ported tests' imports shape the series all the same
+            ported = (
+                changes
+                + plan_tests(
+                    pkg / ".no-test-dir",
+                    args.repo_python.resolve().parent / UPSTREAM_TESTS,
+                    Manifest(),
+                )[0]
+            )
         built = overlay_series.build(
-            changes,
+            ported,
             with_tests=target.tests is not None,
             change_type=Change,
             unified_diff=unified_diff,

@@ -21,11 +21,22 @@ tests included; the series is refused (naming the patch) otherwise.
 from __future__ import annotations
 
 import ast
-import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 MAX_CHANGED_LINES = 800
 
@@ -34,12 +45,10 @@ MAX_CHANGED_LINES = 800
 class Partial:
     """An intermediate state of a file, which a later patch brings to its final content.
 
-    Either ``keep``: the final file's statements that define no name (docstring,
-    imports, calls such as ``register_cpu_ci(...)``, ``if __name__`` blocks) and
-    the top-level definitions and assignments named, in the final file's order.
-    The base is not read, so a new module (or test file) can grow patch by patch.
-    Or edits of upstream's module, the rest of which stays as upstream has it:
-    ``replace``, ``add_before``, ``remove`` and ``imports``.
+    Either ``keep``, for a new file (a module or a test): the top-level names its
+    state defines at least; what they use comes along. Or edits of upstream's
+    module, the rest of which stays as upstream has it: ``replace``,
+    ``add_before``, ``remove`` and ``imports``.
     """
 
     path: str
@@ -63,7 +72,16 @@ class Patch:
     files: Tuple[str, ...] = ()
     """Checkout paths (python/sglang/..., test/registered/...) this patch brings to their final content."""
     partial: Tuple[Partial, ...] = ()
+    fixes: str = ""
+    """The known bug this patch fixes (a key of ``BUGS``), if any."""
 
+
+#: The known bugs, each fixed within ``BUG_FIX_BUDGET`` changed lines of the series' start.
+BUGS = {
+    "ray": "Ray scheduler actors unbound, or bound to the wrong node on nodes with several GPUs",
+    "shm": "co-located CPU engines colliding on /dev/shm, and leaving segments behind",
+}
+BUG_FIX_BUDGET = 1500
 
 PY = "python/sglang/"
 TEST = "test/"
@@ -77,15 +95,32 @@ PT = TEST + "registered/placement/"
 DT = TEST + "registered/distributed/"
 RT = TEST + "registered/ray/"
 TT = TEST + "registered/placement_tools/"
-LATER = "Launches are unchanged until numa_utils uses it (numa-utils-discovery on); "
 
 #: numa_utils in steps: each state is upstream's module with these definitions
-#: taken from the final one, and the ported tests that pass on it.
+#: taken from the final one (the rest as upstream has it).
+NUMA_NODES = Partial(
+    NUMA,
+    replace=("_node_cpus", "_is_numa_available"),
+    add_before={
+        "_node_cpus": (
+            "__getattr__",
+            "_platform_flag",
+            "_host_topology",
+            "_node_exists",
+        )
+    },
+    remove=("_Bitmask",),
+    imports=(
+        "from typing import Any, Optional",
+        "from sglang.srt.placement import settings",
+    ),
+)
 NUMA_DISCOVERY = Partial(
     NUMA,
-    replace=("_query_numa_node_for_gpu",),
-    add_before={"_query_numa_node_for_gpu": ("_platform_flag", "_host_topology")},
-    remove=(
+    replace=NUMA_NODES.replace + ("_query_numa_node_for_gpu",),
+    add_before=NUMA_NODES.add_before,
+    remove=NUMA_NODES.remove
+    + (
         "_list_xpu_pci_addresses",
         "_is_integrated_xpu",
         "_xpu_pci_sort_key",
@@ -95,252 +130,149 @@ NUMA_DISCOVERY = Partial(
         "_read_pci_numa_node",
         "_query_numa_node_for_xpu",
     ),
-    imports=("from sglang.srt.placement import settings",),
+    imports=NUMA_NODES.imports,
 )
-NUMA_BIND = dataclasses.replace(
-    NUMA_DISCOVERY,
+NUMA_BIND = Partial(
+    NUMA,
     replace=NUMA_DISCOVERY.replace
     + (
         "get_libnuma",
         "numa_bind_to_node",
-        "_node_cpus",
         "_handle_numa_bind_failure",
         "_can_set_mempolicy",
-        "_is_numa_available",
         "get_numa_node_if_available",
     ),
-    add_before={
-        **NUMA_DISCOVERY.add_before,
-        "_node_cpus": ("_node_exists",),
-    },
-    remove=NUMA_DISCOVERY.remove + ("_Bitmask",),
-    imports=NUMA_DISCOVERY.imports + ("from typing import Any, Optional",),
+    add_before=NUMA_DISCOVERY.add_before,
+    remove=NUMA_DISCOVERY.remove,
+    imports=NUMA_DISCOVERY.imports,
 )
 NUMA_TESTS = UT + "test_numa_utils.py"
-TESTS_DISCOVERY = (
-    "NUMA_UTILS_LOGGER",
-    "SPAWN_LOGGER",
-    "NVIDIA",
-    "GPU_CLASS",
-    "MEMBIND_REFUSED",
-    "CPU_REFUSED",
-    "_cpulist",
-    "write_sysfs",
-    "write_numactl",
-    "numactl_calls",
-    "probes",
-    "start_spawned_child",
-    "_HostCase",
-    "_nvml_standin",
-    "_live_pci_device",
-    "TestQueryNumaNodeForGpu",
-)
-TESTS_BIND = TESTS_DISCOVERY + (
-    "TestIsNumaAvailable",
-    "TestIsNumaAvailableSysfsRoot",
-    "TestGetNumaNodeIfAvailable",
-    "_get_gpu_info",
-    "_gpu_name",
-    "_query_single_numa_node_for_gpu",
-    "TestGraceBlackwellNumaTopology",
-    "TestB200NumaTopology",
-    "TestStripMemoryArgs",
-)
 
 SERIES: Tuple[Patch, ...] = (
     Patch(
-        "placement-value",
-        "placement: the ProcessPlacement value, its policy and settings",
-        "A frozen, JSON-serialisable placement per scheduler rank (node, CPUs, memory "
-        "policy, strategy and the reasons), the policy that decides it, and the new "
-        "settings (SGLANG_NUMA_AFFINITY_MODE, SGLANG_CPU_OMP_THREADS_BIND, "
-        "SGLANG_SYSFS_ROOT) in envs, each checked where it is read.",
-        "sglang's envs list SGLANG_NUMA_AFFINITY_MODE, SGLANG_CPU_OMP_THREADS_BIND "
-        "and SGLANG_SYSFS_ROOT; launches read them from numa-utils-discovery on.",
+        "shm-segments",
+        "distributed: each CPU engine's /dev/shm segments named by its own init "
+        "address, unlinked once mapped",
+        "_init_cpu_threads_env hands the CPU collective an explicit ShmNamespace per "
+        "engine and pipeline stage (LOCAL_SIZE stays as upstream sets it), never "
+        "MASTER_ADDR/MASTER_PORT; _init_parallel_groups unlinks the names after a "
+        "barrier on the TP group. Another user's file under its names, a full or "
+        "read-only /dev/shm are errors naming the path and the fix.",
+        "Co-located CPU engines (data parallel behind sglang-router) and pipeline "
+        "stages no longer share segments, and a killed engine leaves nothing in "
+        "/dev/shm.",
         files=(
-            PY + "srt/environ.py",
-            P + "cpulist.py",
-            P + "types.py",
-            P + "settings.py",
-            P + "policy.py",
-            PT + "test_placement_settings.py",
+            D + "shm_namespace.py",
+            D + "shm_collective.py",
+            PY + "srt/distributed/bootstrap.py",
+            DT + "test_shm_namespace.py",
+            DT + "test_shm_collective.py",
         ),
+        fixes="shm",
     ),
     Patch(
-        "topology",
-        "placement: host topology read once from a sysfs root",
-        "Sparse node ids, memory-only nodes, offline CPUs, PCI numa_node -1, kernels "
-        "without NUMA, and a restricted process, read into frozen values from /sys or "
-        "a snapshot.",
-        LATER + "a bad SGLANG_SYSFS_ROOT tree is then reported by file.",
-        files=(P + "topology.py", PT + "test_topology.py"),
-    ),
-    Patch(
-        "devices",
-        "placement: which physical device, and PCI address, a logical index names",
-        "CUDA_VISIBLE_DEVICES (indices, UUIDs, prefixes), Ray's ids and "
-        "ZE_AFFINITY_MASK (in Level Zero's order) to a PCI address; NVML optional.",
-        LATER + "GPUs named by UUID in CUDA_VISIBLE_DEVICES are then found.",
-        files=(P + "devices.py", PT + "test_devices.py"),
-    ),
-    Patch(
-        "bind-in-process",
-        "placement: binding a running process with libnuma",
-        "Every thread's CPUs, the memory policy (bind, then preferred, then CPU only) "
-        "and the pages touched before the bind, with upstream's failure policy.",
-        "numa_bind_to_node moves every thread once numa_utils uses this (numa-bind-to-node).",
-        files=(P + "libnuma.py", P + "apply.py", PT + "test_bind_in_process.py"),
-    ),
-    Patch(
-        "numactl-ladder",
-        "placement: numactl's probe ladder picks how a placement is applied",
-        "--membind, then --preferred, then CPU only, each option set probed once, "
-        "with upstream's warning wording; in-process only where the rank can bind "
-        "itself.",
-        LATER + "a node without memory then gets --preferred, not a failed start.",
-        files=(P + "numactl.py", P + "strategy.py", PT + "test_numactl_ladder.py"),
-    ),
-    Patch(
-        "resolve",
-        "placement: the pure decision, on sglang's own rank arithmetic",
-        "Where one rank runs from host facts and policy alone (node, socket and "
-        "exclusive modes); the engine's and the data-parallel controller's gpu_id "
-        "formulas in one place.",
-        LATER
-        + "SGLANG_NUMA_AFFINITY_MODE=exclusive then splits a node among its GPUs.",
-        files=(P + "resolve.py", P + "ranks.py", PT + "test_resolve.py"),
-    ),
-    Patch(
-        "place-gpu-id",
-        "placement: the placement of the rank a GPU id names",
-        "Identifies only that device, under the CUDA_VISIBLE_DEVICES in force; CPU "
-        "ranks from SGLANG_CPU_OMP_THREADS_BIND as bootstrap reads it (router mode "
-        "included); every local rank as sglang's launchers will start it.",
-        LATER + "CPU-device ranks then get the CPUs SGLANG_CPU_OMP_THREADS_BIND gives.",
-        files=(
-            P + "plan.py",
-            P + "cpu_groups.py",
-            P + "__init__.py",
-            PT + "test_place_gpu_id.py",
-        ),
-    ),
-    Patch(
-        "spawn-hook",
-        "scheduler_placement: start a spawned scheduler under its placement",
-        "A thread-local wrapper of multiprocessing.util.spawnv_passfds puts numactl in "
-        "front of a spawned child's command line only (by its structure), survives "
-        "other wrappers, writes no file; the failure policy acts before the spawn.",
-        "Launches are unchanged until configure_subprocess uses it; only "
-        "the scheduler child, never a helper process, then starts under numactl.",
-        files=(
-            G + "__init__.py",
-            G + "spawn_hook.py",
-            G + "spawn.py",
-            PT + "test_spawn_hook.py",
-        ),
+        "numa-utils-nodes",
+        "numa_utils: a host's NUMA nodes and CPUs read once, from SGLANG_SYSFS_ROOT",
+        "_is_numa_available and _node_cpus read the host through placement's "
+        "topology: sparse node ids, memory-only nodes, offline CPUs and a restricted "
+        "process, from /sys or a snapshot (the new settings join envs).",
+        "SGLANG_SYSFS_ROOT points numa_utils at a captured topology, and a node "
+        "without CPUs or memory no longer counts towards a NUMA host.",
+        files=(PY + "srt/environ.py",),
+        partial=(NUMA_NODES, Partial(NUMA_TESTS, keep=("TestIsNumaAvailable",))),
     ),
     Patch(
         "numa-utils-discovery",
-        "numa_utils: find a GPU's node through placement's device identity",
+        "numa_utils: find a GPU's node through its PCI address",
         "_query_numa_node_for_gpu names the node of the device's PCI address, found "
         "through the visibility variable in force (NVML optional); upstream's XPU "
-        "helpers give way to placement's, in Level Zero's order.",
-        "get_numa_node_if_available answers from the PCI numa_node, without NVML's "
-        "memory-affinity mask.",
-        partial=(NUMA_DISCOVERY, Partial(NUMA_TESTS, keep=TESTS_DISCOVERY)),
+        "helpers give way to placement's device identity, in Level Zero's order.",
+        "get_numa_node_if_available finds GPUs named by UUID in CUDA_VISIBLE_DEVICES "
+        "and answers from the PCI numa_node, without NVML's memory-affinity mask.",
+        partial=(
+            NUMA_DISCOVERY,
+            Partial(NUMA_TESTS, keep=("TestQueryNumaNodeForGpu",)),
+        ),
     ),
     Patch(
         "numa-bind-to-node",
-        "numa_utils: numa_bind_to_node moves every thread, through placement's helpers",
-        "numa_bind_to_node, _node_cpus, _can_set_mempolicy and the failure policy "
-        "read the host through placement (SGLANG_SYSFS_ROOT) and bind with one "
-        "libnuma loader; the numactl probe ladder's tests move to placement's.",
-        "numa_bind_to_node (the legacy V1 path, Ray actors, the diffusion worker) "
-        "moves every thread of the process, not only the calling one.",
-        files=(UT + "test_numa_utils_xpu.py",),
-        partial=(NUMA_BIND, Partial(NUMA_TESTS, keep=TESTS_BIND)),
+        "numa_utils: numa_bind_to_node moves every thread",
+        "numa_bind_to_node, _can_set_mempolicy and the failure policy bind through "
+        "placement with one libnuma loader.",
+        "numa_bind_to_node (the legacy V1 path, the diffusion worker) moves every "
+        "thread of the process, not only the calling one.",
+        files=(PT + "test_bind_in_process.py",),
+        partial=(NUMA_BIND,),
+    ),
+    Patch(
+        "ray-actors",
+        "ray: scheduler actors bind themselves to their own GPU's node",
+        "Each SchedulerActor places the GPU Ray gave it, by Ray's id (never index 0 "
+        "of its one-GPU CUDA_VISIBLE_DEVICES), on its own host, and binds in-process "
+        "before its Scheduler exists: every thread, the memory policy, the pages "
+        "touched so far. _create_scheduler_actor stays as upstream wrote it.",
+        "Ray scheduler actors on nodes with several GPUs are bound to their own GPU's "
+        "node, every thread (they were unbound, or bound to the wrong node).",
+        files=(
+            G + "ray_rank.py",
+            PY + "srt/ray/scheduler_actor.py",
+            RT + "test_scheduler_actor.py",
+        ),
+        fixes="ray",
     ),
     Patch(
         "configure-subprocess",
-        "numa_utils: configure_subprocess and init_threads_binding on the placement",
-        "Each spawn inside configure_subprocess(server_args, gpu_id) starts under the "
-        "placement of that GPU id (CPU-device ranks too); init_threads_binding reads "
-        "the setting as plan does.",
+        "numa_utils: every spawned scheduler starts under its placement",
+        "Each spawn inside configure_subprocess(server_args, gpu_id) starts under "
+        "numactl with the placement of that GPU id (CPU-device ranks too), through a "
+        "thread-local wrapper of the spawn that prefixes the child's command line "
+        "only; numactl's probe ladder (--membind, --preferred, CPU only) picks the "
+        "options; init_threads_binding reads the setting as placement does.",
         "CPU-device ranks start under numactl (SGLANG_NUMA_BIND_V2=0 restores "
         "upstream); a rank less bound than intended gets one WARNING, or an error "
         "before any child starts under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.",
-        files=(NUMA, NUMA_TESTS),
-    ),
-    Patch(
-        "ray-node-plan",
-        "scheduler_placement: the values and node tasks of Ray's planning round",
-        "Where each bundle is, which GPU ids it holds, and each node's placement for "
-        "them, resolved on the node; the py_executable string checked token by token.",
-        "Ray launches are unchanged until the next patch; a numactl command line "
-        "with anything but its options and a path is then refused.",
-        files=(G + "ray_plan.py", RT + "test_ray_plan.py"),
-    ),
-    Patch(
-        "ray-actor",
-        "ray: scheduler actors start under the placement planned on their node",
-        "_create_scheduler_actor plans the placement group on its nodes (keyed by all "
-        "it depends on) and starts each actor under numactl or binds it in-process, "
-        "then reads its binding back, every thread included; SchedulerActor keeps "
-        "upstream's contract.",
-        "Ray scheduler actors are bound (they were silently unbound).",
         files=(
-            G + "ray_rank.py",
-            G + "ray_actors.py",
-            PY + "srt/ray/scheduler_actor.py",
-            PY + "srt/ray/engine.py",
-            RT + "test_scheduler_actor.py",
-        ),
-    ),
-    Patch(
-        "shm-namespace",
-        "distributed: an explicit ShmNamespace, and errors an operator can act on",
-        "An engine's /dev/shm segment names from its own init address, never from "
-        "MASTER_ADDR/MASTER_PORT; a full or read-only /dev/shm and a held lock named "
-        "with the file and the fix.",
-        "CPU engines are unchanged until shm-bootstrap uses it; an init address too long "
-        "for a /dev/shm name is then refused with the setting to change.",
-        files=(
-            D + "shm_namespace.py",
-            D + "shm_errors.py",
-            DT + "test_shm_namespace.py",
-        ),
-    ),
-    Patch(
-        "shm-owners",
-        "distributed: owner records of shared-memory segments",
-        "A flock per segment, the sweep of dead owners' segments, release at exit, "
-        "no trust in what another user made.",
-        "CPU engines are unchanged until shm-bootstrap uses it; segments a crashed engine "
-        "left in /dev/shm are then removed at the next start.",
-        files=(D + "shm_segments.py", DT + "test_shm_segments.py"),
-    ),
-    Patch(
-        "shm-bootstrap",
-        "bootstrap: the CPU collective's segments named by the engine's init address",
-        "_init_cpu_threads_env hands the kernel an explicit namespace per pipeline "
-        "stage; LOCAL_SIZE stays as upstream sets it.",
-        "Co-located CPU engines no longer share segments; pipeline stages get their own.",
-        files=(
-            D + "shm_collective.py",
-            PY + "srt/distributed/bootstrap.py",
-            DT + "test_shm_collective.py",
+            NUMA,
+            G + "spawn_hook.py",
+            G + "spawn.py",
+            NUMA_TESTS,
+            PT + "test_spawn_hook.py",
+            PT + "test_numactl_ladder.py",
         ),
     ),
     Patch(
         "tools-plan",
         "placement_tools: python -m sglang.srt.placement_tools plan",
         "One line per rank saying what sglang's launch path will do and why, or JSON; "
-        "bounded input. A package on top: nothing below imports it.",
-        "A new command.",
+        "bounded input. A package on top: nothing below imports it. The placement "
+        "modules reach their final content with the engine-wide plan it prints.",
+        "A new command: plan prints each rank's node, CPUs, memory policy and why.",
         files=(
+            P + "__init__.py",
+            P + "cpulist.py",
+            P + "types.py",
+            P + "settings.py",
+            P + "policy.py",
+            P + "topology.py",
+            P + "devices.py",
+            P + "libnuma.py",
+            P + "apply.py",
+            P + "numactl.py",
+            P + "strategy.py",
+            P + "resolve.py",
+            P + "ranks.py",
+            P + "cpu_groups.py",
+            P + "plan.py",
+            G + "__init__.py",
             T + "__init__.py",
             T + "__main__.py",
             T + "plan_args.py",
+            PT + "test_placement_settings.py",
+            PT + "test_topology.py",
+            PT + "test_devices.py",
+            PT + "test_resolve.py",
+            PT + "test_place_gpu_id.py",
+            UT + "test_numa_utils_xpu.py",
             TT + "test_plan.py",
         ),
     ),
@@ -368,7 +300,7 @@ SERIES: Tuple[Patch, ...] = (
 
 
 def _names(node: ast.stmt) -> Tuple[str, ...]:
-    """The top-level names a statement defines; () for imports, calls and the like."""
+    """The top-level names a definition or assignment defines; () for anything else."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return (node.name,)
     targets = {
@@ -379,38 +311,136 @@ def _names(node: ast.stmt) -> Tuple[str, ...]:
     return tuple(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
 
 
-def kept(final: str, keep: Sequence[str]) -> str:
-    """``final``'s unnamed statements and those naming one of ``keep``, spaced as black spaces them.
+def _bound(node: ast.stmt) -> Tuple[str, ...]:
+    """The names an import binds (or an ``if`` holding only imports, as ``if TYPE_CHECKING:``)."""
+    if isinstance(node, ast.Import):
+        return tuple((a.asname or a.name).split(".")[0] for a in node.names)
+    if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+        return tuple(a.asname or a.name for a in node.names)
+    if isinstance(node, ast.If) and not node.orelse:
+        inner = [_bound(s) if isinstance(s, ast.ImportFrom) else () for s in node.body]
+        if all(inner) and all(isinstance(s, ast.ImportFrom) for s in node.body):
+            return tuple(n for names in inner for n in names)
+    return ()
 
-    Each statement carries the comments above it; two blank lines go around a
-    def or class, other statements keep their own spacing, or that of the
-    statements dropped before them (at most two).
+
+def _uses(node: ast.AST) -> Set[str]:
+    """Names a statement reads, identifier strings (forward references) included."""
+    return {
+        n.id if isinstance(n, ast.Name) else n.value
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name)
+        or (
+            isinstance(n, ast.Constant)
+            and isinstance(n.value, str)
+            and n.value.isidentifier()
+        )
+    }
+
+
+def sliced(final: str, roots: Iterable[str]) -> str:
+    """``final`` cut to ``roots``: its top-level definitions named there, what they use
+    from the same file, the imports of what is kept, and every other statement
+    (docstring, calls such as ``register_cpu_ci(...)``, ``if __name__`` blocks).
     """
+    body = ast.parse(final).body
+    by_name: Dict[str, List[int]] = {}
+    for index, node in enumerate(body):
+        for name in _names(node) or _bound(node):
+            by_name.setdefault(name, []).append(index)
+    todo = [i for i, n in enumerate(body) if not (_names(n) or _bound(n))]
+    todo += [i for root in roots for i in by_name.get(root, ())]
+    keep: Set[int] = set()
+    while todo:
+        index = todo.pop()
+        if index not in keep:
+            keep.add(index)
+            todo += [i for name in _uses(body[index]) for i in by_name.get(name, ())]
+    used = {
+        name
+        for i in keep
+        if not isinstance(body[i], (ast.Import, ast.ImportFrom))
+        for name in _uses(body[i])
+    }
+    return _render(final, body, keep, used)
+
+
+def _import_text(node: ast.ImportFrom, used: Set[str], text: List[str]) -> List[str]:
+    """The import ``node`` (``text``), its names cut to ``used``, as black writes it."""
+    names = [a for a in node.names if (a.asname or a.name) in used]
+    if len(names) == len(node.names):
+        return text
+    shown = [a.name + (f" as {a.asname}" if a.asname else "") for a in names]
+    line = f"from {node.module} import {', '.join(shown)}"
+    if len(line) <= 88:
+        return [line + "\n"]
+    return [f"from {node.module} import (\n", *(f"    {n},\n" for n in shown), ")\n"]
+
+
+def _render(
+    final: str, body: Sequence[ast.stmt], keep: Set[int], used: Set[str]
+) -> str:
+    """The statements of ``body`` at ``keep``, each with the comments above it; two
+    blank lines around a def or class, other statements keep their own spacing, or
+    that of the statements dropped before them (at most two), as black spaces them."""
     lines = final.splitlines(keepends=True)
     out: List[str] = []
     previous = None
     end = 0
     dropped = 0  # the blank lines before the statements dropped since the last kept
-    for node in ast.parse(final).body:
+    for index, node in enumerate(body):
         chunk, end = lines[end : node.end_lineno], node.end_lineno
-        body = list(chunk)
-        while body and not body[0].strip():
-            body.pop(0)
-        blank = len(chunk) - len(body)
-        names = _names(node)
-        if names and not set(names) & set(keep):
+        text = list(chunk)
+        while text and not text[0].strip():
+            text.pop(0)
+        blank = len(chunk) - len(text)
+        if index not in keep:
             dropped = max(dropped, blank)
             continue
         if previous is not None and (_is_def(node) or _is_def(previous)):
             blank = 2
+        elif isinstance(previous, (ast.Import, ast.ImportFrom)) and not _bound(node):
+            blank, dropped = 1, 0  # isort's one blank line after imports
         out += ["\n"] * (0 if previous is None else min(max(blank, dropped), 2))
-        out += body
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            comments = len(text) - (node.end_lineno - node.lineno + 1)
+            text = text[:comments] + _import_text(node, used, text[comments:])
+        out += text
         previous, dropped = node, 0
     return "".join(out).rstrip("\n") + "\n"
 
 
 def _is_def(node: ast.stmt) -> bool:
     return isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+
+
+@functools.lru_cache(maxsize=None)
+def _defined(source: str) -> FrozenSet[str]:
+    body = ast.parse(source).body
+    return frozenset(n for node in body for n in _names(node) + _bound(node))
+
+
+@functools.lru_cache(maxsize=None)
+def imports_of(source: str) -> Tuple[Tuple[str, str, FrozenSet[str]], ...]:
+    """(module, name, the attributes ``source`` reads on that name) for every
+    ``from sglang... import name`` in ``source``, nested ones included."""
+    tree = ast.parse(source)
+    attributes: Dict[str, Set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            attributes.setdefault(node.value.id, set()).add(node.attr)
+    return tuple(
+        (
+            node.module,
+            alias.name,
+            frozenset(attributes.get(alias.asname or alias.name, ())),
+        )
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and not node.level
+        and node.module.split(".")[0] == "sglang"
+        for alias in node.names
+    )
 
 
 def _spans(source: str) -> Dict[str, Tuple[int, int]]:
@@ -486,12 +516,24 @@ def _gap_end(lines: Sequence[str], last: int) -> int:
     return end
 
 
-def intermediate(
-    old: str | None, final: str, partial: Partial, where: str
-) -> Tuple[str, List[str]]:
-    """The state ``partial`` names, or ("", [what is wrong with it])."""
-    final_names = {n for node in ast.parse(final).body for n in _names(node)}
-    edits = (*partial.replace, *partial.remove, partial.imports, partial.add_before)
+def _lacking(state: str, final: str, partial: Partial) -> List[str]:
+    """Top-level names of ``final`` that the definitions ``partial`` takes from it
+    use, and that ``state`` does not define."""
+    taken = {*partial.replace, *(n for v in partial.add_before.values() for n in v)}
+    used = {
+        name
+        for node in ast.parse(final).body
+        if set(_names(node)) & taken
+        for name in _uses(node)
+    }
+    return sorted((used & _defined(final)) - _defined(state))
+
+
+def _edit_problems(
+    old: Optional[str], final: str, partial: Partial, where: str
+) -> List[str]:
+    """What is wrong with ``partial``, each naming the file and the definition."""
+    final_names = _defined(final)
     named = [*partial.keep, *partial.replace]
     named += [n for names in partial.add_before.values() for n in names]
     problems = [
@@ -499,24 +541,26 @@ def intermediate(
         for n in named
         if n not in final_names
     ]
-    if partial.keep and any(edits):
+    edits = (*partial.replace, *partial.remove, *partial.imports, *partial.add_before)
+    if partial.keep and edits:
         problems.append(f"{where} both keeps and edits {partial.path}")
-    elif not partial.keep and old is None:
+    elif partial.keep and old is not None:
+        problems.append(
+            f"{where} keeps names of {partial.path}, which upstream has: edit it "
+            "(replace, add_before, remove) instead"
+        )
+    elif edits and old is None:
         problems.append(
             f"{where} edits {partial.path}, which is new: name what it keeps instead"
         )
-    elif not partial.keep:
+    elif edits:
         upstream_names = set(_spans(old))
         problems += [
             f"{where} replaces or removes {n}, which upstream's {partial.path} lacks"
             for n in (*partial.replace, *partial.remove)
             if n not in upstream_names
         ]
-    if problems:
-        return "", problems
-    if partial.keep:
-        return kept(final, partial.keep), []
-    return edited(old, final, partial), []
+    return problems
 
 
 # --------------------------------------------------------------------------- building
@@ -536,6 +580,72 @@ def path_of(change) -> str:
     return f"{TEST if change.area == 'test' else PY}{change.rel}"
 
 
+class _States:
+    """Every changed file's content as the series has it so far, and the slices of
+    new modules that the files reached so far import from."""
+
+    def __init__(self, by_path: Dict[str, Any], refuse: Callable[[str], Exception]):
+        self.by_path = by_path
+        self.refuse = refuse
+        self.text: Dict[str, Optional[str]] = {
+            p: c.old and c.old.decode() for p, c in by_path.items()
+        }
+        self.final: Set[str] = set()
+        self.roots: Dict[str, Set[str]] = {}
+
+    def final_text(self, path: str) -> str:
+        return self.by_path[path].new.decode()
+
+    def sliceable(self, path: str) -> bool:
+        change = self.by_path.get(path)
+        return change is not None and change.old is None and path not in self.final
+
+    def grow(self, where: str) -> None:
+        """Slice every new module that a file reached so far imports from, to what it
+        imports (and what that uses), until nothing more is needed."""
+        while True:
+            for importer, text in list(self.text.items()):
+                if text is not None and importer.endswith(".py"):
+                    for module, name, attributes in imports_of(text):
+                        self._need(importer, module, name, attributes, where)
+            grown = {
+                path: sliced(self.final_text(path), sorted(roots))
+                for path, roots in self.roots.items()
+                if self.sliceable(path)
+            }
+            grown = {p: t for p, t in grown.items() if t != self.text[p]}
+            if not grown:
+                return
+            self.text.update(grown)
+
+    def _need(self, importer, module, name, attributes, where) -> None:
+        base = "python/" + module.replace(".", "/")
+        submodule = self._path(f"{base}/{name}")
+        target, roots = (
+            (submodule, attributes) if submodule else (self._path(base), {name})
+        )
+        parts = module.split(".")
+        for depth in range(1, len(parts) + 1):  # the packages Python imports on the way
+            package = f"python/{'/'.join(parts[:depth])}/__init__.py"
+            if self.sliceable(package):
+                self.roots.setdefault(package, set())
+        if target is None or not self.sliceable(target):
+            return
+        missing = sorted(set(roots) - _defined(self.final_text(target)))
+        if missing:
+            raise self.refuse(
+                f"{where}: {importer} imports {', '.join(missing)} from {target}, "
+                "which its final content does not define"
+            )
+        self.roots.setdefault(target, set()).update(roots)
+
+    def _path(self, base: str) -> Optional[str]:
+        for path in (f"{base}.py", f"{base}/__init__.py"):
+            if path in self.by_path:
+                return path
+        return None
+
+
 def build(
     changes: Sequence,
     *,
@@ -544,10 +654,12 @@ def build(
     unified_diff: Callable,
     refuse: Callable[[str], Exception],
     series: Sequence[Patch] = SERIES,
+    max_lines: Optional[int] = MAX_CHANGED_LINES,
 ) -> List[Tuple[Patch, List[str], int]]:
     """(patch, its diff lines, lines changed) for each patch of ``series``, from the overlay's
     changes to a pristine package or checkout (``change_type`` builds one,
-    ``unified_diff`` prints one); test files are left out unless ``with_tests``.
+    ``unified_diff`` prints one). The ported tests are always among ``changes``
+    (their imports shape the slices either way), but written only ``with_tests``.
     """
     by_path = {path_of(c): c for c in changes}
     if any(
@@ -556,58 +668,106 @@ def build(
         raise refuse(
             "--series needs a pristine sglang package (this one holds an earlier overlay)"
         )
-    state = {path: c.old for path, c in by_path.items()}
+    states = _States(by_path, refuse)
     claimed: Dict[str, str] = {}
     out = []
     for index, patch in enumerate(series, 1):
         where = f"patch {index} ({patch.slug})"
-        _check_header(patch, where, refuse)
-        diff: List[str] = []
+        before = dict(states.text)
+        order: List[str] = []
         steps = [(p.path, p) for p in patch.partial] + [(f, None) for f in patch.files]
         for path, partial in steps:
             if path in claimed:
                 raise refuse(f"{path} is in patches {claimed[path]} and {where}")
-            if partial is None:
-                claimed[path] = where
-            if path.startswith(TEST) and not with_tests:
-                continue
             if path not in by_path:
                 raise refuse(f"{where} names {path}, which the overlay does not change")
+            order.append(path)
+            if partial is None:
+                claimed[path] = where
+                states.final.add(path)
+                states.text[path] = states.final_text(path)
+                continue
+            upstream = by_path[path].old and by_path[path].old.decode()
+            problems = _edit_problems(upstream, states.final_text(path), partial, where)
+            if problems:
+                raise refuse("; ".join(problems))
+            if partial.keep:
+                states.roots.setdefault(path, set()).update(partial.keep)
+            else:
+                text = edited(upstream, states.final_text(path), partial)
+                lacking = _lacking(text, states.final_text(path), partial)
+                if lacking:
+                    raise refuse(
+                        f"{where}: the state of {path} uses {', '.join(lacking)}, which "
+                        "it lacks: add them to add_before (or imports)"
+                    )
+                states.text[path] = text
+        states.grow(where)
+        order += sorted(p for p in states.text if p not in order)
+        touched = [p for p in order if states.text[p] != before[p]]
+        _check_header(patch, touched, where, refuse)
+        diff: List[str] = []
+        for path in touched:
+            if path.startswith(TEST) and not with_tests:
+                continue
             change = by_path[path]
-            new = change.new
-            if partial is not None:
-                text, problems = intermediate(
-                    change.old and change.old.decode(), new.decode(), partial, where
-                )
-                if problems:
-                    raise refuse("; ".join(problems))
-                new = text.encode()
-            kind = "added" if state[path] is None else "replaced"
+            old, new = before[path], states.text[path]
             text, _, _ = unified_diff(
                 change_type(
-                    change.rel, state[path], new, change.mode, kind, change.area
+                    change.rel,
+                    old and old.encode(),
+                    new.encode(),
+                    change.mode,
+                    "added" if old is None else "replaced",
+                    change.area,
                 )
             )
             diff += text
-            state[path] = new
         lines = _count(diff)
-        if lines > MAX_CHANGED_LINES:
+        if max_lines is not None and lines > max_lines:
             raise refuse(
-                f"{where} changes {lines} lines, more than {MAX_CHANGED_LINES}: split it"
+                f"{where} changes {lines} lines, more than {max_lines}: split it "
+                f"({', '.join(f'{p} {n}' for p, n in _per_file(diff))})"
             )
         out.append((patch, diff, lines))
     left = sorted(set(by_path) - set(claimed))
     if left:
         raise refuse(
-            f"no patch of the series holds {', '.join(left)}: add it to SERIES"
+            f"no patch of the series holds {', '.join(left)} at its final content: "
+            "add it to SERIES"
         )
     return out
 
 
-def _check_header(patch: Patch, where: str, refuse: Callable) -> None:
-    paths = [*patch.files, *(p.path for p in patch.partial)]
-    if any(p.startswith(PY) for p in paths) and not any(
-        p.startswith(TEST) for p in paths
+def _per_file(diff: Sequence[str]) -> List[Tuple[str, int]]:
+    """(path, lines changed) of each file of a patch's diff, the largest first."""
+    counts: Dict[str, int] = {}
+    path = ""
+    for line in diff:
+        if line.startswith("+++ "):
+            path = line[4:].strip().removeprefix("b/")
+        elif line[:1] in "+-" and not line.startswith("--- "):
+            counts[path] = counts.get(path, 0) + 1
+    return sorted(counts.items(), key=lambda item: -item[1])
+
+
+def fixed_at(
+    built: Sequence[Tuple[Patch, List[str], int]]
+) -> Dict[str, Tuple[int, int]]:
+    """Bug key -> (the patch number that fixes it, the series' changed lines up to it)."""
+    found, total = {}, 0
+    for index, (patch, _, lines) in enumerate(built, 1):
+        total += lines
+        if patch.fixes:
+            found[patch.fixes] = (index, total)
+    return found
+
+
+def _check_header(
+    patch: Patch, touched: Sequence[str], where: str, refuse: Callable
+) -> None:
+    if any(p.startswith(PY) for p in touched) and not any(
+        p.startswith(TEST) for p in touched
     ):
         raise refuse(
             f"{where} changes python/ but adds no test: give it a "
@@ -646,11 +806,14 @@ def write(out: Path, built: Sequence[Tuple[Patch, List[str], int]]) -> List[str]
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; give a new or empty directory")
-    names, summary = [], []
+    names, summary, total = [], [], 0
     for index, (patch, diff, lines) in enumerate(built, 1):
         name = f"{index:04d}-{re.sub(r'[^a-z0-9-]', '-', patch.slug)}.patch"
         (out / name).write_text(header(patch, index, len(built)) + "".join(diff))
         names.append(name)
-        summary.append(f"{name}  {lines:4d} lines  {patch.title}")
+        total += lines
+        summary.append(f"{name}  {lines:4d} lines  {total:5d} in all  {patch.title}")
     (out / "series").write_text("".join(f"{n}\n" for n in names))
+    for bug, (index, lines) in fixed_at(built).items():
+        summary.append(f"fixed by patch {index}, {lines} changed lines in: {BUGS[bug]}")
     return summary

@@ -1,4 +1,4 @@
-"""What bootstrap's CPU path calls hands the kernel a segment namespace per engine and pipeline stage.
+"""Bootstrap's CPU path hands the kernel a segment namespace per engine and pipeline stage, and unlinks it.
 
 The CPU build of sgl_kernel is not installed here: its ``initialize`` op is
 registered with torch.library under the same name and schema, and records the
@@ -11,9 +11,10 @@ import unittest
 import torch
 
 from sglang.srt.distributed.shm_collective import (
+    SHM_DIR,
     ShmNamespace,
-    release_shm_collective,
     start_shm_collective,
+    unlink_shm_segments,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -43,7 +44,7 @@ class TestStartShmCollective(unittest.TestCase):
             raise unittest.SkipTest("a real sgl_kernel initialize op is registered")
 
     def tearDown(self):
-        release_shm_collective()
+        unlink_shm_segments()
         CALLS.clear()
 
     def test_each_engine_and_stage_gets_its_own_namespace(self):
@@ -63,6 +64,15 @@ class TestStartShmCollective(unittest.TestCase):
         self.assertEqual(prefixes[0], expected)
         after = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
         self.assertEqual(before, after)
+
+    def test_once_every_rank_has_mapped_it_no_segment_is_left(self):
+        method = "tcp://127.0.0.1:29700"
+        start_shm_collective(dist_init_method=method, tp_size=1, tp_rank=0, pp_rank=0)
+        name = ShmNamespace.from_init_method(method, pp_rank=0).segment_name(0)
+        segment = os.path.join(SHM_DIR, name)
+        self.assertTrue(os.path.exists(segment))
+        self.assertEqual(unlink_shm_segments(), [segment])
+        self.assertFalse(os.path.exists(segment))
 
 
 if __name__ == "__main__":

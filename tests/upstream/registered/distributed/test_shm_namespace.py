@@ -2,7 +2,7 @@
 
 import unittest
 
-from sglang.srt.distributed.shm_namespace import ShmNamespace, ShmNamespaceError
+from sglang.srt.distributed.shm_namespace import ShmCollectiveError, ShmNamespace
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
@@ -21,9 +21,9 @@ class TestShmNamespace(unittest.TestCase):
         self.assertEqual((namespace.addr, namespace.port), ("10.0.0.7", 29501))
 
     def test_an_address_a_segment_name_cannot_hold_is_refused_with_the_fix(self):
-        with self.assertRaisesRegex(ShmNamespaceError, "--dist-init-addr"):
+        with self.assertRaisesRegex(ShmCollectiveError, "--dist-init-addr"):
             ShmNamespace("h" * 250, 29500)
-        with self.assertRaisesRegex(ShmNamespaceError, "contains '/'"):
+        with self.assertRaisesRegex(ShmCollectiveError, "contains '/'"):
             ShmNamespace("a/b", 29500)
 
 

@@ -4,7 +4,7 @@ import unittest
 
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
 from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.resolve import resolve_placement, split_exclusive
+from sglang.srt.placement.resolve import exclusive_cpus, resolve_placement
 from sglang.srt.placement.strategy import HostCapabilities
 from sglang.srt.placement.types import (
     Accelerator,
@@ -70,8 +70,11 @@ class TestResolvePlacement(unittest.TestCase):
 
     def test_exclusive_slices_keep_smt_siblings_together(self):
         cpus = frozenset(range(4, 8))
-        slices = split_exclusive(cpus, topology=two_nodes(), count=2)
-        self.assertEqual(slices, ({4, 5}, {6, 7}))
+        slices = [
+            exclusive_cpus(cpus, topology=two_nodes(), node_id=1, index=i, count=2).cpus
+            for i in range(2)
+        ]
+        self.assertEqual(slices, [{4, 5}, {6, 7}])
 
 
 if __name__ == "__main__":

@@ -1,54 +1,111 @@
-"""What a Ray scheduler actor checks after binding itself, and the settings it gets from the driver."""
+"""A Ray scheduler actor places the GPU Ray gave it, by Ray's id, and binds every thread there.
+
+Ray hands each actor one GPU under its own ``CUDA_VISIBLE_DEVICES``, where index
+0 names whichever GPU Ray picked; the host's topology comes from a sysfs tree
+(``SGLANG_SYSFS_ROOT``) of two nodes, two NVIDIA GPUs on each.
+"""
 
 import os
-import threading
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
 import unittest
+from types import SimpleNamespace
+from unittest.mock import patch
 
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity
-from sglang.srt.scheduler_placement.ray_actors import forwarded_env
-from sglang.srt.scheduler_placement.ray_rank import thread_mismatches
+from sglang.srt.placement.types import RankIdentity
+from sglang.srt.scheduler_placement.ray_rank import actor_placement
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="base-a-test-cpu")
 
-
-def in_process(cpus):
-    unbound = ProcessPlacement.unbound(
-        RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=0),
-        reasons=(),
-        launcher="ray",
-        failure=False,
-    )
-    return unbound.replace(cpus=frozenset(cpus), strategy="in-process")
+GPUS = ("0000:17:00.0", "0000:18:00.0", "0000:b1:00.0", "0000:b2:00.0")
 
 
-class TestSchedulerActorChecks(unittest.TestCase):
-    def test_a_thread_left_outside_the_placement_is_reported(self):
-        allowed = os.sched_getaffinity(0)
-        if len(allowed) < 2:
-            self.skipTest("needs a process allowed on two CPUs")
-        self.assertEqual(thread_mismatches(in_process(allowed)), [])
-        release = threading.Event()
-        thread = threading.Thread(target=release.wait, args=(30,))
-        thread.start()
-        try:
-            os.sched_setaffinity(thread.native_id, {min(allowed)})
-            found = thread_mismatches(in_process(allowed))
-        finally:
-            release.set()
-            thread.join(30)
-        self.assertEqual(len(found), 1)
-        self.assertIn(f"thread {thread.native_id}", found[0])
+def write_host(root, node_cpus):
+    """Nodes 0 and 1 with the CPUs given (this process's own); GPUs 0 and 1 on node 0, 2 and 3 on node 1."""
+    cpus = sorted(c for group in node_cpus for c in group)
+    files = {"devices/system/cpu/online": ",".join(map(str, cpus))}
+    for cpu in cpus:
+        base = f"devices/system/cpu/cpu{cpu}/topology"
+        node = 0 if cpu in node_cpus[0] else 1
+        files[f"{base}/physical_package_id"] = str(node)
+        files[f"{base}/core_id"] = str(cpu)
+        files[f"{base}/thread_siblings_list"] = str(cpu)
+    for node, group in enumerate(node_cpus):
+        base = f"devices/system/node/node{node}"
+        files[f"{base}/cpulist"] = ",".join(map(str, sorted(group)))
+        files[f"{base}/meminfo"] = f"Node {node} MemTotal:       1048576 kB"
+        files[f"{base}/distance"] = "10 20" if node == 0 else "20 10"
+    for index, address in enumerate(GPUS):
+        base = f"bus/pci/devices/{address}"
+        files[f"{base}/numa_node"] = str(index // 2)
+        files[f"{base}/vendor"] = "0x10de"
+        files[f"{base}/device"] = "0x2330"
+        files[f"{base}/class"] = "0x030200"
+    for rel, text in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text + "\n")
 
-    def test_the_engines_placement_settings_follow_it_to_the_actor(self):
-        environ = {
-            "SGLANG_NUMA_AFFINITY_MODE": "socket",
-            "SGLANG_SYSFS_ROOT": "/snapshots/driver",
-            "HOME": "/root",
+
+class TestRayActorPlacement(unittest.TestCase):
+    def setUp(self):
+        self.allowed = sorted(os.sched_getaffinity(0))
+        if len(self.allowed) < 2:
+            self.skipTest("needs a process allowed on two CPUs, one per node")
+        self.root = tempfile.mkdtemp(prefix="ray_actor_test_")
+        self.addCleanup(shutil.rmtree, self.root, ignore_errors=True)
+        self.node1 = {self.allowed[-1]}
+        write_host(self.root, (set(self.allowed[:-1]), self.node1))
+        self.environ = {
+            "SGLANG_SYSFS_ROOT": self.root,
+            "CUDA_VISIBLE_DEVICES": "0",
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         }
-        self.assertEqual(
-            forwarded_env(environ), {"SGLANG_NUMA_AFFINITY_MODE": "socket"}
+
+    def test_the_node_is_that_of_rays_gpu_not_of_index_0(self):
+        server_args = SimpleNamespace(device="cuda", tp_size=4)
+        with patch.dict(os.environ, self.environ):
+            placement = actor_placement(
+                server_args,
+                rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=3, gpu_id=3),
+                assigned_gpus=["3"],
+            )
+        self.assertEqual((placement.pci, placement.numa_node), (GPUS[3], 1))
+        self.assertEqual(placement.cpus, frozenset(self.node1))
+
+    def test_the_actor_binds_every_thread_before_its_scheduler_exists(self):
+        script = textwrap.dedent(
+            """
+            import os, threading
+            from types import SimpleNamespace
+            from sglang.srt.scheduler_placement.ray_rank import bind_scheduler_actor
+
+            release = threading.Event()
+            early = threading.Thread(target=release.wait, args=(30,))
+            early.start()
+            placement, _ = bind_scheduler_actor(
+                SimpleNamespace(device="cuda", tp_size=4),
+                gpu_id=2, assigned_gpus=["2"], tp_rank=2, pp_rank=0, dp_rank=None,
+            )
+            print(placement.numa_node, sorted(os.sched_getaffinity(early.native_id)))
+            release.set()
+            """
         )
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, **self.environ},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertEqual(done.stdout.split()[0], "1")
+        self.assertEqual(done.stdout.strip().split(" ", 1)[1], str(sorted(self.node1)))
 
 
 if __name__ == "__main__":
