@@ -6,10 +6,8 @@ import itertools
 import re
 from typing import Iterable
 
-MAX_CPUS = 8192
-"""Linux's largest CONFIG_NR_CPUS (x86-64 MAXSMP): no kernel names a CPU above 8191."""
-MAX_CPULIST_CHARS = 64 * 1024
-"""Every even CPU id below MAX_CPUS, listed one by one, takes 20 KiB."""
+MAX_CPUS = 8192  # Linux's largest CONFIG_NR_CPUS (x86-64 MAXSMP)
+MAX_CPULIST_CHARS = 64 * 1024  # every even CPU id below MAX_CPUS, one by one: 20 KiB
 
 _NUMBER = r"[ \t]*([0-9]+)[ \t]*"
 _PART_RE = re.compile(rf"{_NUMBER}(?:-{_NUMBER})?(?::{_NUMBER})?")
@@ -43,21 +41,16 @@ def parse_cpulist(text: str, *, what: str = "cpulist") -> frozenset[int]:
             f"{what}: {shown(stripped)} is {len(stripped)} characters long; a list "
             f"of CPUs below {MAX_CPUS} needs at most {MAX_CPULIST_CHARS}"
         )
-    ranges: list[range] = []
+    present = bytearray(MAX_CPUS)  # many overlapping ranges cost nothing: C marks them
     for part in stripped.split(",") if stripped else ():
         try:
-            ranges.append(_parse_part(part.strip()))
+            cpus = _parse_part(part.strip())
         except ValueError as exc:
             raise ValueError(
                 f"{what}: {shown(part.strip())} in {shown(stripped)} is not a CPU "
                 f"number or range; expected a list such as '0-3,8' ({exc})"
             ) from exc
-    if sum(map(len, ranges)) <= MAX_CPUS:
-        return frozenset().union(*ranges)
-    # Many overlapping ranges: mark them in a bitmap, in C, instead.
-    present = bytearray(MAX_CPUS)
-    for r in ranges:
-        present[r.start : r.stop : r.step] = b"\x01" * len(r)
+        present[cpus.start : cpus.stop : cpus.step] = b"\x01" * len(cpus)
     return frozenset(itertools.compress(range(MAX_CPUS), present))
 
 

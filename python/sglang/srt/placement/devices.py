@@ -1,9 +1,7 @@
-"""Which physical accelerator, and PCI address, a rank's logical device index names.
+"""The physical accelerator, and PCI address, that a rank's logical device index names.
 
-``CUDA_VISIBLE_DEVICES`` (indices, UUIDs), Ray's ids or ``ZE_AFFINITY_MASK`` choose
-the device; its PCI address decides the node. A driver is asked only through an
-``AcceleratorRuntime`` (NVML, optional): never torch, whose CUDA initialisation in a
-launcher breaks the children it forks later.
+A driver is asked only through an ``AcceleratorRuntime`` (NVML, optional); never
+torch, whose CUDA initialisation in a launcher breaks the children it forks later.
 """
 
 from __future__ import annotations
@@ -19,11 +17,11 @@ logger = logging.getLogger(__name__)
 
 DeviceIdentityError = SettingError
 
-# The vendor, and the PCI classes of its GPUs (display, 3D, processing accelerator):
-# a card's audio function and NVSwitch bridges are left out.
+# (vendor, PCI class) of GPUs: display, 3D, processing accelerator; not a card's
+# audio function or an NVSwitch bridge.
 _GPUS = {
-    "cuda": ("0x10de", ("0x0300", "0x0302")),
-    "xpu": ("0x8086", ("0x0300", "0x0380", "0x1200")),
+    "cuda": {("0x10de", "0x0300"), ("0x10de", "0x0302")},
+    "xpu": {("0x8086", kind) for kind in ("0x0300", "0x0380", "0x1200")},
 }
 _GPUS_EXAMPLE = "e.g. --gpus 0000:17:00.0,0000:81:00.0."
 _PCI_RE = re.compile(r"(?:([0-9a-f]{4,8}):)?([0-9a-f]{2}):([01][0-9a-f])\.([0-7])")
@@ -100,8 +98,9 @@ class NvmlRuntime:
             self._ask("nvmlShutdown")
 
     def _ask(self, call: str, *args: Any) -> Any:
+        """NVML's answer, or None where it has none (or is asked about None)."""
         try:
-            return getattr(self._nvml, call)(*args)
+            return None if None in args else getattr(self._nvml, call)(*args)
         except self._error as exc:
             logger.debug(f"NVML {call} failed: {exc}")
             return None
@@ -111,26 +110,18 @@ class NvmlRuntime:
 
     def pci_by_uuid(self, uuid: str) -> Optional[str]:
         handle = self._ask("nvmlDeviceGetHandleByUUID", uuid)
-        if handle is None:
-            # CUDA takes any unique prefix of a UUID; NVML wants the whole UUID.
+        if handle is None:  # CUDA takes a unique prefix of a UUID; NVML, a whole one
             count = self._ask("nvmlDeviceGetCount") or 0
             handles = [self._ask("nvmlDeviceGetHandleByIndex", i) for i in range(count)]
-            found = [
-                found
-                for found in handles
-                if found is not None
-                and _text(self._ask("nvmlDeviceGetUUID", found))
-                .lower()
-                .startswith(uuid.lower())
-            ]
+            uuids = [_text(self._ask("nvmlDeviceGetUUID", h)).lower() for h in handles]
+            found = [h for h, u in zip(handles, uuids) if u.startswith(uuid.lower())]
             handle = found[0] if len(found) == 1 else None
-        if handle is not None and uuid.upper().startswith("MIG-"):
-            # A MIG instance has no PCI function of its own; its parent GPU has.
+        if uuid.upper().startswith("MIG-"):  # no PCI function of its own: its GPU's
             handle = self._ask("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", handle)
         return self._pci_of(handle)
 
     def _pci_of(self, handle: Any) -> Optional[str]:
-        info = None if handle is None else self._ask("nvmlDeviceGetPciInfo", handle)
+        info = self._ask("nvmlDeviceGetPciInfo", handle)
         return None if info is None else canonical_pci_address(_text(info.busId))
 
 
@@ -149,12 +140,8 @@ def accelerator_pci_devices(
     topology: HostTopology, *, device: str
 ) -> tuple[PciDevice, ...]:
     """The GPUs of ``device``'s vendor that sysfs lists, in PCI bus order."""
-    vendor, classes = _GPUS.get(device, ("", ()))
-    found = [
-        dev
-        for dev in topology.pci_devices
-        if dev.vendor == vendor and dev.pci_class[:6] in classes
-    ]
+    ids = _GPUS.get(device, ())
+    found = [d for d in topology.pci_devices if (d.vendor, d.pci_class[:6]) in ids]
     return tuple(sorted(found, key=lambda d: (int(d.address[:-8], 16), d.address)))
 
 
@@ -217,7 +204,7 @@ def identify_accelerators(
 
     def locate(gpu_id: int) -> Accelerator:
         text, index, origin = _physical(
-            device, gpu_id, env, ray_accelerator_ids, listed
+            device, gpu_id, env, ray_accelerator_ids, len(listed)
         )
 
         def made(pci: Optional[str], source: str) -> Accelerator:
@@ -239,15 +226,10 @@ def identify_accelerators(
                 source = f"physical device {index} ({origin}){note}"
                 return made(pci, f"{runtime.name}: {source}")
             missed = f"{runtime.name} has no device {index}; "
-        if index is None and text.upper().startswith("MIG-"):
-            return made(
-                None,
-                f"unknown: {text} is a MIG instance ({origin}); NVML is needed to find "
-                "its parent GPU's PCI address",
-            )
         if index is None:
-            why = "needs NVML to map a UUID to a PCI address"
-            return made(None, f"unknown: {text} ({origin}) {why}")
+            mig = " is a MIG instance: it" * text.upper().startswith("MIG-")
+            why = f"{mig} needs NVML to map a UUID to a PCI address"
+            return made(None, f"unknown: {text} ({origin}){why}")
         if index >= len(listed):
             return made(
                 None,
@@ -306,14 +288,13 @@ def _physical(
     gpu_id: int,
     env: Mapping[str, str],
     ray_ids: Optional[Sequence[str]],
-    listed: tuple[PciDevice, ...],
+    count: int,
 ) -> _Physical:
     if ray_ids:
         if gpu_id >= len(ray_ids):
             raise SettingError(
-                f"Ray assigned this actor GPU ids {list(ray_ids)} but the rank uses GPU "
-                f"id {gpu_id}; request as many GPUs per actor as the rank's device "
-                "index needs."
+                f"Ray assigned this actor GPU ids {list(ray_ids)} but the rank uses "
+                f"GPU id {gpu_id}; request as many GPUs per actor as its index needs."
             )
         entry = str(ray_ids[gpu_id]).strip()
         origin = f"Ray GPU id {entry!r} (index {gpu_id} of {list(ray_ids)})"
@@ -326,59 +307,45 @@ def _physical(
         if not found:
             raise SettingError(f"Ray GPU id {entry!r}: {entry!r} is not {kind}.")
         return found
-    if device == "xpu":
-        return _ze_physical(gpu_id, env.get("ZE_AFFINITY_MASK", "").strip(), listed)
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return _Physical(str(gpu_id), gpu_id, "no CUDA_VISIBLE_DEVICES")
-    entries = parse_cuda_visible_devices(visible)
+    var = "CUDA_VISIBLE_DEVICES" if device == "cuda" else "ZE_AFFINITY_MASK"
+    value = env.get(var)
+    if value is None or device == "xpu" and value.strip() in ("", "default"):
+        return _Physical(str(gpu_id), gpu_id, f"no {var}")
+    word, note = "GPU", ""
+    if device == "cuda":
+        entries: Sequence[Any] = parse_cuda_visible_devices(value)
+        if 0 < len(entries) <= value.count(","):
+            note = " (CUDA ignores the entries from the first invalid one on)"
+    else:
+        # Level Zero's mask filters, it does not permute ("3,1" shows 1 and 3, as 0
+        # and 1); card.tile shows its card; no index, or a card not listed, is skipped.
+        word, value = "device", value.strip()
+        cards = [_ZE_ENTRY_RE.fullmatch(part.strip()) for part in value.split(",")]
+        numbers = [card and int(card[1]) for card in cards]
+        entries = sorted(
+            {card for card in numbers if card is not None and card < count}
+        )
+        skipped = [
+            repr(p.strip())
+            for p, c in zip(value.split(","), numbers)
+            if c not in entries
+        ]
+        note = f"; entries {', '.join(skipped)} skipped" if skipped else ""
     if gpu_id >= len(entries):
-        shows, fix = (
-            "hides every GPU",
-            "unset it, list the GPUs (e.g. 0,1), or use --device cpu",
-        )
-        if entries:
-            shows = f"makes {len(entries)} GPU(s) visible"
-            fix = "list more GPUs or lower --base-gpu-id / --tp-size"
-        if entries and len(entries) < len(visible.split(",")):
-            shows += " (CUDA ignores the entries from the first invalid one on)"
+        shows = f"makes {len(entries)} {word}(s) visible{note}"
+        fix = f"list more {word}s or lower --base-gpu-id / --tp-size"
+        if device == "cuda" and not entries:
+            shows = "hides every GPU"
+            fix = "unset it, list the GPUs (e.g. 0,1), or use --device cpu"
         raise SettingError(
-            f"CUDA_VISIBLE_DEVICES={visible!r} {shows}, but a rank uses GPU id "
-            f"{gpu_id}; {fix}."
+            f"{var}={value!r} {shows}, but a rank uses GPU id {gpu_id}; {fix}."
         )
-    origin = f"CUDA_VISIBLE_DEVICES={visible!r} entry {gpu_id}"
-    return _cuda_entry(entries[gpu_id], origin)
-
-
-def _ze_physical(gpu_id: int, mask: str, listed: tuple[PciDevice, ...]) -> _Physical:
-    """Level Zero's mask filters, it does not permute (``"3,1"`` shows devices 1 and
-    3 as 0 and 1); ``card.tile`` shows its card; an entry that is no index, or names
-    a card beyond those listed, is skipped."""
-    if mask in ("", "default"):
-        return _Physical(str(gpu_id), gpu_id, "no ZE_AFFINITY_MASK")
-    cards: set[int] = set()
-    skipped = []
-    for part in mask.split(","):
-        match = _ZE_ENTRY_RE.fullmatch(part.strip())
-        if match is not None and int(match[1]) < len(listed):
-            cards.add(int(match[1]))
-        else:
-            skipped.append(repr(part.strip()))
-    visible = sorted(cards)
-    note = f"; entries {', '.join(skipped)} skipped" if skipped else ""
-    if gpu_id >= len(visible):
-        raise SettingError(
-            f"ZE_AFFINITY_MASK={mask!r} makes {len(visible)} device(s) visible{note}, "
-            f"but a rank uses GPU id {gpu_id}; list more devices or lower "
-            "--base-gpu-id / --tp-size."
-        )
-    card = visible[gpu_id]
-    return _Physical(
-        str(card),
-        card,
-        f"ZE_AFFINITY_MASK={mask!r} shows devices {','.join(map(str, visible))} in "
-        f"index order, device {gpu_id} is {card}{note}",
-    )
+    if device == "cuda":
+        return _cuda_entry(entries[gpu_id], f"{var}={value!r} entry {gpu_id}")
+    card = entries[gpu_id]
+    listing = ",".join(map(str, entries))
+    origin = f"shows devices {listing} in index order, device {gpu_id} is {card}"
+    return _Physical(str(card), card, f"{var}={value!r} {origin}{note}")
 
 
 def _text(value: Any) -> str:

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import stat
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,7 +27,7 @@ from sglang.srt.placement.types import (
 
 SNAPSHOT_MARKER = "sglang-placement-snapshot.json"
 SNAPSHOT_FORMAT = 1
-CAPTURE_COMMAND = "python -m sglang.srt.placement_tools capture DIR"
+_CAPTURE = "python -m sglang.srt.placement_tools capture DIR"
 LIVE_SYSFS = "/sys"
 ROOT_SETTING = "SGLANG_SYSFS_ROOT"
 
@@ -42,10 +41,7 @@ MAX_FILE_BYTES = 64 * 1024
 """A sysfs attribute holds at most a page (4 KiB), a snapshot marker far less."""
 
 _PCI_ADDRESS_RE = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
-_INTEGER_RE = {
-    10: re.compile(r"[+-]?[0-9]{1,20}"),
-    16: re.compile(r"[0-9a-fA-F]{1,16}"),
-}
+_INTEGER = {10: r"[+-]?[0-9]{1,20}", 16: r"[0-9a-fA-F]{1,16}"}
 _KINDS = dict(p="a FIFO", c="a character device", b="a block device", d="a directory")
 
 
@@ -92,7 +88,6 @@ def read_topology(
     return _read(root, setting=setting).topology
 
 
-_cache_lock = threading.Lock()
 _cached: dict[str, tuple[tuple[bytes, ...], HostTopology]] = {}
 
 
@@ -101,14 +96,10 @@ def read_topology_cached(root: str | os.PathLike = LIVE_SYSFS) -> HostTopology:
     sglang spawns its ranks one by one, each placed from the same facts."""
     path = os.path.abspath(os.fspath(root))
     stamp = tuple(_stamp(path, rel) for rel in (CPU_ONLINE, f"{NODE_DIR}/online"))
-    with _cache_lock:
-        hit = _cached.get(path)
-        if hit is not None and hit[0] == stamp:
-            return hit[1]
-    topology = read_topology(path)
-    with _cache_lock:
-        _cached[path] = (stamp, topology)
-    return topology
+    hit = _cached.get(path)
+    if hit is None or hit[0] != stamp:  # racing threads at worst both read the tree
+        hit = _cached[path] = (stamp, read_topology(path))
+    return hit[1]
 
 
 def _stamp(root: str, rel: str) -> bytes:
@@ -163,7 +154,7 @@ class _Reader:
             )
             self.fix = (
                 f"this snapshot (captured from kernel {kernel} at {when}) is "
-                f"incomplete or was edited; re-capture it with `{CAPTURE_COMMAND}` on "
+                f"incomplete or was edited; re-capture it with `{_CAPTURE}` on "
                 "the host it describes"
             )
 
@@ -196,19 +187,14 @@ class _Reader:
 
     def integer(self, rel: str, *, base: int = 10) -> int:
         text = self.read(rel).strip()
-        if _INTEGER_RE[base].fullmatch(text) is None:
+        if re.fullmatch(_INTEGER[base], text) is None:
             raise self.error(rel, f"{shown(text)} is not an integer")
         return int(text, base)
 
 
 def _tree_fix(setting: str) -> str:
-    point = (
-        f"pass {setting} pointing at" if setting[:2] == "--" else f"set {setting} to"
-    )
-    return (
-        f"{point} a sysfs tree (the live /sys, or a snapshot made with "
-        f"`{CAPTURE_COMMAND}`)"
-    )
+    how = f"pass {setting} pointing at" if setting[:2] == "--" else f"set {setting} to"
+    return f"{how} a sysfs tree (the live /sys, or a snapshot made with `{_CAPTURE}`)"
 
 
 def _read(root: str | os.PathLike, *, setting: str = ROOT_SETTING) -> TopologyRead:
@@ -230,13 +216,7 @@ def _read(root: str | os.PathLike, *, setting: str = ROOT_SETTING) -> TopologyRe
     cpus = tuple(
         _read_cpu(reader, cpu, node_of_cpu.get(cpu), online) for cpu in sorted(online)
     )
-    topology = HostTopology(
-        root=root,
-        nodes=nodes,
-        cpus=cpus,
-        online_cpus=online,
-        pci_devices=_read_pci(reader),
-    )
+    topology = HostTopology(root, nodes, cpus, online, _read_pci(reader))
     return TopologyRead(topology, reader.files, from_sysconf)
 
 
@@ -244,7 +224,7 @@ def _read_marker(root: str) -> Optional[dict]:
     path = os.path.join(root, SNAPSHOT_MARKER)
     if not os.path.lexists(path):  # a dangling link or a link loop is an error
         return None
-    fix = f"re-capture the snapshot with `{CAPTURE_COMMAND}`"
+    fix = f"re-capture the snapshot with `{_CAPTURE}`"
     data = read_file(path, fix=fix)
     try:
         marker = json.loads(data.decode("utf-8"))
@@ -284,7 +264,7 @@ def _read_nodes(reader: _Reader, online: frozenset[int]) -> tuple[NumaNode, ...]
             problem = "has no 'Node N MemTotal: <size> kB' line"
             raise reader.error(f"{base}/meminfo", problem)
         words = reader.read(f"{base}/distance").split()
-        row = [int(word) for word in words if _INTEGER_RE[10].fullmatch(word)]
+        row = [int(word) for word in words if re.fullmatch(_INTEGER[10], word)]
         # The kernel prints one distance per online node, in node id order.
         if len(row) != len(words) or len(row) != len(node_ids):
             raise reader.error(
