@@ -74,7 +74,7 @@ def rank_cpus(
 def shared_cpus(spec: str, *, index: int) -> Optional[str]:
     """A note when group ``index`` shares CPUs with another, as upstream allows."""
     groups = spec.strip().split("|")
-    if spec.strip() == "all" or not 0 <= index < len(groups):
+    if not 0 <= index < len(groups):
         return None
     mine = _cpus(groups[index])
     for other, part in enumerate(groups):
