@@ -48,7 +48,7 @@ def parse_gpus_option(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
         raise SettingError(
             f"--gpus is empty; give one PCI address per device index, {_GPUS_EXAMPLE}"
         )
-    addresses: list[str] = []
+    found: list[str] = []
     for position, part in enumerate(raw.split(",")):
         address = canonical_pci_address(part)
         if address is None:
@@ -56,14 +56,14 @@ def parse_gpus_option(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
                 f"--gpus={raw!r}: entry {position} ({part.strip()!r}) is not a PCI "
                 f"address; expected dddd:bb:dd.f or bb:dd.f, {_GPUS_EXAMPLE}"
             )
-        if address in addresses:
+        if address in found:
             raise SettingError(
                 f"--gpus={raw!r}: {address} is listed twice (entries "
-                f"{addresses.index(address)} and {position}); each device index "
+                f"{found.index(address)} and {position}); each device index "
                 f"needs its own GPU, {_GPUS_EXAMPLE}"
             )
-        addresses.append(address)
-    return tuple(addresses)
+        found.append(address)
+    return tuple(found)
 
 
 class AcceleratorRuntime(Protocol):
@@ -163,7 +163,7 @@ def identify_accelerators(
 ) -> tuple[Accelerator, ...]:
     """One Accelerator per logical device index, in order.
 
-    ``gpus`` (``--gpus``) names addresses outright; otherwise Ray's id, else the
+    ``gpus`` (``--gpus``) names found outright; otherwise Ray's id, else the
     visibility variable's entry, else the index names the physical device, whose
     address ``runtime`` gives, else sysfs order. ``env`` is the rank's own.
     """
@@ -181,7 +181,21 @@ def identify_accelerators(
                 "--gpu-id-step."
             )
     if gpus is not None:
-        return _from_gpus_option(topology, gpu_ids, parse_gpus_option(gpus))
+        found = parse_gpus_option(gpus)
+        for gpu_id in gpu_ids:
+            if gpu_id >= len(found):
+                raise SettingError(
+                    f"--gpus lists {len(found)} address(es) "
+                    f"({','.join(found)}) but a rank uses GPU id {gpu_id}; list one "
+                    f"PCI address per device index 0..{max(gpu_ids)}, {_GPUS_EXAMPLE}"
+                )
+            if topology.pci_device(found[gpu_id]) is None:  # a typo: not unbound
+                raise SettingError(
+                    f"--gpus: {found[gpu_id]} (device index {gpu_id}) is not among "
+                    f"the {len(topology.pci_devices)} PCI devices read from "
+                    f"{topology.root}; check it with `lspci -D`, {_GPUS_EXAMPLE}"
+                )
+        return tuple(Accelerator(i, found[i], found[i], "--gpus") for i in gpu_ids)
     listed = accelerator_pci_devices(topology, device=device)
     vendor, order, note, flat = "NVIDIA", "PCI bus order", "", ""
     if device == "xpu":
@@ -240,27 +254,6 @@ def identify_accelerators(
         return made(listed[index].address, f"sysfs: {source}")
 
     return tuple(map(locate, gpu_ids))
-
-
-def _from_gpus_option(
-    topology: HostTopology, gpu_ids: Sequence[int], gpus: tuple[str, ...]
-) -> tuple[Accelerator, ...]:
-    for gpu_id in gpu_ids:
-        if gpu_id >= len(gpus):
-            raise SettingError(
-                f"--gpus lists {len(gpus)} address(es) ({','.join(gpus)}) but a rank "
-                f"uses GPU id {gpu_id}; list one PCI address per device index "
-                f"0..{max(gpu_ids)}, {_GPUS_EXAMPLE}"
-            )
-        if topology.pci_device(gpus[gpu_id]) is None:  # a typo must not go unbound
-            raise SettingError(
-                f"--gpus: {gpus[gpu_id]} (device index {gpu_id}) is not among the "
-                f"{len(topology.pci_devices)} PCI devices read from {topology.root}; "
-                f"check the address with `lspci -D`, {_GPUS_EXAMPLE}"
-            )
-    return tuple(
-        Accelerator(gpu_id, gpus[gpu_id], gpus[gpu_id], "--gpus") for gpu_id in gpu_ids
-    )
 
 
 def parse_cuda_visible_devices(text: str) -> tuple[str, ...]:
