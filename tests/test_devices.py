@@ -13,8 +13,6 @@ from sglang.srt.placement.devices import (
     canonical_pci_address,
     default_runtime,
     identify_accelerators,
-    is_integrated_intel_gpu,
-    level_zero_order,
     parse_cuda_visible_devices,
     parse_gpus_option,
 )
@@ -503,13 +501,22 @@ def test_xpu_level_zero_order_puts_the_integrated_gpu_last():
         )
 
 
-def test_level_zero_order_of_discrete_gpus_only_is_pci_order():
-    devices = tuple(d for d in XPU_TOPO.pci_devices if d.address != "0000:00:02.0")
-    ordered = [d.address for d in level_zero_order(accelerator_pci_devices(make_topology(devices), device="xpu"),
-                                                   env={})]  # fmt: skip
-    assert ordered == ["0000:29:00.0", "0000:4d:00.0", "0000:9a:00.0"]
-    assert [is_integrated_intel_gpu(a) for a in ("0000:00:02.0", "0000:00:1f.0", "0001:00:02.0", "0000:01:00.0")] \
-        == [True, True, False, False]  # fmt: skip
+def test_level_zero_order_puts_only_domain_0_bus_0_last():
+    devices = XPU_TOPO.pci_devices + (
+        PciDevice("0001:00:02.0", 0, "0x8086", "0x0bd5", "0x038000"),
+        PciDevice("0000:01:00.0", 0, "0x8086", "0x0bd5", "0x038000"),
+    )
+    accs = identify_accelerators(
+        device="xpu", topology=make_topology(devices), gpu_ids=range(6), env={}
+    )
+    assert [a.pci for a in accs] == [
+        "0000:01:00.0",
+        "0000:29:00.0",
+        "0000:4d:00.0",
+        "0000:9a:00.0",
+        "0001:00:02.0",
+        "0000:00:02.0",
+    ]
 
 
 def test_ze_affinity_mask_filters_and_does_not_permute():

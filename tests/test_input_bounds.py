@@ -30,7 +30,7 @@ from cli_limits import (
 
 from sglang.srt.placement_tools.__main__ import build_parser, main
 from sglang.srt.placement_tools.capture import capture_sysfs
-from sglang.srt.placement.cpulist import CpuListError, parse_cpulist
+from sglang.srt.placement.cpulist import parse_cpulist
 from sglang.srt.placement.topology import SNAPSHOT_MARKER
 
 ONLINE = "devices/system/cpu/online"
@@ -137,7 +137,7 @@ def test_cpulist_takes_ascii_cpu_ids_below_8192():
         "3-1",
     ):
         kind, message = in_child(_parse_cpulist, text, "--flag")
-        assert kind == "CpuListError" and message.startswith("--flag: "), (
+        assert kind == "ValueError" and message.startswith("--flag: "), (
             text,
             kind,
             message[:200],
@@ -149,7 +149,7 @@ def test_cpulist_of_many_overlapping_ranges_is_quick():
     assert len(parse_cpulist(",".join(["0-8191"] * 9000))) == 8192
     assert len(parse_cpulist(",".join(["1-8191:2"] * 7000))) == 4096
     assert time.monotonic() - start < 2
-    with pytest.raises(CpuListError, match="characters long"):
+    with pytest.raises(ValueError, match="characters long"):
         parse_cpulist("0," * 40000)
 
 
