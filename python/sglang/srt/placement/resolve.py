@@ -1,28 +1,30 @@
-"""The pure decision of where one rank runs: its node, CPUs and memory nodes, then how that is applied.
+"""The decision of where one rank runs, then of how that is applied.
 
-``placement_intent`` computes a rank's intent from host facts and policy
-alone; ``strategy.choose_strategy`` then probes numactl and picks how it is
-applied. ``placement.plan`` chooses the inputs (which rank, which device) for
-every launcher, so a rank gets the same answer whichever path asked.
+Where (node, CPUs, memory nodes) is pure, from host facts and policy alone and blind
+to the other ranks, so a spawned child, a Ray actor and ``plan`` agree on a GPU. How
+(exec, in-process, V1) asks numactl, once per option set, on the rank's own host.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Union
 
+from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.devices import accelerator_pci_devices
-from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.strategy import (
-    HostCapabilities,
-    PlacementIntent,
-    choose_strategy,
+from sglang.srt.placement.numactl import (
+    AssumedNumactl,
+    NumactlProber,
+    cpu_option,
+    default_prober,
 )
+from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.types import (
     Accelerator,
     HostTopology,
+    MemPolicy,
     NumaNode,
     PlacementError,
     ProcessAffinity,
@@ -31,19 +33,72 @@ from sglang.srt.placement.types import (
     Strategy,
 )
 
-# ---------------------------------------------------------------------------------------------
-# Node choice and CPU sets
-
-SHARING_MODES = ("exclusive", "core-complex")
-"""Modes that give each GPU of a node its own share of the node's CPUs."""
+SHARING_MODES = ("exclusive", "core-complex")  # each GPU gets its share of its node
+ONE_NODE_REASON = (
+    "this host has one NUMA node with CPUs: node binding cannot help "
+    "(exclusive and core-complex modes still share it out between its GPUs)"
+)
 
 
 @dataclass(frozen=True)
-class NodeChoice:
-    node: Optional[int]
+class HostCapabilities:
+    """What can apply a binding: numactl (a stand-in for a snapshot) and libnuma."""
+
+    numactl: Optional[Union[NumactlProber, AssumedNumactl]]
+    libnuma: bool
+
+    @classmethod
+    def live(cls) -> "HostCapabilities":
+        from sglang.srt.placement.libnuma import load_libnuma
+
+        return cls(numactl=default_prober(), libnuma=load_libnuma() is not None)
+
+    @classmethod
+    def snapshot(cls, root: str) -> "HostCapabilities":
+        return cls(numactl=AssumedNumactl(root=root), libnuma=True)
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    topology: HostTopology
+    affinity: ProcessAffinity
+    capabilities: HostCapabilities
+
+    @classmethod
+    def live(cls) -> "HostFacts":
+        """This host, its topology read from ``SGLANG_SYSFS_ROOT``."""
+        from sglang.srt.placement.topology import (
+            read_process_affinity,
+            read_topology_cached,
+        )
+
+        return cls(
+            topology=read_topology_cached(settings.sysfs_root()),
+            affinity=read_process_affinity(),
+            capabilities=HostCapabilities.live(),
+        )
+
+
+class Choice(NamedTuple):
+    """One step's answer (None: nothing), why, and whether it is less than intended."""
+
+    value: Any
     reasons: tuple[str, ...]
-    failure: bool = False
-    """True when an unbound rank is a fault: the placement is marked less bound than intended."""
+    warning: bool = False
+
+
+def not_placed(policy: PlacementPolicy, topology: HostTopology) -> Optional[str]:
+    """Why sglang leaves an accelerator rank unbound whatever its device; decided
+    before any device is asked about."""
+    if policy.device not in ("cuda", "xpu"):
+        return f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"
+    if policy.numa_nodes is not None:
+        return None
+    if not policy.auto_numa_bind:
+        return "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
+    if policy.affinity_mode == "node" and len(topology.cpu_nodes) < 2:
+        return ONE_NODE_REASON
+    return None
 
 
 def choose_node(
@@ -52,84 +107,56 @@ def choose_node(
     rank: RankIdentity,
     accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
-) -> NodeChoice:
-    """Upstream's order: the explicit --numa-node list, then SGLANG_AUTO_NUMA_BIND, then the PCI numa_node."""
-    if policy.numa_nodes is not None and rank.gpu_id is not None:
-        if rank.gpu_id >= len(policy.numa_nodes):
+) -> Choice:
+    """Upstream's order: the ``--numa-node`` list, else the node of the GPU's PCI
+    device; ``accelerator`` may be None only with the list."""
+    listed, gpu_id = policy.numa_nodes, rank.gpu_id
+    if listed is not None:
+        if gpu_id >= len(listed):
             raise PlacementError(
-                f"--numa-node has {len(policy.numa_nodes)} entr{'y' if len(policy.numa_nodes) == 1 else 'ies'} "
-                f"({' '.join(map(str, policy.numa_nodes))}) but {rank.label} uses GPU {rank.gpu_id}: give one node "
-                f"per GPU id, at least {rank.gpu_id + 1} entries"
+                f"--numa-node has {len(listed)} entr{'y' if len(listed) == 1 else 'ies'}"
+                f" ({' '.join(map(str, listed))}) but {rank.label} uses GPU {gpu_id}: "
+                f"give one node per GPU id, at least {gpu_id + 1} entries"
             )
-        node = policy.numa_nodes[rank.gpu_id]
-        if topology.node(node) is None:
+        if topology.node(listed[gpu_id]) is None:
             raise PlacementError(
-                f"--numa-node gives node {node} for GPU {rank.gpu_id}, but this host has nodes "
-                f"{format_cpulist(topology.node_ids)}"
+                f"--numa-node gives node {listed[gpu_id]} for GPU {gpu_id}, but this "
+                f"host has nodes {format_cpulist(topology.node_ids)}"
             )
-        return NodeChoice(
-            node=node, reasons=(f"node {node} from --numa-node (GPU {rank.gpu_id})",)
+        return Choice(
+            listed[gpu_id], (f"node {listed[gpu_id]} from --numa-node (GPU {gpu_id})",)
         )
-    if not policy.auto_numa_bind:
-        return NodeChoice(
-            node=None,
-            reasons=("no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding",),
+    pci, gpu = accelerator.pci, f"GPU {accelerator.gpu_id}"
+    if pci is None:
+        why = (
+            f"{gpu} ({accelerator.physical_id}): no PCI address ({accelerator.source})"
         )
-    if accelerator is None:
-        return NodeChoice(
-            node=None,
-            reasons=("no accelerator identified for this rank",),
-            failure=True,
-        )
-    if accelerator.pci is None:
-        return NodeChoice(
-            node=None,
-            reasons=(
-                f"GPU {accelerator.gpu_id} ({accelerator.physical_id}): no PCI address ({accelerator.source})",
-            ),
-            failure=True,
-        )
-    device = topology.pci_device(accelerator.pci)
-    via = f"GPU {accelerator.gpu_id} is {accelerator.physical_id} at PCI {accelerator.pci} ({accelerator.source})"
+        return Choice(None, (why,), warning=True)
+    via = f"{gpu} is {accelerator.physical_id} at PCI {pci} ({accelerator.source})"
+    device = topology.pci_device(pci)
     if device is None:
-        return NodeChoice(
-            node=None,
-            reasons=(via, f"PCI {accelerator.pci} is not in {topology.root}"),
-            failure=True,
+        return Choice(None, (via, f"PCI {pci} is not in {topology.root}"), True)
+    if device.numa_node is not None:
+        return Choice(
+            device.numa_node, (via, f"node {device.numa_node} from PCI {pci}")
         )
-    if device.numa_node is None:
-        cpu_nodes = topology.cpu_nodes
-        if len(cpu_nodes) == 1 and policy.affinity_mode in SHARING_MODES:
-            only = cpu_nodes[0].node_id
-            return NodeChoice(
-                node=only,
-                reasons=(
-                    via,
-                    f"PCI {accelerator.pci} reports numa_node -1; node {only} is the only node with CPUs",
-                ),
-            )
-        return NodeChoice(
-            node=None,
-            reasons=(
-                via,
-                f"PCI {accelerator.pci} reports numa_node -1 (the kernel does not know its node)",
-            ),
-        )
-    return NodeChoice(
-        node=device.numa_node,
-        reasons=(via, f"node {device.numa_node} from PCI {accelerator.pci}"),
-    )
+    cpu_nodes = topology.cpu_nodes
+    if len(cpu_nodes) == 1 and policy.affinity_mode in SHARING_MODES:
+        only = cpu_nodes[0].node_id
+        why = f"PCI {pci} reports numa_node -1; node {only} is the only node with CPUs"
+        return Choice(only, (via, why))
+    why = f"PCI {pci} reports numa_node -1 (the kernel does not know its node)"
+    return Choice(None, (via, why))
 
 
 def node_accelerators(
     topology: HostTopology, *, node_id: int, device: str
 ) -> tuple[str, ...]:
-    """PCI addresses of the ``device`` accelerators attached to ``node_id``, in PCI order.
+    """PCI addresses of the ``device`` accelerators on ``node_id``, in PCI order.
 
-    Every rank on the host computes the same list from sysfs alone, so a
-    spawned child and a Ray actor on one GPU agree on its index without asking
-    each other. A device whose node the kernel does not know counts for the
-    only node with CPUs, where ``choose_node`` places it.
+    Every rank computes the same list from sysfs alone, so a spawned child and a Ray
+    actor agree on a GPU's index without asking each other. A device of unknown node
+    counts for the only node with CPUs, where ``choose_node`` places it.
     """
     only = topology.cpu_nodes[0].node_id if len(topology.cpu_nodes) == 1 else None
     return tuple(
@@ -139,31 +166,6 @@ def node_accelerators(
     )
 
 
-def physical_cores(
-    cpus: frozenset[int], *, topology: HostTopology
-) -> tuple[frozenset[int], ...]:
-    """``cpus`` grouped by physical core, in CPU order, so a slice never splits SMT siblings."""
-    cores: list[frozenset[int]] = []
-    seen: set[int] = set()
-    for cpu_id in sorted(cpus):
-        if cpu_id in seen:
-            continue
-        info = topology.cpu(cpu_id)
-        core = ((info.thread_siblings if info else frozenset()) & cpus) | {cpu_id}
-        seen.update(core)
-        cores.append(frozenset(core))
-    return tuple(cores)
-
-
-@dataclass(frozen=True)
-class ModeCpus:
-    """The CPUs an affinity mode gives one GPU of a node, and whether it got less than asked."""
-
-    cpus: frozenset[int]
-    reasons: tuple[str, ...]
-    warning: bool = False
-
-
 def exclusive_cpus(
     allowed: frozenset[int],
     *,
@@ -171,34 +173,37 @@ def exclusive_cpus(
     node_id: int,
     index: int,
     count: int,
-) -> ModeCpus:
-    """Slice ``index`` of ``count`` of ``allowed``: whole cores, contiguous, sizes as even as possible.
-
-    With fewer cores than GPUs the slices are single CPUs; with fewer CPUs
-    than GPUs the GPUs wrap round and share, which is less than asked.
-    """
-    units = physical_cores(allowed, topology=topology)
+) -> Choice:
+    """Slice ``index`` of ``count`` of ``allowed``: whole cores, contiguous, sizes as
+    even as possible. With fewer cores than GPUs the slices are single CPUs; with
+    fewer CPUs than GPUs the GPUs wrap round and share, which is less than asked."""
+    units: list[frozenset[int]] = []  # physical cores, so no slice splits siblings
+    seen: set[int] = set()
+    for cpu_id in sorted(allowed):
+        if cpu_id not in seen:
+            info = topology.cpu(cpu_id)
+            siblings = info.thread_siblings if info else frozenset()
+            units.append(frozenset((siblings & allowed) | {cpu_id}))
+            seen.update(units[-1])
     reasons = [
         f"exclusive mode: GPU {index + 1} of {count} on node {node_id} (PCI order) "
         f"gets slice {index + 1} of the node's {len(units)} allowed cores"
     ]
-    warning = False
     if len(units) < count:
-        units = tuple(frozenset({cpu}) for core in units for cpu in sorted(core))
+        units = [frozenset({cpu}) for core in units for cpu in sorted(core)]
         reasons.append(
             f"node {node_id} has fewer allowed cores than GPUs: slices split SMT siblings"
         )
     if len(units) < count:
         reasons.append(
-            f"node {node_id} has {len(units)} allowed CPUs for {count} GPUs: GPUs share CPUs"
+            f"node {node_id} has {len(units)} allowed CPUs for {count} GPUs: "
+            "GPUs share CPUs"
         )
-        return ModeCpus(units[index % len(units)], tuple(reasons), warning=True)
+        return Choice(units[index % len(units)], tuple(reasons), warning=True)
     base, extra = divmod(len(units), count)
     start = index * base + min(index, extra)
     size = base + (1 if index < extra else 0)
-    return ModeCpus(
-        frozenset().union(*units[start : start + size]), tuple(reasons), warning
-    )
+    return Choice(frozenset().union(*units[start : start + size]), tuple(reasons))
 
 
 def core_complex_cpus(
@@ -208,12 +213,9 @@ def core_complex_cpus(
     node_id: int,
     index: int,
     count: int,
-) -> Optional[ModeCpus]:
-    """The L3 group GPU ``index`` of ``count`` gets on its node, or None when sysfs has no L3 groups.
-
-    Groups are the allowed CPUs sharing one ``cache/index3``, ordered by their
-    lowest CPU; GPUs beyond the number of groups wrap round and share one.
-    """
+) -> Optional[Choice]:
+    """The L3 group (allowed CPUs sharing one ``cache/index3``, ordered by their lowest
+    CPU) GPU ``index`` gets, wrapping round; None when sysfs has no L3 groups."""
     groups: dict[frozenset[int], None] = {}
     for cpu_id in sorted(allowed):
         info = topology.cpu(cpu_id)
@@ -231,31 +233,28 @@ def core_complex_cpus(
             f"node {node_id} has {count} GPUs for {len(ordered)} L3 groups: GPUs wrap "
             "round and share a group"
         )
-    return ModeCpus(ordered[chosen], tuple(reasons))
+    return Choice(ordered[chosen], tuple(reasons))
 
 
-def _mode_cpus(
+def _share(
     allowed: frozenset[int],
     *,
     topology: HostTopology,
     node_id: int,
     pci: Optional[str],
     policy: PlacementPolicy,
-) -> ModeCpus:
-    """The CPUs ``exclusive`` or ``core-complex`` gives the GPU at ``pci``, or the whole
-    node's with the reason when the topology lacks what the mode needs."""
+) -> Choice:
+    """What a sharing mode gives the GPU at ``pci``, or the whole node, with a
+    warning, where the topology lacks what the mode needs."""
     mode = policy.affinity_mode
     gpus = node_accelerators(topology, node_id=node_id, device=policy.device)
     if pci not in gpus:
-        return ModeCpus(
-            allowed,
-            (
-                f"{mode} mode: GPU {pci or '(no PCI address)'} is not among node "
-                f"{node_id}'s {policy.device} devices in sysfs "
-                f"({', '.join(gpus) or 'none'}): bound to the whole node",
-            ),
-            warning=True,
+        why = (
+            f"{mode} mode: GPU {pci or '(no PCI address)'} is not among node "
+            f"{node_id}'s {policy.device} devices in sysfs "
+            f"({', '.join(gpus) or 'none'}): bound to the whole node"
         )
+        return Choice(allowed, (why,), warning=True)
     ask = dict(
         topology=topology, node_id=node_id, index=gpus.index(pci), count=len(gpus)
     )
@@ -264,270 +263,237 @@ def _mode_cpus(
     found = core_complex_cpus(allowed, **ask)
     if found is not None:
         return found
-    return ModeCpus(
-        allowed,
-        (
-            f"core-complex mode: sysfs has no L3 groups (cache/index3) for node "
-            f"{node_id}'s CPUs: bound to the whole node",
-        ),
-        warning=True,
+    why = (
+        f"core-complex mode: sysfs has no L3 groups (cache/index3) for node "
+        f"{node_id}'s CPUs: bound to the whole node"
     )
+    return Choice(allowed, (why,), warning=True)
 
 
-def _node_cpu_set(
-    *,
-    topology: HostTopology,
-    node: NumaNode,
-    policy: PlacementPolicy,
-    affinity: ProcessAffinity,
-    pci: Optional[str],
-) -> tuple[frozenset[int], tuple[int, ...], Optional[tuple[int, ...]], list[str], bool]:
-    """(cpus, memory nodes, whole nodes for --cpunodebind or None, reasons, warning)."""
-    reasons: list[str] = []
-    if policy.affinity_mode == "socket":
-        packages = topology.packages_of_node(node.node_id)
-        node_ids = topology.nodes_of_packages(packages) or (node.node_id,)
-        nodes = [topology.node(n) for n in node_ids]
-        nodes = [n for n in nodes if n is not None]
-        reasons.append(
-            f"socket mode: package {format_cpulist(packages)} holds node(s) {format_cpulist(node_ids)}"
-        )
-    else:
-        nodes = [node]
-    span = frozenset().union(*(n.cpus for n in nodes))
-    allowed = span & affinity.cpus
-    if allowed != span and allowed:
-        reasons.append(
-            f"{affinity.source} allows {len(allowed)} of {len(span)} CPUs of node(s) "
-            f"{format_cpulist(n.node_id for n in nodes)}"
-        )
-    mem_nodes = tuple(
-        n.node_id for n in nodes if n.has_memory and n.node_id in affinity.mems
-    )
-    whole: Optional[tuple[int, ...]] = (
-        tuple(n.node_id for n in nodes) if allowed == span else None
-    )
-    if policy.affinity_mode not in SHARING_MODES or not allowed:
-        return allowed, mem_nodes, whole, reasons, False
-    mode = _mode_cpus(
-        allowed, topology=topology, node_id=node.node_id, pci=pci, policy=policy
-    )
-    reasons.extend(mode.reasons)
-    if mode.cpus != allowed or not mode.warning:
-        whole = None  # a mode's share is a CPU list, even a node's only GPU's
-    return mode.cpus, mem_nodes, whole, reasons, mode.warning
+class _Intent(NamedTuple):
+    """Where a rank should run, before asking how."""
+
+    node_id: int
+    cpus: frozenset[int]
+    mem_nodes: tuple[int, ...]  # empty: no node near it has memory this process may use
+    whole_nodes: Optional[tuple[int, ...]]  # nodes whose CPUs are exactly ``cpus``
+    reasons: list[str]
+    warning: bool = False
 
 
-# ---------------------------------------------------------------------------------------------
-# The decision
-
-
-def placement_intent(
-    *,
-    topology: HostTopology,
-    affinity: ProcessAffinity,
+def _gpu_intent(
+    facts: HostFacts,
     rank: RankIdentity,
     accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
-    cpu_rank_set: Optional[frozenset[int]] = None,
-) -> Union[PlacementIntent, ProcessPlacement]:
-    """Where ``rank`` should run (an intent), or its unbound placement with the reason.
-
-    Pure, and blind to the other ranks, so that whichever process asks for a
-    GPU (a spawned child, a Ray actor, ``plan``) gets the same answer.
-    ``cpu_rank_set`` is a CPU-device rank's CPUs from SGLANG_CPU_OMP_THREADS_BIND.
-    """
+) -> Union[_Intent, ProcessPlacement]:
+    topology, affinity = facts.topology, facts.affinity
     pci = accelerator.pci if accelerator is not None else None
     unbound = functools.partial(
         ProcessPlacement.unbound, rank, launcher=policy.launcher, pci=pci
     )
-    if policy.device == "cpu":
-        return _cpu_intent(
-            topology=topology,
-            affinity=affinity,
-            rank=rank,
-            policy=policy,
-            cpu_rank_set=cpu_rank_set,
-        )
-
     choice = choose_node(
         topology=topology, rank=rank, accelerator=accelerator, policy=policy
     )
     reasons = list(choice.reasons)
-    if choice.node is None:
-        return unbound(reasons=reasons, failure=choice.failure)
-    node = topology.node(choice.node)
-    if node is None:
-        return unbound(
-            reasons=reasons + [f"node {choice.node} does not exist on this host"],
-            failure=True,
+    if choice.value is None:
+        return unbound(reasons=reasons, failure=choice.warning)
+    node = topology.node(choice.value)
+    if node is None or not node.has_cpus:
+        what = (
+            "does not exist on this host" if node is None else "has memory but no CPUs"
         )
-    if not node.has_cpus:
-        return unbound(
-            reasons=reasons + [f"node {node.node_id} has memory but no CPUs"],
-            failure=True,
-        )
-    if (
-        policy.affinity_mode == "node"
-        and policy.numa_nodes is None
-        and len(topology.cpu_nodes) == 1
-    ):
-        return unbound(reasons=reasons + [ONE_NODE_REASON], failure=False)
-    cpus, mem_nodes, whole, cpu_reasons, warning = _node_cpu_set(
-        topology=topology, node=node, policy=policy, affinity=affinity, pci=pci
-    )
-    reasons.extend(cpu_reasons)
-    if not cpus:
-        return unbound(
-            reasons=reasons
-            + [
-                f"NUMA node {node.node_id} has no CPU cores allowed by the current affinity "
-                f"{format_cpulist(affinity.cpus)} ({affinity.source}; node CPUs "
-                f"{format_cpulist(node.cpus)}), skipping NUMA binding"
-            ],
-            failure=True,
-        )
-    return _intent(rank, pci, node.node_id, cpus, mem_nodes, whole, reasons, warning)
-
-
-ONE_NODE_REASON = (
-    "this host has one NUMA node with CPUs: node binding cannot help "
-    "(exclusive and core-complex modes still share it out between its GPUs)"
-)
-
-
-def _intent(
-    rank: RankIdentity,
-    pci: Optional[str],
-    node_id: int,
-    cpus: frozenset[int],
-    mem_nodes: tuple[int, ...],
-    whole: Optional[tuple[int, ...]],
-    reasons: list[str],
-    warning: bool = False,
-) -> PlacementIntent:
-    if not mem_nodes:
+        return unbound(reasons=[*reasons, f"node {choice.value} {what}"], failure=True)
+    nodes = [node]
+    if policy.affinity_mode == "socket":
+        packages = topology.packages_of_node(node.node_id)
+        node_ids = topology.nodes_of_packages(packages) or (node.node_id,)
+        nodes = [n for n in map(topology.node, node_ids) if n is not None]
         reasons.append(
-            f"no memory node this process may use near node {node_id}: CPU binding only"
+            f"socket mode: package {format_cpulist(packages)} holds node(s) "
+            f"{format_cpulist(node_ids)}"
         )
-    return PlacementIntent(
-        rank=rank,
-        pci=pci,
-        node_id=node_id,
-        cpus=cpus,
-        mem_nodes=mem_nodes,
-        whole_nodes=whole,
-        reasons=tuple(reasons),
-        warning=warning,
-    )
+    span = frozenset().union(*(n.cpus for n in nodes))
+    cpus = span & affinity.cpus
+    if not cpus:
+        reasons.append(
+            f"NUMA node {node.node_id} has no CPU cores allowed by the current affinity "
+            f"{format_cpulist(affinity.cpus)} ({affinity.source}; node CPUs "
+            f"{format_cpulist(node.cpus)}), skipping NUMA binding"
+        )
+        return unbound(reasons=reasons, failure=True)
+    if cpus != span:
+        reasons.append(
+            f"{affinity.source} allows {len(cpus)} of {len(span)} CPUs of node(s) "
+            f"{format_cpulist(n.node_id for n in nodes)}"
+        )
+    whole = tuple(n.node_id for n in nodes) if cpus == span else None
+    warning = False
+    if policy.affinity_mode in SHARING_MODES:
+        share = _share(
+            cpus, topology=topology, node_id=node.node_id, pci=pci, policy=policy
+        )
+        reasons.extend(share.reasons)
+        if share.value != cpus or not share.warning:
+            whole = None  # a mode's share is a CPU list, even a node's only GPU's
+        cpus, warning = share.value, share.warning
+    mems = [n.node_id for n in nodes if n.has_memory and n.node_id in affinity.mems]
+    return _Intent(node.node_id, cpus, tuple(mems), whole, reasons, warning)
 
 
 def _cpu_intent(
-    *,
-    topology: HostTopology,
-    affinity: ProcessAffinity,
+    facts: HostFacts,
     rank: RankIdentity,
     policy: PlacementPolicy,
-    cpu_rank_set: Optional[frozenset[int]],
-) -> Union[PlacementIntent, ProcessPlacement]:
-    """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives it, memory on the nodes of those CPUs."""
+    rank_cpus: frozenset[int],
+) -> Union[_Intent, ProcessPlacement]:
+    """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives it, memory on the
+    nodes of those CPUs."""
+    topology, affinity = facts.topology, facts.affinity
     unbound = functools.partial(
         ProcessPlacement.unbound, rank, launcher=policy.launcher
     )
     spec = policy.cpu_threads_bind.strip()
+    shown = "all (one node per rank)" if spec == "all" else repr(spec)
     reasons = [
-        f"CPU rank {rank.gpu_id}: CPUs {format_cpulist(cpu_rank_set or ())} from SGLANG_CPU_OMP_THREADS_BIND="
-        f"{'all (one node per rank)' if spec == 'all' else repr(spec)}"
+        f"CPU rank {rank.gpu_id}: CPUs {format_cpulist(rank_cpus)} from "
+        f"SGLANG_CPU_OMP_THREADS_BIND={shown}"
     ]
     if not policy.bind_v2:
-        return unbound(
-            reasons=reasons
-            + [
-                "SGLANG_NUMA_BIND_V2=0: the spawn is not bound (upstream behaviour); only bootstrap's "
-                "init_cpu_threads_env pins the OpenMP threads, on AMX or arm64 hosts"
-            ],
-            failure=False,
+        reasons.append(
+            "SGLANG_NUMA_BIND_V2=0: the spawn is not bound (upstream behaviour); only "
+            "bootstrap's init_cpu_threads_env pins the OpenMP threads, on AMX or arm64 "
+            "hosts"
         )
-    if cpu_rank_set is None:
-        raise ValueError(
-            f"{rank.label}: a CPU-device rank needs its CPUs from SGLANG_CPU_OMP_THREADS_BIND"
-        )
+        return unbound(reasons=reasons, failure=False)
     if spec == "all" and len(topology.cpu_nodes) == 1:
-        return unbound(
-            reasons=reasons
-            + [
-                "this host has one NUMA node with CPUs: binding a rank to all of it cannot help"
-            ],
-            failure=False,
+        reasons.append(
+            "this host has one NUMA node with CPUs: binding a rank to all of it cannot "
+            "help"
         )
-    cpus = cpu_rank_set & affinity.cpus
-    counts: dict[int, int] = {}
-    for node in topology.nodes:
-        shared = len(node.cpus & cpus)
-        if shared:
-            counts[node.node_id] = shared
-    node_id = max(counts, key=lambda n: (counts[n], -n)) if counts else None
-    if not cpus or node_id is None:
-        return unbound(
-            reasons=reasons + ["none of these CPUs may be used by this process"],
-            failure=True,
-        )
-    mem_nodes = tuple(
-        n
-        for n in sorted(counts)
-        if (nn := topology.node(n)) is not None and nn.has_memory and n in affinity.mems
-    )
+        return unbound(reasons=reasons, failure=False)
+    cpus = rank_cpus & affinity.cpus
+    counts = {n.node_id: len(n.cpus & cpus) for n in topology.nodes if n.cpus & cpus}
+    if not counts:
+        reasons.append("none of these CPUs may be used by this process")
+        return unbound(reasons=reasons, failure=True)
+    node_id = max(counts, key=lambda n: (counts[n], -n))
+    nodes = [topology.node(n) for n in sorted(counts)]
+    mems = [n.node_id for n in nodes if n.has_memory and n.node_id in affinity.mems]
     whole = (
         tuple(sorted(counts))
-        if cpus == frozenset().union(*(topology.node(n).cpus for n in counts))
+        if cpus == frozenset().union(*(n.cpus for n in nodes))
         else None
     )
-    return _intent(rank, None, node_id, cpus, mem_nodes, whole, reasons)
+    return _Intent(node_id, cpus, tuple(mems), whole, reasons)
 
 
 def resolve_placement(
     *,
-    topology: HostTopology,
-    affinity: ProcessAffinity,
+    facts: HostFacts,
     rank: RankIdentity,
     accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
-    capabilities: HostCapabilities,
     cpu_rank_set: Optional[frozenset[int]] = None,
 ) -> ProcessPlacement:
-    """Where ``rank`` runs and how that is applied: its intent, then the strategy ``capabilities`` allow."""
-    decided = placement_intent(
-        topology=topology,
-        affinity=affinity,
-        rank=rank,
-        accelerator=accelerator,
-        policy=policy,
-        cpu_rank_set=cpu_rank_set,
-    )
-    if isinstance(decided, ProcessPlacement):
-        return decided
-    return choose_strategy(decided, policy=policy, capabilities=capabilities)
+    """Where ``rank`` runs and how: exec under the strongest numactl form the kernel
+    accepts, else in-process (libnuma), or the legacy V1 bind under
+    SGLANG_NUMA_BIND_V2=0. ``cpu_rank_set``: a CPU-device rank's CPUs."""
+    if policy.device == "cpu":
+        intent = _cpu_intent(facts, rank, policy, cpu_rank_set)
+    else:
+        intent = _gpu_intent(facts, rank, accelerator, policy)
+    if isinstance(intent, ProcessPlacement):
+        return intent
+    node_id, mem_nodes, reasons = intent.node_id, intent.mem_nodes, intent.reasons
+    pci = accelerator.pci if accelerator is not None else None
+    if not mem_nodes:
+        reasons.append(
+            f"no memory node this process may use near node {node_id}: CPU binding only"
+        )
+    wanted = MemPolicy.BIND if mem_nodes else MemPolicy.NONE
 
+    def placed(
+        strategy: Strategy,
+        mem_policy: MemPolicy,
+        nodes: tuple[int, ...],
+        args: tuple[str, ...] = (),
+        warning: bool = False,
+    ) -> ProcessPlacement:
+        return ProcessPlacement(
+            rank=rank,
+            pci=pci,
+            numa_node=node_id,
+            cpus=intent.cpus,
+            mem_nodes=frozenset(nodes if mem_policy != MemPolicy.NONE else ()),
+            mem_policy=mem_policy,
+            strategy=strategy,
+            reasons=tuple(reasons),
+            numactl_args=args,
+            launcher=policy.launcher,
+            warning=warning or intent.warning,
+        )
 
-# ---------------------------------------------------------------------------------------------
-# How a placement reads
+    if not policy.bind_v2:
+        reasons.append(
+            "SGLANG_NUMA_BIND_V2=0: legacy V1 bind inside the child "
+            "(numa_run_on_node + numa_set_preferred)"
+        )
+        preferred = MemPolicy.PREFERRED if mem_nodes else MemPolicy.NONE
+        return placed(Strategy.V1, preferred, (node_id,))
+    numactl = facts.capabilities.numactl
+    if policy.exec_supported and numactl is not None:
+        outcome = numactl.ladder(
+            cpu_args=(cpu_option(cpus=intent.cpus, whole_nodes=intent.whole_nodes),),
+            mem_policy=wanted,
+            mem_nodes=mem_nodes,
+            preferred_node=node_id if mem_nodes else None,
+        )
+        if outcome.ok:
+            got = MemPolicy(outcome.mem_policy)
+            reasons.extend(outcome.reasons)
+            reasons.append(f"exec under numactl {' '.join(outcome.args)}")
+            nodes = (node_id,) if got == MemPolicy.PREFERRED else mem_nodes
+            return placed(Strategy.EXEC, got, nodes, outcome.args, got != wanted)
+        refusal = f": {outcome.reasons[0]}" if outcome.reasons else ""
+        reasons.append(
+            f"numactl could not apply NUMA binding for node {node_id} (e.g. "
+            "set_mempolicy/sched_setaffinity blocked by seccomp, or cpuset rejects the "
+            f"policy){refusal}"
+        )
+    elif policy.exec_supported:
+        reasons.append("numactl is not installed")
+    else:
+        reasons.append(
+            f"the {policy.launcher} launcher cannot start this rank under numactl"
+        )
+    if not policy.in_process_supported:
+        reasons.append(
+            f"the {policy.launcher} launcher binds only by exec: running unbound"
+        )
+        return ProcessPlacement.unbound(
+            rank, reasons=reasons, launcher=policy.launcher, failure=True, pci=pci
+        )
+    if facts.capabilities.libnuma:
+        reasons.append("in-process bind with libnuma")
+        return placed(Strategy.IN_PROCESS, wanted, mem_nodes)
+    reasons.append("libnuma is not available: in-process CPU affinity only")
+    return placed(Strategy.IN_PROCESS, MemPolicy.NONE, (), warning=bool(mem_nodes))
 
 
 def describe(p: ProcessPlacement) -> str:
     """The one-line human form of a placement."""
     gpu_id = p.rank.gpu_id
-    if gpu_id is None:
-        gpu = ""
-    else:  # a CPU rank's id is its numa_index; only an accelerator has a PCI address
-        gpu = f" GPU {gpu_id}" if p.pci else f" gpu_id {gpu_id}"
-    pci = f" ({p.pci})" if p.pci else ""
+    # A CPU rank's id is its numa_index; only an accelerator has a PCI address.
+    gpu = "" if gpu_id is None else f" GPU {gpu_id}" if p.pci else f" gpu_id {gpu_id}"
+    head = f"[{p.label}]{gpu}{f' ({p.pci})' if p.pci else ''}:"
     if p.strategy == Strategy.NONE:
-        head = f"[{p.label}]{gpu}{pci}: not bound"
-    else:
-        mem = {
-            "bind": f"membind {format_cpulist(p.mem_nodes)}",
-            "preferred": f"preferred {format_cpulist(p.mem_nodes)}",
-            "none": "memory unbound",
-        }[p.mem_policy]
-        head = f"[{p.label}]{gpu}{pci}: node {p.numa_node} CPUs {format_cpulist(p.cpus)} {mem} via {p.strategy}"
-    return f"{head} -- {'; '.join(p.reasons)}"
+        return f"{head} not bound -- {'; '.join(p.reasons)}"
+    nodes = format_cpulist(p.mem_nodes)
+    mem = {"bind": f"membind {nodes}", "preferred": f"preferred {nodes}"}.get(
+        p.mem_policy, "memory unbound"
+    )
+    return (
+        f"{head} node {p.numa_node} CPUs {format_cpulist(p.cpus)} {mem} via "
+        f"{p.strategy} -- {'; '.join(p.reasons)}"
+    )
