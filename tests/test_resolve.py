@@ -12,7 +12,7 @@ import pytest
 from conftest import setting
 
 from sglang.srt.environ import envs
-from sglang.srt.placement import resolve, settings
+from sglang.srt.placement import settings
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
 from sglang.srt.placement.plan import HostFacts, place_gpu_id, plan_engine
 from sglang.srt.placement_tools.plan_args import PlanArgs as EngineArgs
@@ -281,14 +281,13 @@ def test_exclusive_mode_splits_each_node_keeping_smt_siblings_together(two_socke
 
 
 def test_exclusive_split_near_equal_when_uneven():
-    topo = make_topology({0: (range(0, 5), 1 << 20)})
-    slices = tuple(
-        resolve.exclusive_cpus(
-            frozenset(range(5)), topology=topo, node_id=0, index=index, count=3
-        ).value
-        for index in range(3)
+    topo = make_topology(
+        {0: (range(0, 5), 1 << 20)},
+        pci=[(f"0000:{bus:02x}:00.0", 0) for bus in (1, 2, 3)],
     )
-    assert slices == (frozenset({0, 1}), frozenset({2, 3}), frozenset({4}))
+    with envs.SGLANG_NUMA_AFFINITY_MODE.override("exclusive"):
+        slices = [p.cpus for p in plan(topo, tp_size=3)]
+    assert slices == [frozenset({0, 1}), frozenset({2, 3}), frozenset({4})]
 
 
 def test_socket_mode_binds_every_node_of_the_package():

@@ -7,7 +7,6 @@ to the other ranks, so a spawned child, a Ray actor and ``plan`` agree on a GPU.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
@@ -166,29 +165,54 @@ def node_accelerators(
     )
 
 
-def exclusive_cpus(
+def _share(
     allowed: frozenset[int],
     *,
     topology: HostTopology,
     node_id: int,
-    index: int,
-    count: int,
+    pci: Optional[str],
+    policy: PlacementPolicy,
 ) -> Choice:
-    """Slice ``index`` of ``count`` of ``allowed``: whole cores, contiguous, sizes as
-    even as possible. With fewer cores than GPUs the slices are single CPUs; with
-    fewer CPUs than GPUs the GPUs wrap round and share, which is less than asked."""
-    units: list[frozenset[int]] = []  # physical cores, so no slice splits siblings
+    """What the GPU at ``pci`` gets of its node by its index among the node's GPUs:
+    exclusive, a slice of whole cores, contiguous, sizes as even as possible;
+    core-complex, one L3 group (ordered by lowest CPU). GPUs beyond the cores (or
+    groups) split SMT siblings, then wrap round and share."""
+    mode = policy.affinity_mode
+
+    def whole_node(why: str) -> Choice:
+        return Choice(allowed, (f"{mode} mode: {why}: bound to the whole node",), True)
+
+    gpus = node_accelerators(topology, node_id=node_id, device=policy.device)
+    if pci not in gpus:
+        return whole_node(
+            f"GPU {pci or '(no PCI address)'} is not among node {node_id}'s "
+            f"{policy.device} devices in sysfs ({', '.join(gpus) or 'none'})"
+        )
+    index, count = gpus.index(pci), len(gpus)
+    gets = f"{mode} mode: GPU {index + 1} of {count} on node {node_id} (PCI order) gets"
+    cpus = [(cpu_id, topology.cpu(cpu_id)) for cpu_id in sorted(allowed)]
+    if mode == "core-complex":
+        if any(info is None or info.l3_cpus is None for _, info in cpus):
+            return whole_node(
+                f"sysfs has no L3 groups (cache/index3) for node {node_id}'s CPUs"
+            )
+        groups = sorted({info.l3_cpus & allowed for _, info in cpus}, key=min)
+        chosen = index % len(groups)
+        reasons = [f"{gets} L3 group {chosen + 1} of {len(groups)}"]
+        if count > len(groups):
+            reasons.append(
+                f"node {node_id} has {count} GPUs for {len(groups)} L3 groups: GPUs "
+                "wrap round and share a group"
+            )
+        return Choice(groups[chosen], tuple(reasons))
+    units: list[frozenset[int]] = []  # physical cores
     seen: set[int] = set()
-    for cpu_id in sorted(allowed):
+    for cpu_id, info in cpus:
         if cpu_id not in seen:
-            info = topology.cpu(cpu_id)
             siblings = info.thread_siblings if info else frozenset()
-            units.append(frozenset((siblings & allowed) | {cpu_id}))
-            seen.update(units[-1])
-    reasons = [
-        f"exclusive mode: GPU {index + 1} of {count} on node {node_id} (PCI order) "
-        f"gets slice {index + 1} of the node's {len(units)} allowed cores"
-    ]
+            units.append((siblings & allowed) | {cpu_id})
+            seen |= units[-1]
+    reasons = [f"{gets} slice {index + 1} of the node's {len(units)} allowed cores"]
     if len(units) < count:
         units = [frozenset({cpu}) for core in units for cpu in sorted(core)]
         reasons.append(
@@ -199,112 +223,32 @@ def exclusive_cpus(
             f"node {node_id} has {len(units)} allowed CPUs for {count} GPUs: "
             "GPUs share CPUs"
         )
-        return Choice(units[index % len(units)], tuple(reasons), warning=True)
-    base, extra = divmod(len(units), count)
-    start = index * base + min(index, extra)
-    size = base + (1 if index < extra else 0)
-    return Choice(frozenset().union(*units[start : start + size]), tuple(reasons))
+        return Choice(units[index % len(units)], tuple(reasons), True)
+    size, extra = divmod(len(units), count)
+    start = index * size + min(index, extra)
+    share = units[start : start + size + (index < extra)]
+    return Choice(frozenset().union(*share), tuple(reasons))
 
 
-def core_complex_cpus(
-    allowed: frozenset[int],
-    *,
-    topology: HostTopology,
-    node_id: int,
-    index: int,
-    count: int,
-) -> Optional[Choice]:
-    """The L3 group (allowed CPUs sharing one ``cache/index3``, ordered by their lowest
-    CPU) GPU ``index`` gets, wrapping round; None when sysfs has no L3 groups."""
-    groups: dict[frozenset[int], None] = {}
-    for cpu_id in sorted(allowed):
-        info = topology.cpu(cpu_id)
-        if info is None or info.l3_cpus is None:
-            return None
-        groups.setdefault(info.l3_cpus & allowed)
-    ordered = sorted(groups, key=min)
-    chosen = index % len(ordered)
-    reasons = [
-        f"core-complex mode: GPU {index + 1} of {count} on node {node_id} (PCI order) "
-        f"gets L3 group {chosen + 1} of {len(ordered)}"
-    ]
-    if count > len(ordered):
-        reasons.append(
-            f"node {node_id} has {count} GPUs for {len(ordered)} L3 groups: GPUs wrap "
-            "round and share a group"
-        )
-    return Choice(ordered[chosen], tuple(reasons))
-
-
-def _share(
-    allowed: frozenset[int],
-    *,
-    topology: HostTopology,
-    node_id: int,
-    pci: Optional[str],
-    policy: PlacementPolicy,
-) -> Choice:
-    """What a sharing mode gives the GPU at ``pci``, or the whole node, with a
-    warning, where the topology lacks what the mode needs."""
-    mode = policy.affinity_mode
-    gpus = node_accelerators(topology, node_id=node_id, device=policy.device)
-    if pci not in gpus:
-        why = (
-            f"{mode} mode: GPU {pci or '(no PCI address)'} is not among node "
-            f"{node_id}'s {policy.device} devices in sysfs "
-            f"({', '.join(gpus) or 'none'}): bound to the whole node"
-        )
-        return Choice(allowed, (why,), warning=True)
-    ask = dict(
-        topology=topology, node_id=node_id, index=gpus.index(pci), count=len(gpus)
-    )
-    if mode == "exclusive":
-        return exclusive_cpus(allowed, **ask)
-    found = core_complex_cpus(allowed, **ask)
-    if found is not None:
-        return found
-    why = (
-        f"core-complex mode: sysfs has no L3 groups (cache/index3) for node "
-        f"{node_id}'s CPUs: bound to the whole node"
-    )
-    return Choice(allowed, (why,), warning=True)
-
-
-class _Intent(NamedTuple):
-    """Where a rank should run, before asking how."""
-
-    node_id: int
-    cpus: frozenset[int]
-    mem_nodes: tuple[int, ...]  # empty: no node near it has memory this process may use
-    whole_nodes: Optional[tuple[int, ...]]  # nodes whose CPUs are exactly ``cpus``
-    reasons: list[str]
-    warning: bool = False
-
-
-def _gpu_intent(
+def _gpu_where(
     facts: HostFacts,
     rank: RankIdentity,
     accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
-) -> Union[_Intent, ProcessPlacement]:
+) -> Choice:
     topology, affinity = facts.topology, facts.affinity
-    pci = accelerator.pci if accelerator is not None else None
-    unbound = functools.partial(
-        ProcessPlacement.unbound, rank, launcher=policy.launcher, pci=pci
-    )
     choice = choose_node(
         topology=topology, rank=rank, accelerator=accelerator, policy=policy
     )
-    reasons = list(choice.reasons)
     if choice.value is None:
-        return unbound(reasons=reasons, failure=choice.warning)
+        return choice
     node = topology.node(choice.value)
     if node is None or not node.has_cpus:
         what = (
             "does not exist on this host" if node is None else "has memory but no CPUs"
         )
-        return unbound(reasons=[*reasons, f"node {choice.value} {what}"], failure=True)
-    nodes = [node]
+        return Choice(None, (*choice.reasons, f"node {choice.value} {what}"), True)
+    reasons, nodes = list(choice.reasons), [node]
     if policy.affinity_mode == "socket":
         packages = topology.packages_of_node(node.node_id)
         node_ids = topology.nodes_of_packages(packages) or (node.node_id,)
@@ -316,12 +260,12 @@ def _gpu_intent(
     span = frozenset().union(*(n.cpus for n in nodes))
     cpus = span & affinity.cpus
     if not cpus:
-        reasons.append(
+        why = (
             f"NUMA node {node.node_id} has no CPU cores allowed by the current affinity "
             f"{format_cpulist(affinity.cpus)} ({affinity.source}; node CPUs "
             f"{format_cpulist(node.cpus)}), skipping NUMA binding"
         )
-        return unbound(reasons=reasons, failure=True)
+        return Choice(None, (*reasons, why), True)
     if cpus != span:
         reasons.append(
             f"{affinity.source} allows {len(cpus)} of {len(span)} CPUs of node(s) "
@@ -330,6 +274,7 @@ def _gpu_intent(
     whole = tuple(n.node_id for n in nodes) if cpus == span else None
     warning = False
     if policy.affinity_mode in SHARING_MODES:
+        pci = accelerator.pci if accelerator is not None else None
         share = _share(
             cpus, topology=topology, node_id=node.node_id, pci=pci, policy=policy
         )
@@ -337,22 +282,35 @@ def _gpu_intent(
         if share.value != cpus or not share.warning:
             whole = None  # a mode's share is a CPU list, even a node's only GPU's
         cpus, warning = share.value, share.warning
-    mems = [n.node_id for n in nodes if n.has_memory and n.node_id in affinity.mems]
-    return _Intent(node.node_id, cpus, tuple(mems), whole, reasons, warning)
+    return _where(node.node_id, cpus, nodes, whole, affinity, reasons, warning)
 
 
-def _cpu_intent(
+def _where(
+    node_id: int,
+    cpus: frozenset[int],
+    nodes: list[NumaNode],
+    whole: Optional[tuple[int, ...]],
+    affinity: ProcessAffinity,
+    reasons: list[str],
+    warning: bool = False,
+) -> Choice:
+    """Where a rank runs: its node, CPUs, the memory nodes near it it may use, and the
+    nodes whose CPUs are exactly its (numactl --cpunodebind) or None."""
+    mems = tuple(
+        n.node_id for n in nodes if n.has_memory and n.node_id in affinity.mems
+    )
+    return Choice((node_id, cpus, mems, whole), tuple(reasons), warning)
+
+
+def _cpu_where(
     facts: HostFacts,
     rank: RankIdentity,
     policy: PlacementPolicy,
     rank_cpus: frozenset[int],
-) -> Union[_Intent, ProcessPlacement]:
+) -> Choice:
     """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives it, memory on the
     nodes of those CPUs."""
     topology, affinity = facts.topology, facts.affinity
-    unbound = functools.partial(
-        ProcessPlacement.unbound, rank, launcher=policy.launcher
-    )
     spec = policy.cpu_threads_bind.strip()
     shown = "all (one node per rank)" if spec == "all" else repr(spec)
     reasons = [
@@ -360,32 +318,26 @@ def _cpu_intent(
         f"SGLANG_CPU_OMP_THREADS_BIND={shown}"
     ]
     if not policy.bind_v2:
-        reasons.append(
+        why = (
             "SGLANG_NUMA_BIND_V2=0: the spawn is not bound (upstream behaviour); only "
             "bootstrap's init_cpu_threads_env pins the OpenMP threads, on AMX or arm64 "
             "hosts"
         )
-        return unbound(reasons=reasons, failure=False)
+        return Choice(None, (*reasons, why))
     if spec == "all" and len(topology.cpu_nodes) == 1:
-        reasons.append(
-            "this host has one NUMA node with CPUs: binding a rank to all of it cannot "
-            "help"
-        )
-        return unbound(reasons=reasons, failure=False)
+        why = "this host has one NUMA node with CPUs: binding a rank to all of it cannot help"
+        return Choice(None, (*reasons, why))
     cpus = rank_cpus & affinity.cpus
     counts = {n.node_id: len(n.cpus & cpus) for n in topology.nodes if n.cpus & cpus}
     if not counts:
-        reasons.append("none of these CPUs may be used by this process")
-        return unbound(reasons=reasons, failure=True)
-    node_id = max(counts, key=lambda n: (counts[n], -n))
+        why = "none of these CPUs may be used by this process"
+        return Choice(None, (*reasons, why), True)
     nodes = [topology.node(n) for n in sorted(counts)]
-    mems = [n.node_id for n in nodes if n.has_memory and n.node_id in affinity.mems]
-    whole = (
-        tuple(sorted(counts))
-        if cpus == frozenset().union(*(n.cpus for n in nodes))
-        else None
-    )
-    return _Intent(node_id, cpus, tuple(mems), whole, reasons)
+    whole = None
+    if frozenset().union(*(n.cpus for n in nodes)) == cpus:
+        whole = tuple(sorted(counts))
+    node_id = max(counts, key=lambda n: (counts[n], -n))
+    return _where(node_id, cpus, nodes, whole, affinity, reasons)
 
 
 def resolve_placement(
@@ -399,14 +351,21 @@ def resolve_placement(
     """Where ``rank`` runs and how: exec under the strongest numactl form the kernel
     accepts, else in-process (libnuma), or the legacy V1 bind under
     SGLANG_NUMA_BIND_V2=0. ``cpu_rank_set``: a CPU-device rank's CPUs."""
-    if policy.device == "cpu":
-        intent = _cpu_intent(facts, rank, policy, cpu_rank_set)
-    else:
-        intent = _gpu_intent(facts, rank, accelerator, policy)
-    if isinstance(intent, ProcessPlacement):
-        return intent
-    node_id, mem_nodes, reasons = intent.node_id, intent.mem_nodes, intent.reasons
     pci = accelerator.pci if accelerator is not None else None
+    if policy.device == "cpu":
+        where = _cpu_where(facts, rank, policy, cpu_rank_set)
+    else:
+        where = _gpu_where(facts, rank, accelerator, policy)
+    reasons = list(where.reasons)
+    if where.value is None:
+        return ProcessPlacement.unbound(
+            rank,
+            reasons=reasons,
+            launcher=policy.launcher,
+            failure=where.warning,
+            pci=pci,
+        )
+    node_id, cpus, mem_nodes, whole = where.value
     if not mem_nodes:
         reasons.append(
             f"no memory node this process may use near node {node_id}: CPU binding only"
@@ -424,14 +383,14 @@ def resolve_placement(
             rank=rank,
             pci=pci,
             numa_node=node_id,
-            cpus=intent.cpus,
+            cpus=cpus,
             mem_nodes=frozenset(nodes if mem_policy != MemPolicy.NONE else ()),
             mem_policy=mem_policy,
             strategy=strategy,
             reasons=tuple(reasons),
             numactl_args=args,
             launcher=policy.launcher,
-            warning=warning or intent.warning,
+            warning=warning or where.warning,
         )
 
     if not policy.bind_v2:
@@ -444,7 +403,7 @@ def resolve_placement(
     numactl = facts.capabilities.numactl
     if policy.exec_supported and numactl is not None:
         outcome = numactl.ladder(
-            cpu_args=(cpu_option(cpus=intent.cpus, whole_nodes=intent.whole_nodes),),
+            cpu_args=(cpu_option(cpus=cpus, whole_nodes=whole),),
             mem_policy=wanted,
             mem_nodes=mem_nodes,
             preferred_node=node_id if mem_nodes else None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -202,39 +203,28 @@ class ProcessPlacement:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        rank = self.rank
-        return {
-            "dp_rank": rank.dp_rank,
-            "pp_rank": rank.pp_rank,
-            "tp_rank": rank.tp_rank,
-            "gpu_id": rank.gpu_id,
-            "pci": self.pci,
-            "numa_node": self.numa_node,
-            "cpus": format_cpulist(self.cpus),
-            "mem_nodes": format_cpulist(self.mem_nodes),
-            "mem_policy": self.mem_policy.value,
-            "strategy": self.strategy.value,
-            "reasons": list(self.reasons),
-            "numactl_args": list(self.numactl_args),
-            "launcher": self.launcher,
-            "warning": self.warning,
-        }
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[1:]}
+        data.update(
+            cpus=format_cpulist(self.cpus),
+            mem_nodes=format_cpulist(self.mem_nodes),
+            mem_policy=self.mem_policy.value,
+            strategy=self.strategy.value,
+            reasons=list(self.reasons),
+            numactl_args=list(self.numactl_args),
+        )
+        return {**dataclasses.asdict(self.rank), **data}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ProcessPlacement":
-        return cls(
-            rank=RankIdentity(
-                *(int(data[k]) for k in ("dp_rank", "pp_rank", "tp_rank")),
-                gpu_id=data["gpu_id"],
-            ),
-            pci=data["pci"],
-            numa_node=data["numa_node"],
+        given = {
+            f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data
+        }
+        given.update(
             cpus=parse_cpulist(data["cpus"]),
             mem_nodes=parse_cpulist(data.get("mem_nodes", "")),
-            mem_policy=data["mem_policy"],
-            strategy=data["strategy"],
             reasons=tuple(data["reasons"]),
             numactl_args=tuple(data.get("numactl_args", ())),
-            launcher=data.get("launcher", "mp"),
             warning=bool(data.get("warning", False)),
         )
+        ranks = (int(data[k]) for k in ("dp_rank", "pp_rank", "tp_rank"))
+        return cls(rank=RankIdentity(*ranks, gpu_id=data["gpu_id"]), **given)
