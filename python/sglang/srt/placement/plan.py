@@ -1,23 +1,23 @@
 """The placement of the rank a GPU id names, and of every rank of a host.
 
 sglang spawns each scheduler inside ``configure_subprocess(server_args, gpu_id)``;
-``place_gpu_id`` answers for that id, identifying its device under the visibility
-variable in force, and ``plan_engine`` asks it for every local rank, so it shows what
-the spawns do. A device that cannot be identified leaves its rank unbound, with why.
+``place_gpu_id`` answers for that id, under the visibility variable in force, and
+``plan_engine`` asks it for every local rank, so it shows what the spawns do.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
-from typing import TYPE_CHECKING, Iterator, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpu_groups import rank_cpus, shared_cpus
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.ranks import local_ranks, reindexed
-from sglang.srt.placement.resolve import (  # noqa: F401  (HostFacts: importers')
+from sglang.srt.placement.resolve import (
     HostFacts,
     choose_node,
     not_placed,
@@ -34,35 +34,23 @@ if TYPE_CHECKING:
     from sglang.srt.placement.devices import AcceleratorRuntime
     from sglang.srt.server_args import ServerArgs
 
-LIVE_RUNTIME = "live"
-"""Open NVML when planning this host's own /sys; nothing for a snapshot or --gpus."""
-
+LIVE_RUNTIME = "live"  # NVML for this host's own /sys; nothing for a snapshot or --gpus
 Runtime = Union["AcceleratorRuntime", str, None]
 
 
-@contextlib.contextmanager
 def _opened(
-    runtime: Runtime,
-    *,
-    device: str,
-    topology: HostTopology,
-    gpus: Optional[Sequence[str]],
-) -> Iterator[Optional["AcceleratorRuntime"]]:
-    """The runtime to identify devices with; NVML is shut down afterwards, as
-    upstream does."""
+    runtime: Runtime, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]
+) -> contextlib.AbstractContextManager:
+    """The runtime to identify devices with; NVML is shut down after, as upstream does."""
     if runtime != LIVE_RUNTIME:
-        yield runtime
-        return
-    opened = None
+        return contextlib.nullcontext(runtime)
     if device == "cuda" and gpus is None and os.path.realpath(topology.root) == "/sys":
         from sglang.srt.placement.devices import default_runtime
 
         opened = default_runtime(device)
-    try:
-        yield opened
-    finally:
         if opened is not None:
-            opened.close()
+            return contextlib.closing(opened)
+    return contextlib.nullcontext(None)
 
 
 def _identify(
@@ -72,23 +60,24 @@ def _identify(
     topology: HostTopology,
     env: Mapping[str, str],
     gpus: Optional[Sequence[str]],
-    runtime: Optional["AcceleratorRuntime"],
+    runtime: Runtime,
 ) -> tuple[Optional[Accelerator], str]:
     """The device behind ``gpu_id``, or None and why it was not found."""
     from sglang.srt.placement.devices import DeviceIdentityError, identify_accelerators
 
-    try:
-        (found,) = identify_accelerators(
-            device=device,
-            topology=topology,
-            env=env,
-            gpu_ids=[gpu_id],
-            gpus=gpus,
-            runtime=runtime,
-        )
-    except DeviceIdentityError as exc:
-        return None, str(exc)
-    return dataclasses.replace(found, gpu_id=gpu_id), ""
+    with _opened(runtime, device, topology, gpus) as opened:
+        try:
+            (found,) = identify_accelerators(
+                device=device,
+                topology=topology,
+                env=env,
+                gpu_ids=[gpu_id],
+                gpus=gpus,
+                runtime=opened,
+            )
+        except DeviceIdentityError as exc:
+            return None, str(exc)
+    return found, ""
 
 
 def device_node(
@@ -100,18 +89,13 @@ def device_node(
     runtime: Runtime = LIVE_RUNTIME,
 ) -> tuple[Optional[int], str]:
     """The NUMA node of logical device ``gpu_id`` under ``env``, or None, and why."""
-    with _opened(runtime, device=device, topology=topology, gpus=None) as opened:
-        accelerator, problem = _identify(
-            gpu_id, device=device, topology=topology, env=env, gpus=None, runtime=opened
-        )
-    if accelerator is None:
-        return None, problem
-    choice = choose_node(
-        topology=topology,
-        rank=RankIdentity(0, 0, 0, gpu_id),
-        accelerator=accelerator,
-        policy=PlacementPolicy(launcher="mp", device=device),
+    found, problem = _identify(
+        gpu_id, device=device, topology=topology, env=env, gpus=None, runtime=runtime
     )
+    if found is None:
+        return None, problem
+    policy = PlacementPolicy(launcher="mp", device=device)
+    choice = choose_node(topology, RankIdentity(0, 0, 0, gpu_id), found, policy)
     return choice.value, "; ".join(choice.reasons)
 
 
@@ -133,41 +117,32 @@ def place_gpu_id(
         ranks = [r for r in local_ranks(server_args) if r.gpu_id == gpu_id]
         rank = ranks[0] if ranks else RankIdentity(0, 0, 0, gpu_id)
     rank = dataclasses.replace(rank, gpu_id=gpu_id)
-    ask = dict(facts=facts, rank=rank, policy=policy)
+    resolve = functools.partial(
+        resolve_placement, facts=facts, rank=rank, policy=policy
+    )
+    topology, spec = facts.topology, policy.cpu_threads_bind
     if policy.device == "cpu":
-        cpus = rank_cpus(
-            policy.cpu_threads_bind,
-            index=gpu_id,
-            topology=facts.topology,
-            affinity=facts.affinity,
-        )
-        placement = resolve_placement(**ask, accelerator=None, cpu_rank_set=cpus)
-        note = shared_cpus(policy.cpu_threads_bind, index=gpu_id)
-        return _noted(placement, note)
-    reason = not_placed(policy, facts.topology)
-    if reason is not None:
-        return ProcessPlacement.unbound(
-            rank, reasons=[reason], launcher=policy.launcher, failure=False
-        )
-    with _opened(
-        runtime, device=policy.device, topology=facts.topology, gpus=gpus
-    ) as opened:
-        accelerator, problem = _identify(
-            gpu_id,
-            device=policy.device,
-            topology=facts.topology,
-            env=env,
-            gpus=gpus,
-            runtime=opened,
-        )
-    if accelerator is None and policy.numa_nodes is None:
-        return ProcessPlacement.unbound(
-            rank,
-            reasons=[f"GPU {gpu_id} cannot be identified: {problem}"],
-            launcher=policy.launcher,
-            failure=True,
-        )
-    return resolve_placement(**ask, accelerator=accelerator)
+        cpus = rank_cpus(spec, index=gpu_id, topology=topology, affinity=facts.affinity)
+        placement = resolve(accelerator=None, cpu_rank_set=cpus)
+        return _noted(placement, shared_cpus(spec, index=gpu_id))
+    unbound = functools.partial(
+        ProcessPlacement.unbound, rank, launcher=policy.launcher
+    )
+    why = not_placed(policy, topology)
+    if why is not None:
+        return unbound(reasons=[why], failure=False)
+    found, problem = _identify(
+        gpu_id,
+        device=policy.device,
+        topology=topology,
+        env=env,
+        gpus=gpus,
+        runtime=runtime,
+    )
+    if found is None and policy.numa_nodes is None:
+        why = f"GPU {gpu_id} cannot be identified: {problem}"
+        return unbound(reasons=[why], failure=True)
+    return resolve(accelerator=found)
 
 
 def _noted(placement: ProcessPlacement, note: Optional[str]) -> ProcessPlacement:
@@ -194,8 +169,7 @@ def plan_engine(
         server_args, launcher=launcher, affinity_mode=affinity_mode
     )
     env = dict(os.environ if env is None else env)
-    # SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1: maybe_reindex_device_id spawns a CUDA
-    # rank under one visible GPU, as GPU 0.
+    # maybe_reindex_device_id spawns each CUDA rank under one visible GPU, as GPU 0.
     reindex = (
         gpus is None
         and policy.device == "cuda"
@@ -203,27 +177,19 @@ def plan_engine(
         and settings.one_visible_device_per_process()
     )
     placements = []
-    with _opened(
-        runtime, device=policy.device, topology=facts.topology, gpus=gpus
-    ) as opened:
+    with _opened(runtime, policy.device, facts.topology, gpus) as opened:
+        place = functools.partial(
+            place_gpu_id, server_args, policy=policy, facts=facts, gpus=gpus
+        )
         for rank in local_ranks(server_args):
             gpu_id, spawned_env, note = rank.gpu_id, env, None
             if reindex:
                 gpu_id, spawned_env = reindexed(rank.gpu_id, env)
                 note = (
-                    "SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1: GPU "
-                    f"{rank.gpu_id} is spawned as GPU {gpu_id} with "
+                    f"SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1: GPU {rank.gpu_id} is "
+                    f"spawned as GPU {gpu_id} with "
                     f"CUDA_VISIBLE_DEVICES={spawned_env['CUDA_VISIBLE_DEVICES']}"
                 )
-            placement = place_gpu_id(
-                server_args,
-                gpu_id,
-                policy=policy,
-                facts=facts,
-                env=spawned_env,
-                gpus=gpus,
-                runtime=opened,
-                rank=rank,
-            )
+            placement = place(gpu_id, env=spawned_env, runtime=opened, rank=rank)
             placements.append(_noted(placement, note))
     return tuple(placements)

@@ -36,12 +36,6 @@ class PlacementPolicy:
                 f"{', '.join(AFFINITY_MODES)}"
             )
 
-    @property
-    def in_process_supported(self) -> bool:
-        """A Ray actor binds itself once started; sglang's spawned child runs only
-        sglang's own code."""
-        return self.launcher == "ray"
-
     @classmethod
     def from_env(
         cls,

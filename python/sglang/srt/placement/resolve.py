@@ -24,7 +24,6 @@ from sglang.srt.placement.types import (
     Accelerator,
     HostTopology,
     MemPolicy,
-    NumaNode,
     PlacementError,
     ProcessAffinity,
     ProcessPlacement,
@@ -33,10 +32,6 @@ from sglang.srt.placement.types import (
 )
 
 SHARING_MODES = ("exclusive", "core-complex")  # each GPU gets its share of its node
-ONE_NODE_REASON = (
-    "this host has one NUMA node with CPUs: node binding cannot help "
-    "(exclusive and core-complex modes still share it out between its GPUs)"
-)
 
 
 @dataclass(frozen=True)
@@ -65,15 +60,11 @@ class HostFacts:
 
     @classmethod
     def live(cls) -> "HostFacts":
-        """This host, its topology read from ``SGLANG_SYSFS_ROOT``."""
-        from sglang.srt.placement.topology import (
-            read_process_affinity,
-            read_topology_cached,
-        )
+        from sglang.srt.placement import topology
 
         return cls(
-            topology=read_topology_cached(settings.sysfs_root()),
-            affinity=read_process_affinity(),
+            topology=topology.read_topology_cached(settings.sysfs_root()),
+            affinity=topology.read_process_affinity(),
             capabilities=HostCapabilities.live(),
         )
 
@@ -96,12 +87,14 @@ def not_placed(policy: PlacementPolicy, topology: HostTopology) -> Optional[str]
     if not policy.auto_numa_bind:
         return "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
     if policy.affinity_mode == "node" and len(topology.cpu_nodes) < 2:
-        return ONE_NODE_REASON
+        return (
+            "this host has one NUMA node with CPUs: node binding cannot help "
+            "(exclusive and core-complex modes still share it out between its GPUs)"
+        )
     return None
 
 
 def choose_node(
-    *,
     topology: HostTopology,
     rank: RankIdentity,
     accelerator: Optional[Accelerator],
@@ -117,21 +110,18 @@ def choose_node(
                 f" ({' '.join(map(str, listed))}) but {rank.label} uses GPU {gpu_id}: "
                 f"give one node per GPU id, at least {gpu_id + 1} entries"
             )
-        if topology.node(listed[gpu_id]) is None:
+        node = listed[gpu_id]
+        if topology.node(node) is None:
             raise PlacementError(
-                f"--numa-node gives node {listed[gpu_id]} for GPU {gpu_id}, but this "
-                f"host has nodes {format_cpulist(topology.node_ids)}"
+                f"--numa-node gives node {node} for GPU {gpu_id}, but this host has "
+                f"nodes {format_cpulist(topology.node_ids)}"
             )
-        return Choice(
-            listed[gpu_id], (f"node {listed[gpu_id]} from --numa-node (GPU {gpu_id})",)
-        )
-    pci, gpu = accelerator.pci, f"GPU {accelerator.gpu_id}"
+        return Choice(node, (f"node {node} from --numa-node (GPU {gpu_id})",))
+    pci, gpu, source = accelerator.pci, accelerator.physical_id, accelerator.source
     if pci is None:
-        why = (
-            f"{gpu} ({accelerator.physical_id}): no PCI address ({accelerator.source})"
-        )
-        return Choice(None, (why,), warning=True)
-    via = f"{gpu} is {accelerator.physical_id} at PCI {pci} ({accelerator.source})"
+        why = f"GPU {gpu_id} ({gpu}): no PCI address ({source})"
+        return Choice(None, (why,), True)
+    via = f"GPU {gpu_id} is {gpu} at PCI {pci} ({source})"
     device = topology.pci_device(pci)
     if device is None:
         return Choice(None, (via, f"PCI {pci} is not in {topology.root}"), True)
@@ -139,50 +129,37 @@ def choose_node(
         return Choice(
             device.numa_node, (via, f"node {device.numa_node} from PCI {pci}")
         )
+    why = f"PCI {pci} reports numa_node -1"
     cpu_nodes = topology.cpu_nodes
     if len(cpu_nodes) == 1 and policy.affinity_mode in SHARING_MODES:
         only = cpu_nodes[0].node_id
-        why = f"PCI {pci} reports numa_node -1; node {only} is the only node with CPUs"
-        return Choice(only, (via, why))
-    why = f"PCI {pci} reports numa_node -1 (the kernel does not know its node)"
-    return Choice(None, (via, why))
-
-
-def node_accelerators(
-    topology: HostTopology, *, node_id: int, device: str
-) -> tuple[str, ...]:
-    """PCI addresses of the ``device`` accelerators on ``node_id``, in PCI order.
-
-    Every rank computes the same list from sysfs alone, so a spawned child and a Ray
-    actor agree on a GPU's index without asking each other. A device of unknown node
-    counts for the only node with CPUs, where ``choose_node`` places it.
-    """
-    only = topology.cpu_nodes[0].node_id if len(topology.cpu_nodes) == 1 else None
-    return tuple(
-        dev.address
-        for dev in accelerator_pci_devices(topology, device=device)
-        if (dev.numa_node if dev.numa_node is not None else only) == node_id
-    )
+        return Choice(only, (via, f"{why}; node {only} is the only node with CPUs"))
+    return Choice(None, (via, f"{why} (the kernel does not know its node)"))
 
 
 def _share(
     allowed: frozenset[int],
-    *,
-    topology: HostTopology,
     node_id: int,
     pci: Optional[str],
+    facts: HostFacts,
     policy: PlacementPolicy,
 ) -> Choice:
-    """What the GPU at ``pci`` gets of its node by its index among the node's GPUs:
-    exclusive, a slice of whole cores, contiguous, sizes as even as possible;
-    core-complex, one L3 group (ordered by lowest CPU). GPUs beyond the cores (or
-    groups) split SMT siblings, then wrap round and share."""
-    mode = policy.affinity_mode
+    """What the GPU at ``pci`` gets of its node by its index among the node's GPUs in
+    PCI order, which every rank computes alone from sysfs (a GPU of unknown node
+    counts for the only node with CPUs, as in ``choose_node``). exclusive: a slice of
+    whole cores, contiguous, sizes as even as possible; core-complex: one L3 group, by
+    lowest CPU. GPUs beyond the cores (groups) split SMT siblings, then wrap round."""
+    mode, topology = policy.affinity_mode, facts.topology
 
     def whole_node(why: str) -> Choice:
         return Choice(allowed, (f"{mode} mode: {why}: bound to the whole node",), True)
 
-    gpus = node_accelerators(topology, node_id=node_id, device=policy.device)
+    only = topology.cpu_nodes[0].node_id if len(topology.cpu_nodes) == 1 else None
+    gpus = [
+        dev.address
+        for dev in accelerator_pci_devices(topology, device=policy.device)
+        if (only if dev.numa_node is None else dev.numa_node) == node_id
+    ]
     if pci not in gpus:
         return whole_node(
             f"GPU {pci or '(no PCI address)'} is not among node {node_id}'s "
@@ -233,13 +210,11 @@ def _share(
 def _gpu_where(
     facts: HostFacts,
     rank: RankIdentity,
-    accelerator: Optional[Accelerator],
+    found: Optional[Accelerator],
     policy: PlacementPolicy,
 ) -> Choice:
     topology, affinity = facts.topology, facts.affinity
-    choice = choose_node(
-        topology=topology, rank=rank, accelerator=accelerator, policy=policy
-    )
+    choice = choose_node(topology, rank, found, policy)
     if choice.value is None:
         return choice
     node = topology.node(choice.value)
@@ -272,34 +247,13 @@ def _gpu_where(
             f"{format_cpulist(n.node_id for n in nodes)}"
         )
     whole = tuple(n.node_id for n in nodes) if cpus == span else None
-    warning = False
-    if policy.affinity_mode in SHARING_MODES:
-        pci = accelerator.pci if accelerator is not None else None
-        share = _share(
-            cpus, topology=topology, node_id=node.node_id, pci=pci, policy=policy
-        )
-        reasons.extend(share.reasons)
-        if share.value != cpus or not share.warning:
-            whole = None  # a mode's share is a CPU list, even a node's only GPU's
-        cpus, warning = share.value, share.warning
-    return _where(node.node_id, cpus, nodes, whole, affinity, reasons, warning)
-
-
-def _where(
-    node_id: int,
-    cpus: frozenset[int],
-    nodes: list[NumaNode],
-    whole: Optional[tuple[int, ...]],
-    affinity: ProcessAffinity,
-    reasons: list[str],
-    warning: bool = False,
-) -> Choice:
-    """Where a rank runs: its node, CPUs, the memory nodes near it it may use, and the
-    nodes whose CPUs are exactly its (numactl --cpunodebind) or None."""
-    mems = tuple(
-        n.node_id for n in nodes if n.has_memory and n.node_id in affinity.mems
-    )
-    return Choice((node_id, cpus, mems, whole), tuple(reasons), warning)
+    if policy.affinity_mode not in SHARING_MODES:
+        return Choice((node.node_id, cpus, nodes, whole), tuple(reasons))
+    share = _share(cpus, node.node_id, found and found.pci, facts, policy)
+    if share.value != cpus or not share.warning:
+        whole = None  # a mode's share is a CPU list, even a node's only GPU's
+    where = (node.node_id, share.value, nodes, whole)
+    return Choice(where, (*reasons, *share.reasons), share.warning)
 
 
 def _cpu_where(
@@ -310,13 +264,13 @@ def _cpu_where(
 ) -> Choice:
     """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives it, memory on the
     nodes of those CPUs."""
-    topology, affinity = facts.topology, facts.affinity
+    topology = facts.topology
     spec = policy.cpu_threads_bind.strip()
     shown = "all (one node per rank)" if spec == "all" else repr(spec)
-    reasons = [
+    reasons = (
         f"CPU rank {rank.gpu_id}: CPUs {format_cpulist(rank_cpus)} from "
-        f"SGLANG_CPU_OMP_THREADS_BIND={shown}"
-    ]
+        f"SGLANG_CPU_OMP_THREADS_BIND={shown}",
+    )
     if not policy.bind_v2:
         why = (
             "SGLANG_NUMA_BIND_V2=0: the spawn is not bound (upstream behaviour); only "
@@ -327,17 +281,17 @@ def _cpu_where(
     if spec == "all" and len(topology.cpu_nodes) == 1:
         why = "this host has one NUMA node with CPUs: binding a rank to all of it cannot help"
         return Choice(None, (*reasons, why))
-    cpus = rank_cpus & affinity.cpus
+    cpus = rank_cpus & facts.affinity.cpus
     counts = {n.node_id: len(n.cpus & cpus) for n in topology.nodes if n.cpus & cpus}
     if not counts:
         why = "none of these CPUs may be used by this process"
         return Choice(None, (*reasons, why), True)
     nodes = [topology.node(n) for n in sorted(counts)]
-    whole = None
-    if frozenset().union(*(n.cpus for n in nodes)) == cpus:
-        whole = tuple(sorted(counts))
+    whole = tuple(sorted(counts))
+    if frozenset().union(*(n.cpus for n in nodes)) != cpus:
+        whole = None
     node_id = max(counts, key=lambda n: (counts[n], -n))
-    return _where(node_id, cpus, nodes, whole, affinity, reasons)
+    return Choice((node_id, cpus, nodes, whole), reasons)
 
 
 def resolve_placement(
@@ -348,24 +302,27 @@ def resolve_placement(
     policy: PlacementPolicy,
     cpu_rank_set: Optional[frozenset[int]] = None,
 ) -> ProcessPlacement:
-    """Where ``rank`` runs and how: exec under the strongest numactl form the kernel
-    accepts, else in-process (libnuma), or the legacy V1 bind under
-    SGLANG_NUMA_BIND_V2=0. ``cpu_rank_set``: a CPU-device rank's CPUs."""
+    """Where ``rank`` runs (``cpu_rank_set``: a CPU-device rank's CPUs), and how: exec
+    under the strongest numactl form the kernel accepts, else in-process (libnuma),
+    or the legacy V1 bind under SGLANG_NUMA_BIND_V2=0."""
     pci = accelerator.pci if accelerator is not None else None
     if policy.device == "cpu":
         where = _cpu_where(facts, rank, policy, cpu_rank_set)
     else:
         where = _gpu_where(facts, rank, accelerator, policy)
     reasons = list(where.reasons)
+    unbound = ProcessPlacement.unbound
     if where.value is None:
-        return ProcessPlacement.unbound(
+        return unbound(
             rank,
             reasons=reasons,
             launcher=policy.launcher,
             failure=where.warning,
             pci=pci,
         )
-    node_id, cpus, mem_nodes, whole = where.value
+    node_id, cpus, nodes, whole = where.value
+    mems = facts.affinity.mems
+    mem_nodes = tuple(n.node_id for n in nodes if n.has_memory and n.node_id in mems)
     if not mem_nodes:
         reasons.append(
             f"no memory node this process may use near node {node_id}: CPU binding only"
@@ -375,7 +332,7 @@ def resolve_placement(
     def placed(
         strategy: Strategy,
         mem_policy: MemPolicy,
-        nodes: tuple[int, ...],
+        nodes: tuple[int, ...] = mem_nodes,
         args: tuple[str, ...] = (),
         warning: bool = False,
     ) -> ProcessPlacement:
@@ -426,16 +383,18 @@ def resolve_placement(
         reasons.append(
             f"the {policy.launcher} launcher cannot start this rank under numactl"
         )
-    if not policy.in_process_supported:
+    # A Ray actor binds itself once started; sglang's spawned child runs only sglang's
+    # own code, so nothing there would apply an in-process bind.
+    if policy.launcher != "ray":
         reasons.append(
             f"the {policy.launcher} launcher binds only by exec: running unbound"
         )
-        return ProcessPlacement.unbound(
+        return unbound(
             rank, reasons=reasons, launcher=policy.launcher, failure=True, pci=pci
         )
     if facts.capabilities.libnuma:
         reasons.append("in-process bind with libnuma")
-        return placed(Strategy.IN_PROCESS, wanted, mem_nodes)
+        return placed(Strategy.IN_PROCESS, wanted)
     reasons.append("libnuma is not available: in-process CPU affinity only")
     return placed(Strategy.IN_PROCESS, MemPolicy.NONE, (), warning=bool(mem_nodes))
 
