@@ -41,7 +41,7 @@ Runtime = Union["AcceleratorRuntime", str, None]
 def _opened(
     runtime: Runtime, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]
 ) -> contextlib.AbstractContextManager:
-    """The runtime to identify devices with; NVML is shut down after, as upstream does."""
+    """What identifies devices; NVML is shut down after, as upstream does."""
     if runtime != LIVE_RUNTIME:
         return contextlib.nullcontext(runtime)
     if device == "cuda" and gpus is None and os.path.realpath(topology.root) == "/sys":
@@ -148,7 +148,7 @@ def place_gpu_id(
 def _noted(placement: ProcessPlacement, note: Optional[str]) -> ProcessPlacement:
     if not note:
         return placement
-    return dataclasses.replace(placement, reasons=(note, *placement.reasons))
+    return placement.replace(reasons=(note, *placement.reasons))
 
 
 def plan_engine(
@@ -159,15 +159,12 @@ def plan_engine(
     env: Optional[Mapping[str, str]] = None,
     gpus: Optional[Sequence[str]] = None,
     runtime: Runtime = LIVE_RUNTIME,
-    affinity_mode: Optional[str] = None,
     policy: Optional[PlacementPolicy] = None,
 ) -> tuple[ProcessPlacement, ...]:
     """Every rank this host runs, each placed as sglang's spawn of its GPU id will be,
     under ``env``, the launcher's environment (default: this process's)."""
     facts = facts if facts is not None else HostFacts.live()
-    policy = policy or PlacementPolicy.from_env(
-        server_args, launcher=launcher, affinity_mode=affinity_mode
-    )
+    policy = policy or PlacementPolicy.from_env(server_args, launcher=launcher)
     env = dict(os.environ if env is None else env)
     # maybe_reindex_device_id spawns each CUDA rank under one visible GPU, as GPU 0.
     reindex = (

@@ -1,4 +1,4 @@
-"""What the user decides about placement (env vars and ServerArgs), read once."""
+"""What the user decides about placement (env vars, ServerArgs), read once."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class PlacementPolicy:
                 f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}"
             )
         if self.affinity_mode not in AFFINITY_MODES:
-            raise ValueError(
+            raise settings.SettingError(
                 "SGLANG_NUMA_AFFINITY_MODE / --numa-affinity-mode="
                 f"{self.affinity_mode!r} is not valid: choose one of "
                 f"{', '.join(AFFINITY_MODES)}"
@@ -52,7 +52,7 @@ class PlacementPolicy:
             device=device,
             bind_v2=settings.bind_v2(),
             auto_numa_bind=settings.auto_numa_bind(),
-            # Checked on every host, so a typo never waits for the host where it matters.
+            # Checked on every host: a typo never waits for the host where it matters.
             affinity_mode=affinity_mode or settings.affinity_mode(),
             numa_nodes=tuple(numa_nodes) if numa_nodes is not None else None,
             cpu_threads_bind=settings.cpu_threads_bind() if device == "cpu" else "all",
@@ -61,18 +61,9 @@ class PlacementPolicy:
 
 
 # Upstream's helpers promise to read only ``numa_node``, so a caller may hand in any
-# object: placement reads these fields, with upstream's defaults.
-_PLACEMENT_FIELDS = {
-    "tp_size": 1,
-    "pp_size": 1,
-    "dp_size": 1,
-    "nnodes": 1,
-    "node_rank": 0,
-    "base_gpu_id": 0,
-    "gpu_id_step": 1,
-    "numa_node": None,
-    "device": None,
-}
+# object: these are the fields placement reads, with upstream's defaults.
+_PLACEMENT_FIELDS = dict(tp_size=1, pp_size=1, dp_size=1, nnodes=1, gpu_id_step=1)
+_PLACEMENT_FIELDS.update(node_rank=0, base_gpu_id=0, numa_node=None, device=None)
 
 
 def placement_fields(server_args: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ CPU rank's ``numa_index``.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Mapping, NamedTuple
 
 from sglang.srt.placement.types import RankIdentity
@@ -48,7 +49,7 @@ def engine_gpu_id(
     tp_rank: int,
     ranges: RankRanges,
 ) -> int:
-    """``Engine._launch_scheduler_processes``: the step applies to the TP offset only."""
+    """``Engine._launch_scheduler_processes``: the step scales the TP offset only."""
     return (
         base_gpu_id
         + (pp_rank % ranges.pp_per_node) * ranges.tp_per_node
@@ -65,21 +66,20 @@ def local_ranks(server_args: "ServerArgs") -> tuple[RankIdentity, ...]:
         nnodes=server_args.nnodes,
         node_rank=server_args.node_rank,
     )
-    step = server_args.gpu_id_step
-    ranks = []
-    for dp_rank in range(dp):
-        for pp_rank in ranges.pp_ranks:
-            for tp_rank in ranges.tp_ranks:
-                gpu_id = engine_gpu_id(
-                    base_gpu_id=server_args.base_gpu_id,
-                    gpu_id_step=step,
-                    pp_rank=pp_rank,
-                    tp_rank=tp_rank,
-                    ranges=ranges,
-                )
-                if dp > 1:  # the DataParallelController launches several replicas
-                    gpu_id += dp_rank * tp * pp * step
-                ranks.append(RankIdentity(dp_rank, pp_rank, tp_rank, gpu_id))
+    step, ranks = server_args.gpu_id_step, []
+    for dp_rank, pp_rank, tp_rank in itertools.product(
+        range(dp), ranges.pp_ranks, ranges.tp_ranks
+    ):
+        gpu_id = engine_gpu_id(
+            base_gpu_id=server_args.base_gpu_id,
+            gpu_id_step=step,
+            pp_rank=pp_rank,
+            tp_rank=tp_rank,
+            ranges=ranges,
+        )
+        if dp > 1:  # the DataParallelController's replicas follow one another
+            gpu_id += dp_rank * tp * pp * step
+        ranks.append(RankIdentity(dp_rank, pp_rank, tp_rank, gpu_id))
     return tuple(ranks)
 
 

@@ -106,8 +106,9 @@ def choose_node(
     if listed is not None:
         if gpu_id >= len(listed):
             raise PlacementError(
-                f"--numa-node has {len(listed)} entr{'y' if len(listed) == 1 else 'ies'}"
-                f" ({' '.join(map(str, listed))}) but {rank.label} uses GPU {gpu_id}: "
+                f"--numa-node has {len(listed)} "
+                f"entr{'y' if len(listed) == 1 else 'ies'} "
+                f"({' '.join(map(str, listed))}) but {rank.label} uses GPU {gpu_id}: "
                 f"give one node per GPU id, at least {gpu_id + 1} entries"
             )
         node = listed[gpu_id]
@@ -193,7 +194,8 @@ def _share(
     if len(units) < count:
         units = [frozenset({cpu}) for core in units for cpu in sorted(core)]
         reasons.append(
-            f"node {node_id} has fewer allowed cores than GPUs: slices split SMT siblings"
+            f"node {node_id} has fewer allowed cores than GPUs: slices split SMT "
+            "siblings"
         )
     if len(units) < count:
         reasons.append(
@@ -236,8 +238,8 @@ def _gpu_where(
     cpus = span & affinity.cpus
     if not cpus:
         why = (
-            f"NUMA node {node.node_id} has no CPU cores allowed by the current affinity "
-            f"{format_cpulist(affinity.cpus)} ({affinity.source}; node CPUs "
+            f"NUMA node {node.node_id} has no CPU cores allowed by the current "
+            f"affinity {format_cpulist(affinity.cpus)} ({affinity.source}; node CPUs "
             f"{format_cpulist(node.cpus)}), skipping NUMA binding"
         )
         return Choice(None, (*reasons, why), True)
@@ -279,7 +281,10 @@ def _cpu_where(
         )
         return Choice(None, (*reasons, why))
     if spec == "all" and len(topology.cpu_nodes) == 1:
-        why = "this host has one NUMA node with CPUs: binding a rank to all of it cannot help"
+        why = (
+            "this host has one NUMA node with CPUs: binding a rank to all of it "
+            "cannot help"
+        )
         return Choice(None, (*reasons, why))
     cpus = rank_cpus & facts.affinity.cpus
     counts = {n.node_id: len(n.cpus & cpus) for n in topology.nodes if n.cpus & cpus}

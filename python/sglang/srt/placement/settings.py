@@ -1,8 +1,5 @@
-"""The placement settings an operator gives through environment variables.
-
-Each is read here through ``envs.NAME.get()``; what upstream's ``EnvStr`` fields hand
-over unchecked is validated, and a bad value raises :class:`SettingError`.
-"""
+"""The placement settings operators give as env vars, each read here; what upstream's
+``EnvStr`` fields hand over unchecked is validated."""
 
 from __future__ import annotations
 
@@ -11,16 +8,14 @@ from sglang.srt.placement.types import AFFINITY_MODES
 
 
 class SettingError(ValueError):
-    """A setting holds a value placement cannot use; names it, the value and the fix."""
+    """A setting placement cannot use: names it, the value and the fix."""
 
 
 def bind_v2() -> bool:
-    """False selects the legacy in-child bind."""
-    return bool(envs.SGLANG_NUMA_BIND_V2.get())
+    return bool(envs.SGLANG_NUMA_BIND_V2.get())  # False: the legacy in-child bind
 
 
 def auto_numa_bind() -> bool:
-    """Find each GPU's node when ``--numa-node`` is unset."""
     return bool(envs.SGLANG_AUTO_NUMA_BIND.get())
 
 
@@ -29,7 +24,6 @@ def bind_failure_is_fatal() -> bool:
 
 
 def one_visible_device_per_process() -> bool:
-    """sglang spawns each CUDA rank under one visible GPU, as GPU 0."""
     return bool(envs.SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS.get())
 
 
@@ -55,7 +49,6 @@ def cpu_threads_bind() -> str:
 
 
 def sysfs_root() -> str:
-    """Where topology is read from: ``/sys``, or a ``capture`` snapshot."""
     value = str(envs.SGLANG_SYSFS_ROOT.get())
     if not value or "\0" in value:
         raise SettingError(
@@ -65,6 +58,8 @@ def sysfs_root() -> str:
     return value
 
 
+# The engine's settings, read where each rank runs: ``verify`` hands the driver's
+# values to its Ray job's workers.
 ENGINE_POLICY_VARS = (
     "SGLANG_NUMA_BIND_V2",
     "SGLANG_AUTO_NUMA_BIND",
@@ -72,5 +67,3 @@ ENGINE_POLICY_VARS = (
     "SGLANG_NUMA_AFFINITY_MODE",
     "SGLANG_CPU_OMP_THREADS_BIND",
 )
-"""The engine's settings, read where each rank runs: ``verify`` hands the driver's
-values to its Ray job's workers."""

@@ -17,7 +17,7 @@ class MemPolicy(enum.StrEnum):
 
 
 class Strategy(enum.StrEnum):
-    """numactl before the interpreter, libnuma inside it, the legacy V1 bind, or none."""
+    """numactl before the interpreter, libnuma inside it, the legacy V1 bind, none."""
 
     EXEC = "exec"
     IN_PROCESS = "in-process"
@@ -127,7 +127,7 @@ class ProcessAffinity:
 
 @dataclass(frozen=True)
 class Accelerator:
-    """The logical device a rank uses (``cuda:<gpu_id>``) and the physical one behind it."""
+    """The device a rank uses (``cuda:<gpu_id>``) and the physical one behind it."""
 
     gpu_id: int
     physical_id: str  # as the runtime names it: an index or a GPU- UUID
@@ -149,20 +149,20 @@ class RankIdentity:
 
 @dataclass(frozen=True)
 class ProcessPlacement:
-    """Where one scheduler rank runs and how that binding is applied, with the reasons."""
+    """Where one scheduler rank runs and how that binding is applied, with the reasons;
+    the defaults leave it unbound."""
 
     rank: RankIdentity
-    pci: Optional[str]
-    numa_node: Optional[int]
-    cpus: frozenset[int]
-    mem_nodes: frozenset[int]
-    mem_policy: MemPolicy
-    strategy: Strategy
-    reasons: tuple[str, ...]
+    pci: Optional[str] = None
+    numa_node: Optional[int] = None
+    cpus: frozenset[int] = frozenset()
+    mem_nodes: frozenset[int] = frozenset()
+    mem_policy: MemPolicy = MemPolicy.NONE
+    strategy: Strategy = Strategy.NONE
+    reasons: tuple[str, ...] = ()
     numactl_args: tuple[str, ...] = ()  # empty unless strategy is exec
     launcher: str = "mp"
-    warning: bool = False
-    """True when the rank is less bound than intended because something failed."""
+    warning: bool = False  # less bound than intended because something failed
 
     def __post_init__(self) -> None:
         # JSON and callers hand in the enums' string values.
@@ -177,6 +177,9 @@ class ProcessPlacement:
     def label(self) -> str:
         return self.rank.label
 
+    def replace(self, **changes: Any) -> "ProcessPlacement":
+        return dataclasses.replace(self, **changes)
+
     @classmethod
     def unbound(
         cls,
@@ -187,19 +190,10 @@ class ProcessPlacement:
         failure: bool,
         pci: Optional[str] = None,
     ) -> "ProcessPlacement":
-        """The one way to leave a rank unbound; what a ``failure`` costs (a warning or
-        an error) is decided where the placement is applied."""
+        """What a ``failure`` costs (a warning or an error) is decided where the
+        placement is applied."""
         return cls(
-            rank=rank,
-            pci=pci,
-            numa_node=None,
-            cpus=frozenset(),
-            mem_nodes=frozenset(),
-            mem_policy=MemPolicy.NONE,
-            strategy=Strategy.NONE,
-            reasons=tuple(reasons),
-            launcher=launcher,
-            warning=failure,
+            rank, pci, reasons=tuple(reasons), launcher=launcher, warning=failure
         )
 
     def to_dict(self) -> dict[str, Any]:
