@@ -12,15 +12,15 @@ import pytest
 from conftest import setting
 
 from sglang.srt.environ import envs
-from sglang.srt.placement import resolve, settings
+from sglang.srt.placement import settings
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
-from sglang.srt.placement.plan import HostFacts, place_gpu_id, plan_engine, plan_node
+from sglang.srt.placement.plan import HostFacts, place_gpu_id, plan_engine
 from sglang.srt.placement_tools.plan_args import PlanArgs as EngineArgs
 from sglang.srt.placement_tools.plan_args import PlanArgsError as EngineArgsError
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.ranks import local_ranks
 from sglang.srt.placement.settings import SettingError
-from sglang.srt.placement.strategy import HostCapabilities
+from sglang.srt.placement.resolve import HostCapabilities
 from sglang.srt.placement.topology import read_topology
 from sglang.srt.placement.types import (
     Cpu,
@@ -281,14 +281,13 @@ def test_exclusive_mode_splits_each_node_keeping_smt_siblings_together(two_socke
 
 
 def test_exclusive_split_near_equal_when_uneven():
-    topo = make_topology({0: (range(0, 5), 1 << 20)})
-    slices = tuple(
-        resolve.exclusive_cpus(
-            frozenset(range(5)), topology=topo, node_id=0, index=index, count=3
-        ).cpus
-        for index in range(3)
+    topo = make_topology(
+        {0: (range(0, 5), 1 << 20)},
+        pci=[(f"0000:{bus:02x}:00.0", 0) for bus in (1, 2, 3)],
     )
-    assert slices == (frozenset({0, 1}), frozenset({2, 3}), frozenset({4}))
+    with envs.SGLANG_NUMA_AFFINITY_MODE.override("exclusive"):
+        slices = [p.cpus for p in plan(topo, tp_size=3)]
+    assert slices == [frozenset({0, 1}), frozenset({2, 3}), frozenset({4})]
 
 
 def test_socket_mode_binds_every_node_of_the_package():
@@ -367,25 +366,6 @@ def test_launcher_that_cannot_exec_uses_in_process(two_sockets):
 def test_placement_json_round_trip(two_sockets):
     for p in plan(two_sockets):
         assert type(p).from_dict(json.loads(json.dumps(p.to_dict()))) == p
-
-
-def test_plan_node_uses_ray_accelerator_ids(two_sockets):
-    facts = HostFacts(
-        topology=two_sockets, affinity=everything(two_sockets), capabilities=caps()
-    )
-    rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=1, gpu_id=1)
-    (p,) = plan_node(
-        EngineArgs(tp_size=2), ranks_with_ids=[(rank, "3")], facts=facts, runtime=None
-    )
-    assert p.rank.tp_rank == 1 and p.pci == "0000:ca:00.0" and p.numa_node == 1
-    (unknown,) = plan_node(
-        EngineArgs(tp_size=2), ranks_with_ids=[(rank, "7")], facts=facts, runtime=None
-    )
-    assert (
-        unknown.strategy == "none"
-        and unknown.warning
-        and "none at index 7" in unknown.reasons[0]
-    )
 
 
 # --- the probe ladder -------------------------------------------------------------------------
@@ -767,8 +747,8 @@ def test_each_gpu_gets_its_share_of_its_node(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["exclusive", "core-complex"])
 def test_a_gpus_share_is_the_same_whoever_computes_it(tmp_path, mode):
-    """The engine's plan, a tp=1 engine at --base-gpu-id, a spawn alone for that id, a Ray
-    actor under its one visible GPU and Ray's node plan all give a GPU the same CPUs."""
+    """The engine's plan, a tp=1 engine at --base-gpu-id, a spawn alone for that id and a
+    Ray actor under its one visible GPU all give a GPU the same CPUs."""
     topology = sysfs(tmp_path, L3_HOST)
     facts = HostFacts(
         topology=topology, affinity=everything(topology), capabilities=caps()
@@ -793,15 +773,7 @@ def test_a_gpus_share_is_the_same_whoever_computes_it(tmp_path, mode):
             env={"CUDA_VISIBLE_DEVICES": str(gpu)},
             runtime=None,
         )
-        rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=gpu, gpu_id=gpu)
-        (ray_node,) = plan_node(
-            EngineArgs(tp_size=4),
-            ranks_with_ids=[(rank, str(gpu))],
-            policy=policy,
-            facts=facts,
-            runtime=None,
-        )
-        assert {share(p) for p in (engine[gpu], router, spawned, actor, ray_node)} == {
+        assert {share(p) for p in (engine[gpu], router, spawned, actor)} == {
             share(engine[gpu])
         }
 

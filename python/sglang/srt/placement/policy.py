@@ -1,30 +1,28 @@
-"""What the user decides about placement (environment variables and ServerArgs), read once into a value."""
+"""What the user decides about placement (env vars, ServerArgs), read once."""
 
 from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.types import AFFINITY_MODES, LAUNCHERS
 
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
+
 
 @dataclass(frozen=True)
 class PlacementPolicy:
-    """Everything the user decides: env vars and ServerArgs, read once."""
-
     launcher: str
     device: str
     bind_v2: bool = True
     auto_numa_bind: bool = True
-    crash_on_failure: bool = False
     affinity_mode: str = "node"
     numa_nodes: Optional[tuple[int, ...]] = None
-    cpu_threads_bind: str = "all"
-    """SGLANG_CPU_OMP_THREADS_BIND; read (and checked) only for the CPU device."""
-    exec_supported: bool = True
-    """False where the launcher cannot start the process under numactl."""
+    cpu_threads_bind: str = "all"  # read (and checked) only for the CPU device
+    exec_supported: bool = True  # False where the launcher cannot exec numactl
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
@@ -32,22 +30,16 @@ class PlacementPolicy:
                 f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}"
             )
         if self.affinity_mode not in AFFINITY_MODES:
-            raise ValueError(
-                f"SGLANG_NUMA_AFFINITY_MODE / --numa-affinity-mode={self.affinity_mode!r}"
-                f" is not valid: choose one of {', '.join(AFFINITY_MODES)}"
+            raise settings.SettingError(
+                "SGLANG_NUMA_AFFINITY_MODE / --numa-affinity-mode="
+                f"{self.affinity_mode!r} is not valid: choose one of "
+                f"{', '.join(AFFINITY_MODES)}"
             )
-
-    @property
-    def in_process_supported(self) -> bool:
-        """Whether a rank can bind itself once started: a Ray actor can; a spawned
-        child of sglang's multiprocessing path runs sglang's own code, which does not.
-        """
-        return self.launcher == "ray"
 
     @classmethod
     def from_env(
         cls,
-        server_args: Any,
+        server_args: "ServerArgs",
         *,
         launcher: str,
         affinity_mode: Optional[str] = None,
@@ -60,9 +52,7 @@ class PlacementPolicy:
             device=device,
             bind_v2=settings.bind_v2(),
             auto_numa_bind=settings.auto_numa_bind(),
-            crash_on_failure=settings.bind_failure_is_fatal(),
-            # Checked on every host, one NUMA node or many, so a typo never waits for
-            # the host where it matters.
+            # Checked on every host: a typo never waits for the host where it matters.
             affinity_mode=affinity_mode or settings.affinity_mode(),
             numa_nodes=tuple(numa_nodes) if numa_nodes is not None else None,
             cpu_threads_bind=settings.cpu_threads_bind() if device == "cpu" else "all",
@@ -70,33 +60,17 @@ class PlacementPolicy:
         )
 
 
-# The ServerArgs fields placement reads, with upstream's defaults: upstream's helpers only
-# promise to read ``numa_node``, so a caller may hand in any object that has it.
-_PLACEMENT_FIELDS = {
-    "tp_size": 1,
-    "pp_size": 1,
-    "dp_size": 1,
-    "nnodes": 1,
-    "node_rank": 0,
-    "base_gpu_id": 0,
-    "gpu_id_step": 1,
-    "numa_node": None,
-    "device": None,
-    "enable_dp_attention": False,
-}
+# Upstream's helpers promise to read only ``numa_node``, so a caller may hand in any
+# object: these are the fields placement reads, with upstream's defaults.
+_PLACEMENT_FIELDS = dict(tp_size=1, pp_size=1, dp_size=1, nnodes=1, gpu_id_step=1)
+_PLACEMENT_FIELDS.update(node_rank=0, base_gpu_id=0, numa_node=None, device=None)
 
 
 def placement_fields(server_args: Any) -> dict[str, Any]:
-    """The ServerArgs fields placement reads, taken from any object, with upstream's defaults for those it lacks."""
-    fields = {
-        name: getattr(server_args, name, default)
-        for name, default in _PLACEMENT_FIELDS.items()
-    }
+    fields = {k: getattr(server_args, k, v) for k, v in _PLACEMENT_FIELDS.items()}
     fields["device"] = fields["device"] or "cuda"
     return fields
 
 
 def placement_view(server_args: Any) -> types.SimpleNamespace:
-    """The placement fields of ``server_args``, complete whatever object the caller
-    handed in."""
     return types.SimpleNamespace(**placement_fields(server_args))

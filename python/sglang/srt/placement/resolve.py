@@ -1,29 +1,29 @@
-"""The pure decision of where one rank runs: its node, CPUs and memory nodes, then how that is applied.
+"""The decision of where one rank runs, then of how that is applied.
 
-``placement_intent`` computes a rank's intent from host facts and policy
-alone; ``strategy.choose_strategy`` then probes numactl and picks how it is
-applied. ``placement.plan`` chooses the inputs (which rank, which device) for
-every launcher, so a rank gets the same answer whichever path asked.
+Where (node, CPUs, memory nodes) is pure, from host facts and policy alone and blind
+to the other ranks, so a spawned child, a Ray actor and ``plan`` agree on a GPU. How
+(exec, in-process, V1) asks numactl, once per option set, on the rank's own host.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Union
 
+from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.devices import accelerator_pci_devices
-from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.strategy import (
-    HostCapabilities,
-    PlacementIntent,
-    choose_strategy,
+from sglang.srt.placement.numactl import (
+    AssumedNumactl,
+    NumactlProber,
+    cpu_option,
+    default_prober,
 )
+from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.types import (
     Accelerator,
     HostTopology,
-    NumaNode,
+    MemPolicy,
     PlacementError,
     ProcessAffinity,
     ProcessPlacement,
@@ -31,503 +31,392 @@ from sglang.srt.placement.types import (
     Strategy,
 )
 
-# ---------------------------------------------------------------------------------------------
-# Node choice and CPU sets
-
-SHARING_MODES = ("exclusive", "core-complex")
-"""Modes that give each GPU of a node its own share of the node's CPUs."""
+SHARING_MODES = ("exclusive", "core-complex")  # each GPU gets its share of its node
 
 
 @dataclass(frozen=True)
-class NodeChoice:
-    node: Optional[int]
-    reasons: tuple[str, ...]
-    failure: bool = False
-    """True when an unbound rank is a fault: the placement is marked less bound than intended."""
+class HostCapabilities:
+    """What can apply a binding: numactl (a stand-in for a snapshot) and libnuma."""
 
+    numactl: Optional[Union[NumactlProber, AssumedNumactl]]
+    libnuma: bool
 
-def choose_node(
-    *,
-    topology: HostTopology,
-    rank: RankIdentity,
-    accelerator: Optional[Accelerator],
-    policy: PlacementPolicy,
-) -> NodeChoice:
-    """Upstream's order: the explicit --numa-node list, then SGLANG_AUTO_NUMA_BIND, then the PCI numa_node."""
-    if policy.numa_nodes is not None and rank.gpu_id is not None:
-        if rank.gpu_id >= len(policy.numa_nodes):
-            raise PlacementError(
-                f"--numa-node has {len(policy.numa_nodes)} entr{'y' if len(policy.numa_nodes) == 1 else 'ies'} "
-                f"({' '.join(map(str, policy.numa_nodes))}) but {rank.label} uses GPU {rank.gpu_id}: give one node "
-                f"per GPU id, at least {rank.gpu_id + 1} entries"
-            )
-        node = policy.numa_nodes[rank.gpu_id]
-        if topology.node(node) is None:
-            raise PlacementError(
-                f"--numa-node gives node {node} for GPU {rank.gpu_id}, but this host has nodes "
-                f"{format_cpulist(topology.node_ids)}"
-            )
-        return NodeChoice(
-            node=node, reasons=(f"node {node} from --numa-node (GPU {rank.gpu_id})",)
-        )
-    if not policy.auto_numa_bind:
-        return NodeChoice(
-            node=None,
-            reasons=("no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding",),
-        )
-    if accelerator is None:
-        return NodeChoice(
-            node=None,
-            reasons=("no accelerator identified for this rank",),
-            failure=True,
-        )
-    if accelerator.pci is None:
-        return NodeChoice(
-            node=None,
-            reasons=(
-                f"GPU {accelerator.gpu_id} ({accelerator.physical_id}): no PCI address ({accelerator.source})",
-            ),
-            failure=True,
-        )
-    device = topology.pci_device(accelerator.pci)
-    via = f"GPU {accelerator.gpu_id} is {accelerator.physical_id} at PCI {accelerator.pci} ({accelerator.source})"
-    if device is None:
-        return NodeChoice(
-            node=None,
-            reasons=(via, f"PCI {accelerator.pci} is not in {topology.root}"),
-            failure=True,
-        )
-    if device.numa_node is None:
-        cpu_nodes = topology.cpu_nodes
-        if len(cpu_nodes) == 1 and policy.affinity_mode in SHARING_MODES:
-            only = cpu_nodes[0].node_id
-            return NodeChoice(
-                node=only,
-                reasons=(
-                    via,
-                    f"PCI {accelerator.pci} reports numa_node -1; node {only} is the only node with CPUs",
-                ),
-            )
-        return NodeChoice(
-            node=None,
-            reasons=(
-                via,
-                f"PCI {accelerator.pci} reports numa_node -1 (the kernel does not know its node)",
-            ),
-        )
-    return NodeChoice(
-        node=device.numa_node,
-        reasons=(via, f"node {device.numa_node} from PCI {accelerator.pci}"),
-    )
+    @classmethod
+    def live(cls) -> "HostCapabilities":
+        from sglang.srt.placement.libnuma import load_libnuma
 
+        return cls(numactl=default_prober(), libnuma=load_libnuma() is not None)
 
-def node_accelerators(
-    topology: HostTopology, *, node_id: int, device: str
-) -> tuple[str, ...]:
-    """PCI addresses of the ``device`` accelerators attached to ``node_id``, in PCI order.
-
-    Every rank on the host computes the same list from sysfs alone, so a
-    spawned child and a Ray actor on one GPU agree on its index without asking
-    each other. A device whose node the kernel does not know counts for the
-    only node with CPUs, where ``choose_node`` places it.
-    """
-    only = topology.cpu_nodes[0].node_id if len(topology.cpu_nodes) == 1 else None
-    return tuple(
-        dev.address
-        for dev in accelerator_pci_devices(topology, device=device)
-        if (dev.numa_node if dev.numa_node is not None else only) == node_id
-    )
-
-
-def physical_cores(
-    cpus: frozenset[int], *, topology: HostTopology
-) -> tuple[frozenset[int], ...]:
-    """``cpus`` grouped by physical core, in CPU order, so a slice never splits SMT siblings."""
-    cores: list[frozenset[int]] = []
-    seen: set[int] = set()
-    for cpu_id in sorted(cpus):
-        if cpu_id in seen:
-            continue
-        info = topology.cpu(cpu_id)
-        core = ((info.thread_siblings if info else frozenset()) & cpus) | {cpu_id}
-        seen.update(core)
-        cores.append(frozenset(core))
-    return tuple(cores)
+    @classmethod
+    def snapshot(cls, root: str) -> "HostCapabilities":
+        return cls(numactl=AssumedNumactl(root=root), libnuma=True)
 
 
 @dataclass(frozen=True)
-class ModeCpus:
-    """The CPUs an affinity mode gives one GPU of a node, and whether it got less than asked."""
+class HostFacts:
+    topology: HostTopology
+    affinity: ProcessAffinity
+    capabilities: HostCapabilities
 
-    cpus: frozenset[int]
+    @classmethod
+    def live(cls) -> "HostFacts":
+        from sglang.srt.placement import topology
+
+        return cls(
+            topology=topology.read_topology_cached(settings.sysfs_root()),
+            affinity=topology.read_process_affinity(),
+            capabilities=HostCapabilities.live(),
+        )
+
+
+class Choice(NamedTuple):
+    """One step's answer (None: nothing), why, and whether it is less than intended."""
+
+    value: Any
     reasons: tuple[str, ...]
     warning: bool = False
 
 
-def exclusive_cpus(
-    allowed: frozenset[int],
-    *,
+def not_placed(policy: PlacementPolicy, topology: HostTopology) -> Optional[str]:
+    """Why sglang leaves an accelerator rank unbound whatever its device; decided
+    before any device is asked about."""
+    if policy.device not in ("cuda", "xpu"):
+        return f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"
+    if policy.numa_nodes is not None:
+        return None
+    if not policy.auto_numa_bind:
+        return "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
+    if policy.affinity_mode == "node" and len(topology.cpu_nodes) < 2:
+        return (
+            "this host has one NUMA node with CPUs: node binding cannot help "
+            "(exclusive and core-complex modes still share it out between its GPUs)"
+        )
+    return None
+
+
+def choose_node(
     topology: HostTopology,
-    node_id: int,
-    index: int,
-    count: int,
-) -> ModeCpus:
-    """Slice ``index`` of ``count`` of ``allowed``: whole cores, contiguous, sizes as even as possible.
-
-    With fewer cores than GPUs the slices are single CPUs; with fewer CPUs
-    than GPUs the GPUs wrap round and share, which is less than asked.
-    """
-    units = physical_cores(allowed, topology=topology)
-    reasons = [
-        f"exclusive mode: GPU {index + 1} of {count} on node {node_id} (PCI order) "
-        f"gets slice {index + 1} of the node's {len(units)} allowed cores"
-    ]
-    warning = False
-    if len(units) < count:
-        units = tuple(frozenset({cpu}) for core in units for cpu in sorted(core))
-        reasons.append(
-            f"node {node_id} has fewer allowed cores than GPUs: slices split SMT siblings"
-        )
-    if len(units) < count:
-        reasons.append(
-            f"node {node_id} has {len(units)} allowed CPUs for {count} GPUs: GPUs share CPUs"
-        )
-        return ModeCpus(units[index % len(units)], tuple(reasons), warning=True)
-    base, extra = divmod(len(units), count)
-    start = index * base + min(index, extra)
-    size = base + (1 if index < extra else 0)
-    return ModeCpus(
-        frozenset().union(*units[start : start + size]), tuple(reasons), warning
-    )
-
-
-def core_complex_cpus(
-    allowed: frozenset[int],
-    *,
-    topology: HostTopology,
-    node_id: int,
-    index: int,
-    count: int,
-) -> Optional[ModeCpus]:
-    """The L3 group GPU ``index`` of ``count`` gets on its node, or None when sysfs has no L3 groups.
-
-    Groups are the allowed CPUs sharing one ``cache/index3``, ordered by their
-    lowest CPU; GPUs beyond the number of groups wrap round and share one.
-    """
-    groups: dict[frozenset[int], None] = {}
-    for cpu_id in sorted(allowed):
-        info = topology.cpu(cpu_id)
-        if info is None or info.l3_cpus is None:
-            return None
-        groups.setdefault(info.l3_cpus & allowed)
-    ordered = sorted(groups, key=min)
-    chosen = index % len(ordered)
-    reasons = [
-        f"core-complex mode: GPU {index + 1} of {count} on node {node_id} (PCI order) "
-        f"gets L3 group {chosen + 1} of {len(ordered)}"
-    ]
-    if count > len(ordered):
-        reasons.append(
-            f"node {node_id} has {count} GPUs for {len(ordered)} L3 groups: GPUs wrap "
-            "round and share a group"
-        )
-    return ModeCpus(ordered[chosen], tuple(reasons))
-
-
-def _mode_cpus(
-    allowed: frozenset[int],
-    *,
-    topology: HostTopology,
-    node_id: int,
-    pci: Optional[str],
-    policy: PlacementPolicy,
-) -> ModeCpus:
-    """The CPUs ``exclusive`` or ``core-complex`` gives the GPU at ``pci``, or the whole
-    node's with the reason when the topology lacks what the mode needs."""
-    mode = policy.affinity_mode
-    gpus = node_accelerators(topology, node_id=node_id, device=policy.device)
-    if pci not in gpus:
-        return ModeCpus(
-            allowed,
-            (
-                f"{mode} mode: GPU {pci or '(no PCI address)'} is not among node "
-                f"{node_id}'s {policy.device} devices in sysfs "
-                f"({', '.join(gpus) or 'none'}): bound to the whole node",
-            ),
-            warning=True,
-        )
-    ask = dict(
-        topology=topology, node_id=node_id, index=gpus.index(pci), count=len(gpus)
-    )
-    if mode == "exclusive":
-        return exclusive_cpus(allowed, **ask)
-    found = core_complex_cpus(allowed, **ask)
-    if found is not None:
-        return found
-    return ModeCpus(
-        allowed,
-        (
-            f"core-complex mode: sysfs has no L3 groups (cache/index3) for node "
-            f"{node_id}'s CPUs: bound to the whole node",
-        ),
-        warning=True,
-    )
-
-
-def _node_cpu_set(
-    *,
-    topology: HostTopology,
-    node: NumaNode,
-    policy: PlacementPolicy,
-    affinity: ProcessAffinity,
-    pci: Optional[str],
-) -> tuple[frozenset[int], tuple[int, ...], Optional[tuple[int, ...]], list[str], bool]:
-    """(cpus, memory nodes, whole nodes for --cpunodebind or None, reasons, warning)."""
-    reasons: list[str] = []
-    if policy.affinity_mode == "socket":
-        packages = topology.packages_of_node(node.node_id)
-        node_ids = topology.nodes_of_packages(packages) or (node.node_id,)
-        nodes = [topology.node(n) for n in node_ids]
-        nodes = [n for n in nodes if n is not None]
-        reasons.append(
-            f"socket mode: package {format_cpulist(packages)} holds node(s) {format_cpulist(node_ids)}"
-        )
-    else:
-        nodes = [node]
-    span = frozenset().union(*(n.cpus for n in nodes))
-    allowed = span & affinity.cpus
-    if allowed != span and allowed:
-        reasons.append(
-            f"{affinity.source} allows {len(allowed)} of {len(span)} CPUs of node(s) "
-            f"{format_cpulist(n.node_id for n in nodes)}"
-        )
-    mem_nodes = tuple(
-        n.node_id for n in nodes if n.has_memory and n.node_id in affinity.mems
-    )
-    whole: Optional[tuple[int, ...]] = (
-        tuple(n.node_id for n in nodes) if allowed == span else None
-    )
-    if policy.affinity_mode not in SHARING_MODES or not allowed:
-        return allowed, mem_nodes, whole, reasons, False
-    mode = _mode_cpus(
-        allowed, topology=topology, node_id=node.node_id, pci=pci, policy=policy
-    )
-    reasons.extend(mode.reasons)
-    if mode.cpus != allowed or not mode.warning:
-        whole = None  # a mode's share is a CPU list, even a node's only GPU's
-    return mode.cpus, mem_nodes, whole, reasons, mode.warning
-
-
-# ---------------------------------------------------------------------------------------------
-# The decision
-
-
-def placement_intent(
-    *,
-    topology: HostTopology,
-    affinity: ProcessAffinity,
     rank: RankIdentity,
     accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
-    cpu_rank_set: Optional[frozenset[int]] = None,
-) -> Union[PlacementIntent, ProcessPlacement]:
-    """Where ``rank`` should run (an intent), or its unbound placement with the reason.
-
-    Pure, and blind to the other ranks, so that whichever process asks for a
-    GPU (a spawned child, a Ray actor, ``plan``) gets the same answer.
-    ``cpu_rank_set`` is a CPU-device rank's CPUs from SGLANG_CPU_OMP_THREADS_BIND.
-    """
-    pci = accelerator.pci if accelerator is not None else None
-    unbound = functools.partial(
-        ProcessPlacement.unbound, rank, launcher=policy.launcher, pci=pci
-    )
-    if policy.device == "cpu":
-        return _cpu_intent(
-            topology=topology,
-            affinity=affinity,
-            rank=rank,
-            policy=policy,
-            cpu_rank_set=cpu_rank_set,
+) -> Choice:
+    """Upstream's order: the ``--numa-node`` list, else the node of the GPU's PCI
+    device; ``accelerator`` may be None only with the list."""
+    listed, gpu_id = policy.numa_nodes, rank.gpu_id
+    if listed is not None:
+        if gpu_id >= len(listed):
+            raise PlacementError(
+                f"--numa-node has {len(listed)} "
+                f"entr{'y' if len(listed) == 1 else 'ies'} "
+                f"({' '.join(map(str, listed))}) but {rank.label} uses GPU {gpu_id}: "
+                f"give one node per GPU id, at least {gpu_id + 1} entries"
+            )
+        node = listed[gpu_id]
+        if topology.node(node) is None:
+            raise PlacementError(
+                f"--numa-node gives node {node} for GPU {gpu_id}, but this host has "
+                f"nodes {format_cpulist(topology.node_ids)}"
+            )
+        return Choice(node, (f"node {node} from --numa-node (GPU {gpu_id})",))
+    pci, gpu, source = accelerator.pci, accelerator.physical_id, accelerator.source
+    if pci is None:
+        why = f"GPU {gpu_id} ({gpu}): no PCI address ({source})"
+        return Choice(None, (why,), True)
+    via = f"GPU {gpu_id} is {gpu} at PCI {pci} ({source})"
+    device = topology.pci_device(pci)
+    if device is None:
+        return Choice(None, (via, f"PCI {pci} is not in {topology.root}"), True)
+    if device.numa_node is not None:
+        return Choice(
+            device.numa_node, (via, f"node {device.numa_node} from PCI {pci}")
         )
-
-    choice = choose_node(
-        topology=topology, rank=rank, accelerator=accelerator, policy=policy
-    )
-    reasons = list(choice.reasons)
-    if choice.node is None:
-        return unbound(reasons=reasons, failure=choice.failure)
-    node = topology.node(choice.node)
-    if node is None:
-        return unbound(
-            reasons=reasons + [f"node {choice.node} does not exist on this host"],
-            failure=True,
-        )
-    if not node.has_cpus:
-        return unbound(
-            reasons=reasons + [f"node {node.node_id} has memory but no CPUs"],
-            failure=True,
-        )
-    if (
-        policy.affinity_mode == "node"
-        and policy.numa_nodes is None
-        and len(topology.cpu_nodes) == 1
-    ):
-        return unbound(reasons=reasons + [ONE_NODE_REASON], failure=False)
-    cpus, mem_nodes, whole, cpu_reasons, warning = _node_cpu_set(
-        topology=topology, node=node, policy=policy, affinity=affinity, pci=pci
-    )
-    reasons.extend(cpu_reasons)
-    if not cpus:
-        return unbound(
-            reasons=reasons
-            + [
-                f"NUMA node {node.node_id} has no CPU cores allowed by the current affinity "
-                f"{format_cpulist(affinity.cpus)} ({affinity.source}; node CPUs "
-                f"{format_cpulist(node.cpus)}), skipping NUMA binding"
-            ],
-            failure=True,
-        )
-    return _intent(rank, pci, node.node_id, cpus, mem_nodes, whole, reasons, warning)
+    why = f"PCI {pci} reports numa_node -1"
+    cpu_nodes = topology.cpu_nodes
+    if len(cpu_nodes) == 1 and policy.affinity_mode in SHARING_MODES:
+        only = cpu_nodes[0].node_id
+        return Choice(only, (via, f"{why}; node {only} is the only node with CPUs"))
+    return Choice(None, (via, f"{why} (the kernel does not know its node)"))
 
 
-ONE_NODE_REASON = (
-    "this host has one NUMA node with CPUs: node binding cannot help "
-    "(exclusive and core-complex modes still share it out between its GPUs)"
-)
-
-
-def _intent(
-    rank: RankIdentity,
-    pci: Optional[str],
+def _share(
+    allowed: frozenset[int],
     node_id: int,
-    cpus: frozenset[int],
-    mem_nodes: tuple[int, ...],
-    whole: Optional[tuple[int, ...]],
-    reasons: list[str],
-    warning: bool = False,
-) -> PlacementIntent:
-    if not mem_nodes:
-        reasons.append(
-            f"no memory node this process may use near node {node_id}: CPU binding only"
+    pci: Optional[str],
+    facts: HostFacts,
+    policy: PlacementPolicy,
+) -> Choice:
+    """What the GPU at ``pci`` gets of its node by its index among the node's GPUs in
+    PCI order, which every rank computes alone from sysfs (a GPU of unknown node
+    counts for the only node with CPUs, as in ``choose_node``). exclusive: a slice of
+    whole cores, contiguous, sizes as even as possible; core-complex: one L3 group, by
+    lowest CPU. GPUs beyond the cores (groups) split SMT siblings, then wrap round."""
+    mode, topology = policy.affinity_mode, facts.topology
+
+    def whole_node(why: str) -> Choice:
+        return Choice(allowed, (f"{mode} mode: {why}: bound to the whole node",), True)
+
+    only = topology.cpu_nodes[0].node_id if len(topology.cpu_nodes) == 1 else None
+    gpus = [
+        dev.address
+        for dev in accelerator_pci_devices(topology, device=policy.device)
+        if (only if dev.numa_node is None else dev.numa_node) == node_id
+    ]
+    if pci not in gpus:
+        return whole_node(
+            f"GPU {pci or '(no PCI address)'} is not among node {node_id}'s "
+            f"{policy.device} devices in sysfs ({', '.join(gpus) or 'none'})"
         )
-    return PlacementIntent(
-        rank=rank,
-        pci=pci,
-        node_id=node_id,
-        cpus=cpus,
-        mem_nodes=mem_nodes,
-        whole_nodes=whole,
-        reasons=tuple(reasons),
-        warning=warning,
-    )
+    index, count = gpus.index(pci), len(gpus)
+    gets = f"{mode} mode: GPU {index + 1} of {count} on node {node_id} (PCI order) gets"
+    cpus = [(cpu_id, topology.cpu(cpu_id)) for cpu_id in sorted(allowed)]
+    if mode == "core-complex":
+        if any(info is None or info.l3_cpus is None for _, info in cpus):
+            return whole_node(
+                f"sysfs has no L3 groups (cache/index3) for node {node_id}'s CPUs"
+            )
+        groups = sorted({info.l3_cpus & allowed for _, info in cpus}, key=min)
+        chosen = index % len(groups)
+        reasons = [f"{gets} L3 group {chosen + 1} of {len(groups)}"]
+        if count > len(groups):
+            reasons.append(
+                f"node {node_id} has {count} GPUs for {len(groups)} L3 groups: GPUs "
+                "wrap round and share a group"
+            )
+        return Choice(groups[chosen], tuple(reasons))
+    units: list[frozenset[int]] = []  # physical cores
+    seen: set[int] = set()
+    for cpu_id, info in cpus:
+        if cpu_id not in seen:
+            siblings = info.thread_siblings if info else frozenset()
+            units.append((siblings & allowed) | {cpu_id})
+            seen |= units[-1]
+    reasons = [f"{gets} slice {index + 1} of the node's {len(units)} allowed cores"]
+    if len(units) < count:
+        units = [frozenset({cpu}) for core in units for cpu in sorted(core)]
+        reasons.append(
+            f"node {node_id} has fewer allowed cores than GPUs: slices split SMT "
+            "siblings"
+        )
+    if len(units) < count:
+        reasons.append(
+            f"node {node_id} has {len(units)} allowed CPUs for {count} GPUs: "
+            "GPUs share CPUs"
+        )
+        return Choice(units[index % len(units)], tuple(reasons), True)
+    size, extra = divmod(len(units), count)
+    start = index * size + min(index, extra)
+    share = units[start : start + size + (index < extra)]
+    return Choice(frozenset().union(*share), tuple(reasons))
 
 
-def _cpu_intent(
-    *,
-    topology: HostTopology,
-    affinity: ProcessAffinity,
+def _gpu_where(
+    facts: HostFacts,
+    rank: RankIdentity,
+    found: Optional[Accelerator],
+    policy: PlacementPolicy,
+) -> Choice:
+    topology, affinity = facts.topology, facts.affinity
+    choice = choose_node(topology, rank, found, policy)
+    if choice.value is None:
+        return choice
+    node = topology.node(choice.value)
+    if node is None or not node.has_cpus:
+        what = (
+            "does not exist on this host" if node is None else "has memory but no CPUs"
+        )
+        return Choice(None, (*choice.reasons, f"node {choice.value} {what}"), True)
+    reasons, nodes = list(choice.reasons), [node]
+    if policy.affinity_mode == "socket":
+        packages = topology.packages_of_node(node.node_id)
+        node_ids = topology.nodes_of_packages(packages) or (node.node_id,)
+        nodes = [n for n in map(topology.node, node_ids) if n is not None]
+        reasons.append(
+            f"socket mode: package {format_cpulist(packages)} holds node(s) "
+            f"{format_cpulist(node_ids)}"
+        )
+    span = frozenset().union(*(n.cpus for n in nodes))
+    cpus = span & affinity.cpus
+    if not cpus:
+        why = (
+            f"NUMA node {node.node_id} has no CPU cores allowed by the current "
+            f"affinity {format_cpulist(affinity.cpus)} ({affinity.source}; node CPUs "
+            f"{format_cpulist(node.cpus)}), skipping NUMA binding"
+        )
+        return Choice(None, (*reasons, why), True)
+    if cpus != span:
+        reasons.append(
+            f"{affinity.source} allows {len(cpus)} of {len(span)} CPUs of node(s) "
+            f"{format_cpulist(n.node_id for n in nodes)}"
+        )
+    whole = tuple(n.node_id for n in nodes) if cpus == span else None
+    if policy.affinity_mode not in SHARING_MODES:
+        return Choice((node.node_id, cpus, nodes, whole), tuple(reasons))
+    share = _share(cpus, node.node_id, found and found.pci, facts, policy)
+    if share.value != cpus or not share.warning:
+        whole = None  # a mode's share is a CPU list, even a node's only GPU's
+    where = (node.node_id, share.value, nodes, whole)
+    return Choice(where, (*reasons, *share.reasons), share.warning)
+
+
+def _cpu_where(
+    facts: HostFacts,
     rank: RankIdentity,
     policy: PlacementPolicy,
-    cpu_rank_set: Optional[frozenset[int]],
-) -> Union[PlacementIntent, ProcessPlacement]:
-    """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives it, memory on the nodes of those CPUs."""
-    unbound = functools.partial(
-        ProcessPlacement.unbound, rank, launcher=policy.launcher
-    )
+    rank_cpus: frozenset[int],
+) -> Choice:
+    """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives it, memory on the
+    nodes of those CPUs."""
+    topology = facts.topology
     spec = policy.cpu_threads_bind.strip()
-    reasons = [
-        f"CPU rank {rank.gpu_id}: CPUs {format_cpulist(cpu_rank_set or ())} from SGLANG_CPU_OMP_THREADS_BIND="
-        f"{'all (one node per rank)' if spec == 'all' else repr(spec)}"
-    ]
+    shown = "all (one node per rank)" if spec == "all" else repr(spec)
+    reasons = (
+        f"CPU rank {rank.gpu_id}: CPUs {format_cpulist(rank_cpus)} from "
+        f"SGLANG_CPU_OMP_THREADS_BIND={shown}",
+    )
     if not policy.bind_v2:
-        return unbound(
-            reasons=reasons
-            + [
-                "SGLANG_NUMA_BIND_V2=0: the spawn is not bound (upstream behaviour); only bootstrap's "
-                "init_cpu_threads_env pins the OpenMP threads, on AMX or arm64 hosts"
-            ],
-            failure=False,
+        why = (
+            "SGLANG_NUMA_BIND_V2=0: the spawn is not bound (upstream behaviour); only "
+            "bootstrap's init_cpu_threads_env pins the OpenMP threads, on AMX or arm64 "
+            "hosts"
         )
-    if cpu_rank_set is None:
-        raise ValueError(
-            f"{rank.label}: a CPU-device rank needs its CPUs from SGLANG_CPU_OMP_THREADS_BIND"
-        )
+        return Choice(None, (*reasons, why))
     if spec == "all" and len(topology.cpu_nodes) == 1:
-        return unbound(
-            reasons=reasons
-            + [
-                "this host has one NUMA node with CPUs: binding a rank to all of it cannot help"
-            ],
-            failure=False,
+        why = (
+            "this host has one NUMA node with CPUs: binding a rank to all of it "
+            "cannot help"
         )
-    cpus = cpu_rank_set & affinity.cpus
-    counts: dict[int, int] = {}
-    for node in topology.nodes:
-        shared = len(node.cpus & cpus)
-        if shared:
-            counts[node.node_id] = shared
-    node_id = max(counts, key=lambda n: (counts[n], -n)) if counts else None
-    if not cpus or node_id is None:
-        return unbound(
-            reasons=reasons + ["none of these CPUs may be used by this process"],
-            failure=True,
-        )
-    mem_nodes = tuple(
-        n
-        for n in sorted(counts)
-        if (nn := topology.node(n)) is not None and nn.has_memory and n in affinity.mems
-    )
-    whole = (
-        tuple(sorted(counts))
-        if cpus == frozenset().union(*(topology.node(n).cpus for n in counts))
-        else None
-    )
-    return _intent(rank, None, node_id, cpus, mem_nodes, whole, reasons)
+        return Choice(None, (*reasons, why))
+    cpus = rank_cpus & facts.affinity.cpus
+    counts = {n.node_id: len(n.cpus & cpus) for n in topology.nodes if n.cpus & cpus}
+    if not counts:
+        why = "none of these CPUs may be used by this process"
+        return Choice(None, (*reasons, why), True)
+    nodes = [topology.node(n) for n in sorted(counts)]
+    whole = tuple(sorted(counts))
+    if frozenset().union(*(n.cpus for n in nodes)) != cpus:
+        whole = None
+    node_id = max(counts, key=lambda n: (counts[n], -n))
+    return Choice((node_id, cpus, nodes, whole), reasons)
 
 
 def resolve_placement(
     *,
-    topology: HostTopology,
-    affinity: ProcessAffinity,
+    facts: HostFacts,
     rank: RankIdentity,
     accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
-    capabilities: HostCapabilities,
     cpu_rank_set: Optional[frozenset[int]] = None,
 ) -> ProcessPlacement:
-    """Where ``rank`` runs and how that is applied: its intent, then the strategy ``capabilities`` allow."""
-    decided = placement_intent(
-        topology=topology,
-        affinity=affinity,
-        rank=rank,
-        accelerator=accelerator,
-        policy=policy,
-        cpu_rank_set=cpu_rank_set,
-    )
-    if isinstance(decided, ProcessPlacement):
-        return decided
-    return choose_strategy(decided, policy=policy, capabilities=capabilities)
+    """Where ``rank`` runs (``cpu_rank_set``: a CPU-device rank's CPUs), and how: exec
+    under the strongest numactl form the kernel accepts, else in-process (libnuma),
+    or the legacy V1 bind under SGLANG_NUMA_BIND_V2=0."""
+    pci = accelerator.pci if accelerator is not None else None
+    if policy.device == "cpu":
+        where = _cpu_where(facts, rank, policy, cpu_rank_set)
+    else:
+        where = _gpu_where(facts, rank, accelerator, policy)
+    reasons = list(where.reasons)
+    unbound = ProcessPlacement.unbound
+    if where.value is None:
+        return unbound(
+            rank,
+            reasons=reasons,
+            launcher=policy.launcher,
+            failure=where.warning,
+            pci=pci,
+        )
+    node_id, cpus, nodes, whole = where.value
+    mems = facts.affinity.mems
+    mem_nodes = tuple(n.node_id for n in nodes if n.has_memory and n.node_id in mems)
+    if not mem_nodes:
+        reasons.append(
+            f"no memory node this process may use near node {node_id}: CPU binding only"
+        )
+    wanted = MemPolicy.BIND if mem_nodes else MemPolicy.NONE
 
+    def placed(
+        strategy: Strategy,
+        mem_policy: MemPolicy,
+        nodes: tuple[int, ...] = mem_nodes,
+        args: tuple[str, ...] = (),
+        warning: bool = False,
+    ) -> ProcessPlacement:
+        return ProcessPlacement(
+            rank=rank,
+            pci=pci,
+            numa_node=node_id,
+            cpus=cpus,
+            mem_nodes=frozenset(nodes if mem_policy != MemPolicy.NONE else ()),
+            mem_policy=mem_policy,
+            strategy=strategy,
+            reasons=tuple(reasons),
+            numactl_args=args,
+            launcher=policy.launcher,
+            warning=warning or where.warning,
+        )
 
-# ---------------------------------------------------------------------------------------------
-# How a placement reads
+    if not policy.bind_v2:
+        reasons.append(
+            "SGLANG_NUMA_BIND_V2=0: legacy V1 bind inside the child "
+            "(numa_run_on_node + numa_set_preferred)"
+        )
+        preferred = MemPolicy.PREFERRED if mem_nodes else MemPolicy.NONE
+        return placed(Strategy.V1, preferred, (node_id,))
+    numactl = facts.capabilities.numactl
+    if policy.exec_supported and numactl is not None:
+        outcome = numactl.ladder(
+            cpu_args=(cpu_option(cpus=cpus, whole_nodes=whole),),
+            mem_policy=wanted,
+            mem_nodes=mem_nodes,
+            preferred_node=node_id if mem_nodes else None,
+        )
+        if outcome.ok:
+            got = MemPolicy(outcome.mem_policy)
+            reasons.extend(outcome.reasons)
+            reasons.append(f"exec under numactl {' '.join(outcome.args)}")
+            nodes = (node_id,) if got == MemPolicy.PREFERRED else mem_nodes
+            return placed(Strategy.EXEC, got, nodes, outcome.args, got != wanted)
+        refusal = f": {outcome.reasons[0]}" if outcome.reasons else ""
+        reasons.append(
+            f"numactl could not apply NUMA binding for node {node_id} (e.g. "
+            "set_mempolicy/sched_setaffinity blocked by seccomp, or cpuset rejects the "
+            f"policy){refusal}"
+        )
+    elif policy.exec_supported:
+        reasons.append("numactl is not installed")
+    else:
+        reasons.append(
+            f"the {policy.launcher} launcher cannot start this rank under numactl"
+        )
+    # A Ray actor binds itself once started; sglang's spawned child runs only sglang's
+    # own code, so nothing there would apply an in-process bind.
+    if policy.launcher != "ray":
+        reasons.append(
+            f"the {policy.launcher} launcher binds only by exec: running unbound"
+        )
+        return unbound(
+            rank, reasons=reasons, launcher=policy.launcher, failure=True, pci=pci
+        )
+    if facts.capabilities.libnuma:
+        reasons.append("in-process bind with libnuma")
+        return placed(Strategy.IN_PROCESS, wanted)
+    reasons.append("libnuma is not available: in-process CPU affinity only")
+    return placed(Strategy.IN_PROCESS, MemPolicy.NONE, (), warning=bool(mem_nodes))
 
 
 def describe(p: ProcessPlacement) -> str:
     """The one-line human form of a placement."""
     gpu_id = p.rank.gpu_id
-    if gpu_id is None:
-        gpu = ""
-    else:  # a CPU rank's id is its numa_index; only an accelerator has a PCI address
-        gpu = f" GPU {gpu_id}" if p.pci else f" gpu_id {gpu_id}"
-    pci = f" ({p.pci})" if p.pci else ""
+    # A CPU rank's id is its numa_index; only an accelerator has a PCI address.
+    gpu = "" if gpu_id is None else f" GPU {gpu_id}" if p.pci else f" gpu_id {gpu_id}"
+    head = f"[{p.label}]{gpu}{f' ({p.pci})' if p.pci else ''}:"
     if p.strategy == Strategy.NONE:
-        head = f"[{p.label}]{gpu}{pci}: not bound"
-    else:
-        mem = {
-            "bind": f"membind {format_cpulist(p.mem_nodes)}",
-            "preferred": f"preferred {format_cpulist(p.mem_nodes)}",
-            "none": "memory unbound",
-        }[p.mem_policy]
-        head = f"[{p.label}]{gpu}{pci}: node {p.numa_node} CPUs {format_cpulist(p.cpus)} {mem} via {p.strategy}"
-    return f"{head} -- {'; '.join(p.reasons)}"
+        return f"{head} not bound -- {'; '.join(p.reasons)}"
+    nodes = format_cpulist(p.mem_nodes)
+    mem = {"bind": f"membind {nodes}", "preferred": f"preferred {nodes}"}.get(
+        p.mem_policy, "memory unbound"
+    )
+    return (
+        f"{head} node {p.numa_node} CPUs {format_cpulist(p.cpus)} {mem} via "
+        f"{p.strategy} -- {'; '.join(p.reasons)}"
+    )

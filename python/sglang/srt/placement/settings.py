@@ -1,9 +1,5 @@
-"""The placement settings an operator gives through environment variables, each read in one place.
-
-Every reader goes through ``envs.NAME.get()``; the values that upstream's
-``EnvStr`` fields hand over unchecked are validated here, and a bad one raises
-:class:`SettingError` naming the variable, the value and the accepted values.
-"""
+"""The placement settings operators give as env vars, each read here; what upstream's
+``EnvStr`` fields hand over unchecked is validated."""
 
 from __future__ import annotations
 
@@ -12,59 +8,58 @@ from sglang.srt.placement.types import AFFINITY_MODES
 
 
 class SettingError(ValueError):
-    """An environment variable that placement reads holds a value it cannot use."""
+    """A setting placement cannot use: names it, the value and the fix."""
 
 
 def bind_v2() -> bool:
-    """``SGLANG_NUMA_BIND_V2``: False selects the legacy in-child bind."""
-    return bool(envs.SGLANG_NUMA_BIND_V2.get())
+    return bool(envs.SGLANG_NUMA_BIND_V2.get())  # False: the legacy in-child bind
 
 
 def auto_numa_bind() -> bool:
-    """``SGLANG_AUTO_NUMA_BIND``: discover each GPU's node when ``--numa-node`` is unset."""
     return bool(envs.SGLANG_AUTO_NUMA_BIND.get())
 
 
 def bind_failure_is_fatal() -> bool:
-    """``SGLANG_CRASH_ON_NUMA_BIND_FAILURE``: an unbound or mis-bound rank is an error, not a warning."""
     return bool(envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.get())
 
 
 def one_visible_device_per_process() -> bool:
-    """``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS``: sglang spawns each CUDA rank under one visible GPU, as GPU 0."""
     return bool(envs.SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS.get())
 
 
 def affinity_mode() -> str:
-    """``SGLANG_NUMA_AFFINITY_MODE``: node, exclusive, socket or core-complex."""
     value = str(envs.SGLANG_NUMA_AFFINITY_MODE.get()).strip()
     if value not in AFFINITY_MODES:
         raise SettingError(
-            f"SGLANG_NUMA_AFFINITY_MODE={value!r} is not valid: choose one of {', '.join(AFFINITY_MODES)}"
+            f"SGLANG_NUMA_AFFINITY_MODE={value!r} is not valid: choose one of "
+            f"{', '.join(AFFINITY_MODES)}"
         )
     return value
 
 
 def cpu_threads_bind() -> str:
-    """``SGLANG_CPU_OMP_THREADS_BIND``: "all", or one cpulist per rank separated by ``|`` (parsed by resolve)."""
+    """'all', or one cpulist per rank separated by ``|`` (parsed by cpu_groups)."""
     value = str(envs.SGLANG_CPU_OMP_THREADS_BIND.get()).strip()
     if not value:
         raise SettingError(
-            "SGLANG_CPU_OMP_THREADS_BIND is empty: set it to 'all' or to one cpulist per rank, e.g. 0-31|32-63"
+            "SGLANG_CPU_OMP_THREADS_BIND is empty: set it to 'all' or to one cpulist "
+            "per rank, e.g. 0-31|32-63"
         )
     return value
 
 
 def sysfs_root() -> str:
-    """``SGLANG_SYSFS_ROOT``: where topology is read from (``/sys``, or a ``capture`` snapshot)."""
     value = str(envs.SGLANG_SYSFS_ROOT.get())
     if not value or "\0" in value:
         raise SettingError(
-            f"SGLANG_SYSFS_ROOT={value!r} is not valid: give a directory such as /sys or a capture snapshot"
+            f"SGLANG_SYSFS_ROOT={value!r} is not valid: give a directory such as /sys "
+            "or a capture snapshot"
         )
     return value
 
 
+# The engine's settings, read where each rank runs: ``verify`` hands the driver's
+# values to its Ray job's workers.
 ENGINE_POLICY_VARS = (
     "SGLANG_NUMA_BIND_V2",
     "SGLANG_AUTO_NUMA_BIND",
@@ -72,5 +67,3 @@ ENGINE_POLICY_VARS = (
     "SGLANG_NUMA_AFFINITY_MODE",
     "SGLANG_CPU_OMP_THREADS_BIND",
 )
-"""Settings that belong to the engine, which every rank reads where it runs: ``verify``
-hands the driver's values to its Ray job's workers."""

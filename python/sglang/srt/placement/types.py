@@ -1,4 +1,4 @@
-"""The frozen values that placement passes around: host facts, a rank's identity, its placement."""
+"""The frozen values placement passes around: host facts, a rank, its placement."""
 
 from __future__ import annotations
 
@@ -11,15 +11,13 @@ from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 
 
 class MemPolicy(enum.StrEnum):
-    """The memory policy a placement sets: bind to its nodes, prefer its node, or leave memory alone."""
-
     BIND = "bind"
     PREFERRED = "preferred"
     NONE = "none"
 
 
 class Strategy(enum.StrEnum):
-    """How a placement is applied: numactl before the interpreter, libnuma inside it, the legacy V1 bind, or not at all."""
+    """numactl before the interpreter, libnuma inside it, the legacy V1 bind, none."""
 
     EXEC = "exec"
     IN_PROCESS = "in-process"
@@ -31,23 +29,19 @@ LAUNCHERS = ("mp", "ray")
 AFFINITY_MODES = ("node", "exclusive", "socket", "core-complex")
 
 
-class TopologyError(ValueError):
-    """A sysfs tree (live or a snapshot) is missing files or holds values that cannot be parsed."""
-
-
 class PlacementError(RuntimeError):
-    """A placement cannot be computed or applied, and the policy says to fail rather than run unbound."""
+    """A placement (or the host facts it needs) cannot be computed or applied."""
+
+
+TopologyError = PlacementError
 
 
 @dataclass(frozen=True)
 class NumaNode:
     node_id: int
-    cpus: frozenset[int]
-    """Online CPUs of this node (empty for a memory-only node such as GPU or CXL memory)."""
+    cpus: frozenset[int]  # online CPUs; empty for a memory-only (GPU, CXL) node
     memory_kb: int
-    """MemTotal of this node; 0 for a node without memory."""
-    distances: tuple[tuple[int, int], ...] = ()
-    """(other node id, distance) pairs, from ``nodeN/distance``."""
+    distances: tuple[tuple[int, int], ...] = ()  # (other node id, distance)
 
     @property
     def has_cpus(self) -> bool:
@@ -65,16 +59,13 @@ class Cpu:
     package_id: int
     core_id: int
     thread_siblings: frozenset[int]
-    l3_cpus: Optional[frozenset[int]] = None
-    """The online CPUs sharing this CPU's L3 (``cache/index3``); None where sysfs does not say."""
+    l3_cpus: Optional[frozenset[int]] = None  # None where sysfs has no cache/index3
 
 
 @dataclass(frozen=True)
 class PciDevice:
-    address: str
-    """Canonical lower-case ``dddd:bb:dd.f``."""
-    numa_node: Optional[int]
-    """None when the kernel does not know (``numa_node`` is -1 or absent)."""
+    address: str  # canonical lower-case dddd:bb:dd.f
+    numa_node: Optional[int]  # None where the kernel does not know (-1)
     vendor: str = ""
     device: str = ""
     pci_class: str = ""
@@ -82,7 +73,7 @@ class PciDevice:
 
 @dataclass(frozen=True)
 class HostTopology:
-    """What a host's sysfs says about NUMA nodes, CPUs and PCI devices, read once."""
+    """What a host's sysfs (or a snapshot of it) says, read once."""
 
     root: str
     nodes: tuple[NumaNode, ...]
@@ -91,10 +82,7 @@ class HostTopology:
     pci_devices: tuple[PciDevice, ...] = ()
 
     def node(self, node_id: int) -> Optional[NumaNode]:
-        for node in self.nodes:
-            if node.node_id == node_id:
-                return node
-        return None
+        return next((n for n in self.nodes if n.node_id == node_id), None)
 
     @property
     def node_ids(self) -> tuple[int, ...]:
@@ -105,20 +93,14 @@ class HostTopology:
         return tuple(node for node in self.nodes if node.has_cpus)
 
     def cpu(self, cpu_id: int) -> Optional[Cpu]:
-        for cpu in self.cpus:
-            if cpu.cpu_id == cpu_id:
-                return cpu
-        return None
+        return next((c for c in self.cpus if c.cpu_id == cpu_id), None)
 
     def pci_device(self, address: str) -> Optional[PciDevice]:
         wanted = address.lower()
-        for dev in self.pci_devices:
-            if dev.address == wanted:
-                return dev
-        return None
+        return next((d for d in self.pci_devices if d.address == wanted), None)
 
     def one_cpu_per_core(self, cpus: frozenset[int]) -> frozenset[int]:
-        """The lowest of ``cpus`` on each physical core (SMT siblings left out)."""
+        """The lowest of ``cpus`` on each physical core."""
         chosen: dict[tuple, int] = {}
         for cpu_id in sorted(cpus):
             cpu = self.cpu(cpu_id)
@@ -130,50 +112,35 @@ class HostTopology:
         return frozenset(cpu.package_id for cpu in self.cpus if cpu.node_id == node_id)
 
     def nodes_of_packages(self, packages: frozenset[int]) -> tuple[int, ...]:
-        return tuple(
-            sorted(
-                {
-                    cpu.node_id
-                    for cpu in self.cpus
-                    if cpu.package_id in packages and cpu.node_id is not None
-                }
-            )
-        )
+        found = {c.node_id for c in self.cpus if c.package_id in packages}
+        return tuple(sorted(found - {None}))
 
 
 @dataclass(frozen=True)
 class ProcessAffinity:
-    """The CPUs and memory nodes a process may use (its cpuset, or an outer numactl/taskset)."""
+    """The CPUs and memory nodes a process may use (cpuset, outer numactl/taskset)."""
 
     cpus: frozenset[int]
     mems: frozenset[int]
-    source: str
-    """Where the values came from, for reasons: "this process", "--allowed-cpus", "snapshot"."""
+    source: str  # for reasons: "this process", "--allowed-cpus", "snapshot"
 
 
 @dataclass(frozen=True)
 class Accelerator:
-    """One logical device as a rank sees it, and the physical device behind it."""
+    """The device a rank uses (``cuda:<gpu_id>``) and the physical one behind it."""
 
     gpu_id: int
-    """The logical device index the rank uses (``cuda:<gpu_id>``)."""
-    physical_id: str
-    """The physical device as the runtime names it: an index or a ``GPU-`` UUID."""
+    physical_id: str  # as the runtime names it: an index or a GPU- UUID
     pci: Optional[str]
-    """Canonical PCI address, or None when it could not be found."""
-    source: str
-    """How the PCI address was found: "torch", "nvml", "sysfs", "--gpus", or why it was not."""
+    source: str  # how the PCI address was found ("torch", "nvml", ...), or why not
 
 
 @dataclass(frozen=True)
 class RankIdentity:
-    """Which scheduler rank a process is: every placement, log line and report names it."""
-
     dp_rank: int
     pp_rank: int
     tp_rank: int
-    gpu_id: Optional[int]
-    """The logical accelerator index, or None for a CPU-device rank."""
+    gpu_id: Optional[int]  # a CPU rank's is its numa_index
 
     @property
     def label(self) -> str:
@@ -182,31 +149,25 @@ class RankIdentity:
 
 @dataclass(frozen=True)
 class ProcessPlacement:
-    """Where one scheduler rank runs and how that binding is applied, with the reasons."""
+    """Where one scheduler rank runs and how that binding is applied, with the reasons;
+    the defaults leave it unbound."""
 
     rank: RankIdentity
-    pci: Optional[str]
-    numa_node: Optional[int]
-    cpus: frozenset[int]
-    mem_nodes: frozenset[int]
-    mem_policy: MemPolicy
-    strategy: Strategy
-    reasons: tuple[str, ...]
-    numactl_args: tuple[str, ...] = ()
-    """numactl options (no executable) that apply this placement; empty unless strategy is exec."""
+    pci: Optional[str] = None
+    numa_node: Optional[int] = None
+    cpus: frozenset[int] = frozenset()
+    mem_nodes: frozenset[int] = frozenset()
+    mem_policy: MemPolicy = MemPolicy.NONE
+    strategy: Strategy = Strategy.NONE
+    reasons: tuple[str, ...] = ()
+    numactl_args: tuple[str, ...] = ()  # empty unless strategy is exec
     launcher: str = "mp"
-    warning: bool = False
-    """True when the rank is unbound (or less bound) because something failed, not by choice."""
+    warning: bool = False  # less bound than intended because something failed
 
     def __post_init__(self) -> None:
-        # Accept the enums' string values too (JSON, older callers); store the enums.
+        # JSON and callers hand in the enums' string values.
         for name, kind in (("mem_policy", MemPolicy), ("strategy", Strategy)):
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, kind(value))
-            except ValueError:
-                allowed = tuple(member.value for member in kind)
-                raise ValueError(f"{name} {value!r} is not one of {allowed}") from None
+            object.__setattr__(self, name, kind(getattr(self, name)))
 
     @property
     def bound(self) -> bool:
@@ -215,6 +176,9 @@ class ProcessPlacement:
     @property
     def label(self) -> str:
         return self.rank.label
+
+    def replace(self, **changes: Any) -> "ProcessPlacement":
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def unbound(
@@ -226,60 +190,35 @@ class ProcessPlacement:
         failure: bool,
         pci: Optional[str] = None,
     ) -> "ProcessPlacement":
-        """The one way to leave ``rank`` unbound; ``failure`` marks it less bound than
-        intended, and what that costs (a warning or an error) is decided where it is
-        applied."""
+        """What a ``failure`` costs (a warning or an error) is decided where the
+        placement is applied."""
         return cls(
-            rank=rank,
-            pci=pci,
-            numa_node=None,
-            cpus=frozenset(),
-            mem_nodes=frozenset(),
-            mem_policy=MemPolicy.NONE,
-            strategy=Strategy.NONE,
-            reasons=tuple(reasons),
-            launcher=launcher,
-            warning=failure,
+            rank, pci, reasons=tuple(reasons), launcher=launcher, warning=failure
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "dp_rank": self.rank.dp_rank,
-            "pp_rank": self.rank.pp_rank,
-            "tp_rank": self.rank.tp_rank,
-            "gpu_id": self.rank.gpu_id,
-            "pci": self.pci,
-            "numa_node": self.numa_node,
-            "cpus": format_cpulist(self.cpus),
-            "mem_nodes": format_cpulist(self.mem_nodes),
-            "mem_policy": self.mem_policy.value,
-            "strategy": self.strategy.value,
-            "reasons": list(self.reasons),
-            "numactl_args": list(self.numactl_args),
-            "launcher": self.launcher,
-            "warning": self.warning,
-        }
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[1:]}
+        data.update(
+            cpus=format_cpulist(self.cpus),
+            mem_nodes=format_cpulist(self.mem_nodes),
+            mem_policy=self.mem_policy.value,
+            strategy=self.strategy.value,
+            reasons=list(self.reasons),
+            numactl_args=list(self.numactl_args),
+        )
+        return {**dataclasses.asdict(self.rank), **data}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ProcessPlacement":
-        return cls(
-            rank=RankIdentity(
-                dp_rank=int(data["dp_rank"]),
-                pp_rank=int(data["pp_rank"]),
-                tp_rank=int(data["tp_rank"]),
-                gpu_id=data["gpu_id"],
-            ),
-            pci=data["pci"],
-            numa_node=data["numa_node"],
+        given = {
+            f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data
+        }
+        given.update(
             cpus=parse_cpulist(data["cpus"]),
             mem_nodes=parse_cpulist(data.get("mem_nodes", "")),
-            mem_policy=data["mem_policy"],
-            strategy=data["strategy"],
             reasons=tuple(data["reasons"]),
             numactl_args=tuple(data.get("numactl_args", ())),
-            launcher=data.get("launcher", "mp"),
             warning=bool(data.get("warning", False)),
         )
-
-    def replace(self, **changes: Any) -> "ProcessPlacement":
-        return dataclasses.replace(self, **changes)
+        ranks = (int(data[k]) for k in ("dp_rank", "pp_rank", "tp_rank"))
+        return cls(rank=RankIdentity(*ranks, gpu_id=data["gpu_id"]), **given)
