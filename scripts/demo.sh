@@ -11,7 +11,7 @@ py=.venv/bin/python
 if [ -z "${SGLANG_CPU_OMP_THREADS_BIND:-}" ]; then
     SGLANG_CPU_OMP_THREADS_BIND=$("$py" - <<'PY'
 import os
-from sglang.srt.placement import format_cpulist
+from sglang.srt.placement.cpulist import format_cpulist
 cpus = sorted(os.sched_getaffinity(0))
 half = max(len(cpus) // 2, 1)
 print(format_cpulist(cpus[:half]) + "|" + format_cpulist(cpus[half:] or cpus[:half]))

@@ -180,12 +180,9 @@ def test_gpus_option_maps_index_to_address_in_order():
     assert [a.gpu_id for a in accs] == [0, 1, 2]
 
 
-def test_gpus_option_wins_over_cuda_visible_devices_and_ray():
+def test_gpus_option_wins_over_cuda_visible_devices():
     (acc,) = cuda(
-        [1],
-        {"CUDA_VISIBLE_DEVICES": "3,2"},
-        gpus="0000:17:00.0,0000:2a:00.0",
-        ray_accelerator_ids=["0"],
+        [1], {"CUDA_VISIBLE_DEVICES": "3,2"}, gpus="0000:17:00.0,0000:2a:00.0"
     )
     assert acc.pci == "0000:2a:00.0" and acc.source == "--gpus"
 
@@ -371,36 +368,6 @@ def test_physical_index_missing_from_sysfs_gives_reason():
     )
 
 
-def test_ray_ids_take_precedence_over_visible_devices():
-    env = {"CUDA_VISIBLE_DEVICES": "0,1", **PCI_ORDER}
-    accs = cuda(
-        [0, 1],
-        env,
-        ray_accelerator_ids=["2", UUIDS[3]],
-        runtime=NvmlRuntime(module=fake_pynvml()),
-    )
-    assert [(a.physical_id, a.pci) for a in accs] == [
-        ("2", GPU_ADDRS[2]),
-        (UUIDS[3], GPU_ADDRS[3]),
-    ]
-    assert "Ray GPU id '2'" in accs[0].source
-
-
-def test_ray_ids_too_few_for_the_gpu_id():
-    with pytest.raises(
-        ValueError,
-        match=r"Ray assigned this actor GPU ids \['2'\] but the rank uses GPU id 1",
-    ):
-        cuda([1], {}, ray_accelerator_ids=["2"])
-
-
-def test_empty_ray_ids_fall_back_to_visible_devices():
-    (acc,) = cuda(
-        [0], {"CUDA_VISIBLE_DEVICES": "1", **PCI_ORDER}, ray_accelerator_ids=[]
-    )
-    assert acc.pci == GPU_ADDRS[1]
-
-
 def test_bad_gpu_ids_and_device():
     with pytest.raises(ValueError, match="GPU id -1 is not a device index"):
         cuda([-1], {})
@@ -567,13 +534,6 @@ def test_ze_affinity_mask_skips_entries_it_cannot_use():
         xpu([0], {"ZE_AFFINITY_MASK": "gpu1"})
     (acc,) = xpu([1], {"ZE_AFFINITY_MASK": "default"})
     assert acc.pci == "0000:4d:00.0" and "no ZE_AFFINITY_MASK" in acc.source
-
-
-def test_ray_xpu_ids_still_name_cards():
-    (acc,) = xpu([0], {"ZE_AFFINITY_MASK": "0"}, ray_accelerator_ids=["2"])
-    assert acc.pci == "0000:9a:00.0"
-    with pytest.raises(ValueError, match=r"Ray GPU id 'gpu1': 'gpu1' is not a device"):
-        xpu([0], {}, ray_accelerator_ids=["gpu1"])
 
 
 def test_xpu_index_beyond_cards_mentions_flat_hierarchy():

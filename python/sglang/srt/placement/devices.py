@@ -158,13 +158,12 @@ def identify_accelerators(
     gpu_ids: Sequence[int],
     env: Mapping[str, str],
     gpus: Union[str, Sequence[str], None] = None,
-    ray_accelerator_ids: Optional[Sequence[str]] = None,
     runtime: Optional[AcceleratorRuntime] = None,
 ) -> tuple[Accelerator, ...]:
     """One Accelerator per logical device index, in order.
 
-    ``gpus`` (``--gpus``) names found outright; otherwise Ray's id, else the
-    visibility variable's entry, else the index names the physical device, whose
+    ``gpus`` (``--gpus``) names found outright; otherwise the visibility
+    variable's entry, else the index names the physical device, whose
     address ``runtime`` gives, else sysfs order. ``env`` is the rank's own.
     """
     if device == "cpu":
@@ -217,9 +216,7 @@ def identify_accelerators(
         )
 
     def locate(gpu_id: int) -> Accelerator:
-        text, index, origin = _physical(
-            device, gpu_id, env, ray_accelerator_ids, len(listed)
-        )
+        text, index, origin = _physical(device, gpu_id, env, len(listed))
 
         def made(pci: Optional[str], source: str) -> Accelerator:
             return Accelerator(gpu_id, text, pci, source)
@@ -280,26 +277,8 @@ def _physical(
     device: str,
     gpu_id: int,
     env: Mapping[str, str],
-    ray_ids: Optional[Sequence[str]],
     count: int,
 ) -> _Physical:
-    if ray_ids:
-        if gpu_id >= len(ray_ids):
-            raise SettingError(
-                f"Ray assigned this actor GPU ids {list(ray_ids)} but the rank uses "
-                f"GPU id {gpu_id}; request as many GPUs per actor as its index needs."
-            )
-        entry = str(ray_ids[gpu_id]).strip()
-        origin = f"Ray GPU id {entry!r} (index {gpu_id} of {list(ray_ids)})"
-        if device == "cuda":
-            found, kind = _cuda_entry(entry, origin), "an index or a GPU-/MIG- UUID"
-        else:
-            card = _ZE_ENTRY_RE.fullmatch(entry)
-            found = card and _Physical(entry, int(card[1]), origin)
-            kind = "a device or device.sub-device index, e.g. 0 or 1.0"
-        if not found:
-            raise SettingError(f"Ray GPU id {entry!r}: {entry!r} is not {kind}.")
-        return found
     var = "CUDA_VISIBLE_DEVICES" if device == "cuda" else "ZE_AFFINITY_MASK"
     value = env.get(var)
     if value is None or device == "xpu" and value.strip() in ("", "default"):
