@@ -235,7 +235,7 @@ SERIES: Tuple[Patch, ...] = (
         "bounded input. A package on top: nothing below imports it.",
         "tests/test_plan_cli.py, tests/test_cli_fuzz.py, tests/test_input_bounds.py",
         "A new command.",
-        files=(T + "__init__.py", T + "__main__.py", T + "plan_args.py"),
+        files=(T + "__init__.py", T + "__main__.py"),
     ),
     Patch(
         "tools-capture-read-back",

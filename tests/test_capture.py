@@ -12,7 +12,8 @@ import stat
 import fakesys
 import pytest
 
-from sglang.srt.placement_tools.capture import CaptureError, capture_sysfs
+from sglang.srt.placement_tools import UsageError
+from sglang.srt.placement_tools.capture import capture_sysfs
 from sglang.srt.placement.topology import SNAPSHOT_MARKER, read_topology
 from sglang.srt.placement.types import TopologyError
 
@@ -143,7 +144,7 @@ def test_capture_into_a_non_empty_directory(tmp_path):
     dest = tmp_path / "snap"
     dest.mkdir()
     (dest / "notes.txt").write_text("keep me")
-    with pytest.raises(CaptureError) as err:
+    with pytest.raises(UsageError) as err:
         capture_sysfs(dest, root=fakesys.one_node(tmp_path / "sys"))
     assert str(err.value).startswith(
         f"{dest}: is not empty; choose a new or empty directory"
@@ -155,11 +156,11 @@ def test_capture_onto_a_file_or_under_a_missing_parent(tmp_path):
     root = fakesys.one_node(tmp_path / "sys")
     (tmp_path / "file").write_text("")
     with pytest.raises(
-        CaptureError, match=f"{tmp_path}/file: exists and is not a directory"
+        UsageError, match=f"{tmp_path}/file: exists and is not a directory"
     ):
         capture_sysfs(tmp_path / "file", root=root)
     with pytest.raises(
-        CaptureError,
+        UsageError,
         match=f"{tmp_path}/no/snap: its parent {tmp_path}/no does not exist",
     ):
         capture_sysfs(tmp_path / "no" / "snap", root=root)

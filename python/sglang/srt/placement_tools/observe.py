@@ -1,25 +1,15 @@
-"""Read a process's effective NUMA binding back from the kernel, and compare it with its placement.
+"""Read a process's NUMA binding back from the kernel, and compare it with its placement.
 
-Sources: ``/proc/self/status`` (``Cpus_allowed_list``, ``Mems_allowed_list``),
-the ``get_mempolicy`` system call (the memory policy of the calling thread), and
-``/proc/self/numa_maps`` (where resident pages really are).
-
-Page counts: every mapping's ``N<node>=<pages>`` fields are summed, weighted by
-its ``kernelpagesize_kB``, so the totals are kB resident per node over all mapped
-memory, file-backed included (shared libraries count where their page-cache
-pages sit). The same sum over anonymous mappings only (no ``file=``: heap, stack,
-malloc arenas, tensors) is kept alongside, as that is the memory a rank
-allocates itself.
-
+Sources: ``/proc/self/status`` (allowed CPUs and memory nodes), ``get_mempolicy`` (the
+calling thread's memory policy) and ``/proc/self/numa_maps`` (where resident pages are).
+Pages are counted in kB per node over every mapping, file-backed included, and over
+anonymous mappings only (heap, stack, tensors): the memory a rank allocates itself.
 Never imports torch: it runs in plain interpreters inside test VMs.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
-import platform
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -29,35 +19,29 @@ from sglang.srt.placement.libnuma import read_mempolicy
 from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import MemPolicy, ProcessPlacement, Strategy
 
-MemPolicyReader = Callable[[], "tuple[str, frozenset[int]]"]
+_NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
 
 
 @dataclass(frozen=True)
 class ObservedBinding:
-    """A process's binding as the kernel reports it."""
-
     cpus: frozenset[int]
     mems: frozenset[int]
     """Nodes the process may allocate from at all (its cpuset's ``Mems_allowed_list``)."""
     policy: str
-    """"default", "bind", "preferred", "interleave", "local", "preferred_many" or
-    "weighted_interleave"."""
+    """As get_mempolicy names it: "default", "bind", "preferred", "interleave", ..."""
     policy_nodes: frozenset[int]
     resident_kb: tuple[tuple[int, int], ...] = ()
     """(node, kB resident on it) over every mapping, sorted by node."""
     anon_kb: tuple[tuple[int, int], ...] = ()
-    """The same over anonymous mappings only."""
 
     def local_page_ratio(
         self, nodes: Iterable[int], *, anon_only: bool = False
     ) -> Optional[float]:
-        """Share of resident memory on ``nodes`` (0..1); None when numa_maps showed nothing resident."""
+        """Share of resident memory on ``nodes``; None when nothing is resident."""
         counts = self.anon_kb if anon_only else self.resident_kb
         total = sum(kb for _, kb in counts)
-        if total == 0:
-            return None
         wanted = frozenset(nodes)
-        return sum(kb for node, kb in counts if node in wanted) / total
+        return sum(kb for n, kb in counts if n in wanted) / total if total else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -71,30 +55,23 @@ class ObservedBinding:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ObservedBinding":
+        def counts(key: str) -> tuple[tuple[int, int], ...]:
+            return tuple(
+                sorted((int(n), int(kb)) for n, kb in data.get(key, {}).items())
+            )
+
         return cls(
             cpus=parse_cpulist(data["cpus"]),
             mems=parse_cpulist(data["mems"]),
             policy=data["policy"],
             policy_nodes=parse_cpulist(data["policy_nodes"]),
-            resident_kb=tuple(
-                sorted(
-                    (int(n), int(kb)) for n, kb in data.get("resident_kb", {}).items()
-                )
-            ),
-            anon_kb=tuple(
-                sorted((int(n), int(kb)) for n, kb in data.get("anon_kb", {}).items())
-            ),
+            resident_kb=counts("resident_kb"),
+            anon_kb=counts("anon_kb"),
         )
 
 
-# -- numa_maps --------------------------------------------------------------------------------
-
-_NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
-
-
 def parse_numa_maps(text: str) -> tuple[dict[int, int], dict[int, int]]:
-    """kB resident per node over every mapping, and over anonymous ones only:
-    ``N<node>=<pages>`` summed, times each mapping's ``kernelpagesize_kB``."""
+    """kB resident per node over every mapping, and over anonymous ones only."""
     resident: dict[int, int] = {}
     anon: dict[int, int] = {}
     for line in text.splitlines():
@@ -112,14 +89,13 @@ def parse_numa_maps(text: str) -> tuple[dict[int, int], dict[int, int]]:
     return resident, anon
 
 
-# -- observe ----------------------------------------------------------------------------------
-
-
 def observe_self(
-    *, proc_root: str = "/proc", mempolicy: Optional[MemPolicyReader] = None
+    *,
+    proc_root: str = "/proc",
+    mempolicy: Optional[Callable[[], "tuple[str, frozenset[int]]"]] = None,
 ) -> ObservedBinding:
-    """The binding of this process as the kernel sees it; ``proc_root`` and
-    ``mempolicy`` (the get_mempolicy reader) are replaced in tests."""
+    """This process's binding as the kernel sees it; tests replace ``proc_root`` and
+    ``mempolicy`` (the get_mempolicy reader)."""
     base = os.path.join(proc_root, "self")
     allowed = read_process_affinity(os.path.join(base, "status"))
     try:
@@ -139,18 +115,14 @@ def observe_self(
     )
 
 
-# -- compare ----------------------------------------------------------------------------------
-
-
 def compare_binding(
     placement: ProcessPlacement, observed: ObservedBinding
 ) -> list[str]:
     """One line per way ``observed`` differs from ``placement``; empty when the rank is where planned.
 
-    A placement with strategy "none" plans nothing, so nothing is checked. With
-    mem_policy "none" only the CPUs are checked. A policy stricter than planned
-    (bind where preferred was planned) is reported too: it can fail allocations
-    the plan meant to let spill over.
+    Strategy "none" plans nothing and mem_policy "none" no memory, so neither is checked. A
+    policy stricter than planned (bind where preferred was planned) is a difference too: it
+    can fail allocations the plan meant to let spill over.
     """
     if placement.strategy == Strategy.NONE:
         return []
@@ -159,29 +131,20 @@ def compare_binding(
         diffs.append(
             f"cpus {_fmt(observed.cpus)} observed, {_fmt(placement.cpus)} planned"
         )
-
     if placement.mem_policy == MemPolicy.NONE:
         return diffs
-    if placement.mem_policy == MemPolicy.BIND:
-        want_nodes = placement.mem_nodes
-        want_policies = ("bind",)
-    else:
-        want_nodes = (
-            frozenset([placement.numa_node])
-            if placement.numa_node is not None
-            else placement.mem_nodes
-        )
+    want_nodes, want_policies = placement.mem_nodes, ("bind",)
+    if placement.mem_policy != MemPolicy.BIND:
         want_policies = ("preferred", "preferred_many")
-
+        if placement.numa_node is not None:
+            want_nodes = frozenset([placement.numa_node])
     if not want_nodes <= observed.mems:
         diffs.append(
-            f"mems allowed {_fmt(observed.mems)} observed, must include {_fmt(want_nodes)} "
-            f"(a cpuset or an outer numactl restricts this process)"
+            f"mems allowed {_fmt(observed.mems)} observed, must include {_fmt(want_nodes)} (a cpuset or an outer numactl restricts this process)"
         )
     if observed.policy not in want_policies or observed.policy_nodes != want_nodes:
         diffs.append(
-            f"memory policy {_policy_text(observed.policy, observed.policy_nodes)} observed, "
-            f"{_policy_text(placement.mem_policy, want_nodes)} planned"
+            f"memory policy {_policy_text(observed.policy, observed.policy_nodes)} observed, {_policy_text(placement.mem_policy, want_nodes)} planned"
         )
     return diffs
 
@@ -191,6 +154,4 @@ def _fmt(values: frozenset[int]) -> str:
 
 
 def _policy_text(policy: str, nodes: frozenset[int]) -> str:
-    if not nodes:
-        return policy
-    return f"{policy} on node(s) {format_cpulist(nodes)}"
+    return f"{policy} on node(s) {format_cpulist(nodes)}" if nodes else policy
