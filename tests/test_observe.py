@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from sglang.srt.placement.cpulist import parse_cpulist
-from sglang.srt.placement_tools.observe import (
+from sglang.srt.placement_tools.verify import (
     ObservedBinding,
     compare_binding,
     observe_self,
@@ -66,7 +66,7 @@ def _mems_allowed_of_self() -> frozenset[int]:
 
 
 def _observe_in_child(*prefix: str) -> dict:
-    code = "from sglang.srt.placement_tools.observe import observe_self; import json; print(json.dumps(observe_self().to_dict()))"
+    code = "from sglang.srt.placement_tools.verify import observe_self; import json; print(json.dumps(observe_self().to_dict()))"
     proc = subprocess.run(
         [*prefix, sys.executable, "-c", code],
         capture_output=True,
@@ -115,7 +115,7 @@ def test_child_under_numactl_preferred_reads_back_preferred():
 def test_observe_module_does_not_import_torch():
     code = (
         "import sys\n"
-        "import sglang.srt.placement_tools.observe, sglang.srt.placement.apply, sglang.srt.placement.libnuma\n"
+        "import sglang.srt.placement_tools.verify, sglang.srt.placement.apply, sglang.srt.placement.libnuma\n"
         "print('torch' in sys.modules)\n"
     )
     proc = subprocess.run(

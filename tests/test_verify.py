@@ -12,9 +12,9 @@ import time
 import pytest
 from spawn_support import args, numactl_standin
 
-from sglang.srt.placement_tools.observe import ObservedBinding
 from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
 from sglang.srt.placement_tools.verify import (
+    ObservedBinding,
     differences,
     format_verify_rows,
     run_mp_probes,

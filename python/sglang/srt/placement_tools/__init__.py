@@ -1,9 +1,7 @@
 """Operator tools on top of placement: ``python -m sglang.srt.placement_tools plan|verify|capture``.
 
-Nothing in placement, the launch glue or sglang's own modules imports this package.
-``PlanArgs`` holds the engine settings the tools take, under sglang's flag names:
-placement reads them by name, so sglang's ``ServerArgs`` works wherever a
-``PlanArgs`` does, but importing ``ServerArgs`` costs seconds and needs a model path.
+Nothing below imports this package. ``PlanArgs`` holds the engine settings the tools take:
+placement reads them by name, as from sglang's ``ServerArgs``, which costs seconds to import.
 """
 
 from __future__ import annotations
@@ -11,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 from sglang.srt.placement.cpulist import shown
@@ -68,7 +65,7 @@ def int_arg(dest: str) -> Callable[[str], int]:
     return parse
 
 
-@dataclass
+@dataclasses.dataclass
 class PlanArgs:
     tp_size: int = 1
     pp_size: int = 1
@@ -92,7 +89,7 @@ class PlanArgs:
             self.node_rank >= nnodes
             and f"--node-rank={self.node_rank} is not valid with --nnodes={nnodes}: node ranks run from 0 to {nnodes - 1}.",
             (tp * pp) % nnodes != 0
-            and f"--tp-size={tp} x --pp-size={pp} = {tp * pp} ranks cannot be split evenly over --nnodes={nnodes}: choose sizes whose product is a multiple of the node count.",
+            and f"--tp-size={tp} x --pp-size={pp} = {tp * pp} ranks cannot be split evenly over --nnodes={nnodes}: make it a multiple of the node count.",
             self.device not in DEVICES
             and f"--device={self.device!r} is not supported here: choose one of {', '.join(DEVICES)}.",
         ):
@@ -113,17 +110,13 @@ class PlanArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("sglang's parallelism and placement flags")
+        """sglang's own flags for the fields; those not given keep PlanArgs' defaults."""
         for dest, (names, _, _) in FLAGS.items():
-            nargs = "+" if dest == "numa_node" else None
-            group.add_argument(
-                *names,
-                dest=dest,
-                type=int_arg(dest),
-                nargs=nargs,
-                default=argparse.SUPPRESS,
+            options = dict(
+                type=int_arg(dest), nargs="+" if dest == "numa_node" else None
             )
-        group.add_argument(
+            parser.add_argument(*names, dest=dest, default=argparse.SUPPRESS, **options)
+        parser.add_argument(
             "--device", default=argparse.SUPPRESS, help="cuda, xpu or cpu"
         )
 

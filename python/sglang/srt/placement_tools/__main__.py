@@ -29,10 +29,8 @@ BAD_INPUT = (
     MemoryError,
     RecursionError,
 )
-"""Bad input of any kind - a flag, an environment variable or a file - is one line and exit
-status 2: ValueError covers UsageError, SettingError, the cpulist and topology errors and
-UnicodeError; OSError the file errors; ArithmeticError OverflowError; MemoryError and
-RecursionError what no bound foresaw."""
+"""Bad input of any kind (a flag, a setting, a file; MemoryError and RecursionError for what
+no bound foresaw) is one line and exit status 2."""
 PLAN_JSON_KEYS = (
     "dp_rank pp_rank tp_rank gpu_id pci numa_node cpus mem_policy strategy reasons numactl_args mem_nodes"
 ).split()
@@ -71,9 +69,7 @@ def _path(flag: str) -> Callable[[str], str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    plan = sub.add_parser(
-        "plan", help="where every rank of this host will run, and why"
-    )
+    plan = sub.add_parser("plan", help="where each rank of this host runs, and why")
     verify = sub.add_parser("verify", help="start the ranks, read each binding back")
     for command, launchers in ((plan, ("mp", "ray")), (verify, ("mp", "ray", "both"))):
         PlanArgs.add_cli_args(command)
@@ -138,25 +134,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     topology = read_topology(
         root, setting="--sysfs-root" if args.sysfs_root else "SGLANG_SYSFS_ROOT"
     )
-    mems = frozenset(n.node_id for n in topology.nodes if n.has_memory)
+    if snapshot:
+        mems = frozenset(n.node_id for n in topology.nodes if n.has_memory)
+        source = "the snapshot (all online CPUs)"
+        affinity = ProcessAffinity(topology.online_cpus, mems, source)
+        capabilities = HostCapabilities.snapshot(root)
+    else:
+        affinity, capabilities = read_process_affinity(), HostCapabilities.live()
     if args.allowed_cpus is not None:
         cpus = parse_cpulist(args.allowed_cpus, what="--allowed-cpus")
         unknown = cpus - topology.online_cpus
         if not cpus or unknown:
             raise UsageError(
-                f"--allowed-cpus={shown(args.allowed_cpus)} names CPU(s) {format_cpulist(unknown) or 'none'} that are not online in {root} (online: {format_cpulist(topology.online_cpus)})"
+                f"--allowed-cpus={shown(args.allowed_cpus)} names CPU(s) {format_cpulist(unknown) or 'none'} "
+                f"that are not online in {root} (online: {format_cpulist(topology.online_cpus)})"
             )
-        if not snapshot:
-            mems = read_process_affinity().mems
-        affinity = ProcessAffinity(cpus=cpus, mems=mems, source="--allowed-cpus")
-    elif snapshot:
-        cpus, source = topology.online_cpus, "the snapshot (all online CPUs)"
-        affinity = ProcessAffinity(cpus=cpus, mems=mems, source=source)
-    else:
-        affinity = read_process_affinity()
-    capabilities = (
-        HostCapabilities.snapshot(root) if snapshot else HostCapabilities.live()
-    )
+        affinity = ProcessAffinity(cpus, affinity.mems, "--allowed-cpus")
     gpus = None
     if args.gpus is not None:
         gpus = _gpus(args.gpus, topology=topology, root=root, server_args=server_args)
@@ -192,11 +185,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for flag in ("--sysfs-root", "--allowed-cpus", "--gpus"):
         if getattr(args, flag[2:].replace("-", "_")) is not None:
             raise UsageError(
-                f"{flag} is a planning input that sglang's launch path does not take, so verify cannot check it; drop {flag} (use `plan {flag} ...` to see that plan; a Ray node plans from the SGLANG_SYSFS_ROOT of its raylet)"
+                f"{flag} is a planning input that sglang's launch path does not take, so verify cannot check it; "
+                f"drop {flag} (use `plan {flag} ...` to see that plan; a Ray node plans from the SGLANG_SYSFS_ROOT of its raylet)"
             )
     if "mp" in launchers and os.path.realpath(settings.sysfs_root()) != "/sys":
         raise UsageError(
-            f"SGLANG_SYSFS_ROOT={settings.sysfs_root()} is not this host's /sys, but verify starts the ranks here and reads their real binding back; unset it (use `plan` to see another host's plan)"
+            f"SGLANG_SYSFS_ROOT={settings.sysfs_root()} is not this host's /sys, but verify starts the ranks "
+            "here and reads their real binding back; unset it (use `plan` to see another host's plan)"
         )
     if args.numa_affinity_mode is not None:
         # The flag stands for the setting sglang reads; this process's spawns and plan both see it.

@@ -22,15 +22,10 @@ _CREATE_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEX
 
 
 def capture_sysfs(dest: str | os.PathLike, *, root: str | os.PathLike = "/sys") -> int:
-    """Copy exactly the files ``read_topology(root)`` reads into ``dest``; return how many.
-
-    ``dest`` must not exist, or be an empty directory of this user that no one else may
-    write to. PCI device links become plain directories holding just the files read. A
-    marker (format, kernel release, capture time) lets later errors say the tree is a
-    snapshot. Nothing is written by path: every directory and file is created relative to
-    a descriptor of ``dest`` (opened once, never through a link), so a link planted
-    meanwhile is refused rather than followed. On any failure, what was created is removed.
-    """
+    """Copy exactly the files ``read_topology(root)`` reads, and a marker, into ``dest`` (new,
+    or an empty directory of this user's alone); return how many. Everything is created
+    through descriptors of ``dest`` (opened once, never through a link), so a link planted
+    meanwhile is refused, not followed; on failure, what was created is removed."""
     out = _Destination(os.path.abspath(os.fspath(dest)))
     try:
         out.open()
@@ -69,10 +64,8 @@ class _Destination:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fds: dict[str, int] = {}
-        """Relative directory ("" for the destination itself) -> its open descriptor."""
-        self.created: list[tuple[str, str, bool]] = []
-        """(relative parent directory, name, is a directory), in creation order."""
+        self.fds: dict[str, int] = {}  # by relative directory; "" is the destination
+        self.created: list[tuple[str, bool]] = []  # (relative path, is a directory)
         self.parent_fd: Optional[int] = None
         self.created_top = False
 
@@ -87,18 +80,16 @@ class _Destination:
                 f"{self.path}: its parent {parent} does not exist or is not a directory; create it first or choose another place"
             ) from None
         try:
-            os.mkdir(name, mode=0o755, dir_fd=self.parent_fd)
-            self.created_top = True
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise UsageError(f"{self.path}: cannot be created ({exc.strerror}); {fix}")
-        try:
+            try:
+                os.mkdir(name, mode=0o755, dir_fd=self.parent_fd)
+                self.created_top = True
+            except FileExistsError:
+                pass
             self.fds[""] = fd = os.open(name, _OPEN_DIR, dir_fd=self.parent_fd)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise UsageError(f"{self.path}: exists and is not a directory; {fix}")
-            raise UsageError(f"{self.path}: cannot be opened ({exc.strerror}); {fix}")
+            raise UsageError(f"{self.path}: cannot be used ({exc.strerror}); {fix}")
         st = os.fstat(fd)
         # Created here or not, the directory written into must be this user's alone: into a
         # directory that another user owns or may write to, links could be planted meanwhile.
@@ -124,7 +115,7 @@ class _Destination:
             try:
                 # os.makedirs would give intermediate directories the umask's mode.
                 os.mkdir(name, mode=0o755, dir_fd=parent_fd)
-                self.created.append((parent_rel, name, True))
+                self.created.append((rel_dir, True))
             except FileExistsError:
                 pass  # made for an earlier file; opened below without following a link
             self.fds[rel_dir] = os.open(name, _OPEN_DIR, dir_fd=parent_fd)
@@ -134,20 +125,17 @@ class _Destination:
         """Create ``rel`` holding ``text`` (O_EXCL: never follow or overwrite a file)."""
         parent_rel, name = posixpath.split(rel)
         fd = os.open(name, _CREATE_FILE, 0o644, dir_fd=self._dir_fd(parent_rel))
-        self.created.append((parent_rel, name, False))
+        self.created.append((rel, False))
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode("ascii", errors="replace"))
 
     def remove_created(self) -> None:
-        for parent_rel, name, is_dir in reversed(self.created):
+        for rel, is_dir in reversed(self.created):
+            parent_rel, name = posixpath.split(rel)
+            if rel in self.fds:
+                os.close(self.fds.pop(rel))
             try:
-                if is_dir:
-                    fd = self.fds.pop(posixpath.join(parent_rel, name), None)
-                    if fd is not None:
-                        os.close(fd)
-                    os.rmdir(name, dir_fd=self.fds[parent_rel])
-                else:
-                    os.unlink(name, dir_fd=self.fds[parent_rel])
+                (os.rmdir if is_dir else os.unlink)(name, dir_fd=self.fds[parent_rel])
             except OSError:
                 logger.warning(
                     f"Could not remove {posixpath.join(self.path, parent_rel, name)}"

@@ -1,12 +1,10 @@
-"""verify: start probe ranks through sglang's own launch path and read each binding back from inside.
+"""verify: start probe ranks through sglang's own launch path; each reads its binding back.
 
-With ``--launcher mp`` every probe rank is started as ``Engine._launch_scheduler_processes``
-starts a scheduler: a spawn-context ``Process`` whose ``start()`` runs inside
-``numa_utils.configure_subprocess(server_args, gpu_id)``, for the ids sglang's arithmetic
-gives, under ``maybe_reindex_device_id`` when ``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1``,
-and optionally from one thread per dp rank as the data-parallel controller does. Only
-the probe differs from a real rank: it reports the binding its process has, and each row
-compares that with what ``plan`` says. ``--launcher ray`` is in ``verify_ray``.
+The read-back (``observe_self``) never imports torch: it runs in plain interpreters in
+test VMs. ``--launcher mp`` starts every probe as ``Engine._launch_scheduler_processes``
+starts a scheduler (a spawn ``Process`` started inside ``configure_subprocess(server_args,
+gpu_id)``, under ``maybe_reindex_device_id``), optionally from one thread per dp rank as
+the data-parallel controller does; only the probe differs from a real rank.
 """
 
 from __future__ import annotations
@@ -14,11 +12,16 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import re
 import threading
 import time
-from typing import Any, Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from sglang.srt.placement.cpulist import format_cpulist
+from sglang.srt.placement import settings
+from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
+from sglang.srt.placement.libnuma import read_mempolicy
+from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import (
     MemPolicy,
     PlacementError,
@@ -27,6 +30,141 @@ from sglang.srt.placement.types import (
     Strategy,
 )
 
+_NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
+
+
+@dataclass(frozen=True)
+class ObservedBinding:
+    cpus: frozenset[int]
+    mems: frozenset[int]
+    """Nodes the process may allocate from at all (its cpuset's ``Mems_allowed_list``)."""
+    policy: str
+    """As get_mempolicy names it: "default", "bind", "preferred", "interleave", ..."""
+    policy_nodes: frozenset[int]
+    resident_kb: tuple[tuple[int, int], ...] = ()
+    """(node, kB resident on it) over every mapping, sorted by node."""
+    anon_kb: tuple[tuple[int, int], ...] = ()
+
+    def local_page_ratio(
+        self, nodes: Iterable[int], *, anon_only: bool = False
+    ) -> Optional[float]:
+        """Share of resident memory on ``nodes``; None when nothing is resident, or no node given."""
+        counts = self.anon_kb if anon_only else self.resident_kb
+        total = sum(kb for _, kb in counts)
+        wanted = frozenset(nodes)
+        on_nodes = sum(kb for n, kb in counts if n in wanted)
+        return on_nodes / total if total and wanted else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cpus": format_cpulist(self.cpus),
+            "mems": format_cpulist(self.mems),
+            "policy": self.policy,
+            "policy_nodes": format_cpulist(self.policy_nodes),
+            "resident_kb": {str(node): kb for node, kb in self.resident_kb},
+            "anon_kb": {str(node): kb for node, kb in self.anon_kb},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ObservedBinding":
+        def counts(key: str) -> tuple[tuple[int, int], ...]:
+            return tuple(
+                sorted((int(n), int(kb)) for n, kb in data.get(key, {}).items())
+            )
+
+        return cls(
+            cpus=parse_cpulist(data["cpus"]),
+            mems=parse_cpulist(data["mems"]),
+            policy=data["policy"],
+            policy_nodes=parse_cpulist(data["policy_nodes"]),
+            resident_kb=counts("resident_kb"),
+            anon_kb=counts("anon_kb"),
+        )
+
+
+def parse_numa_maps(text: str) -> tuple[dict[int, int], dict[int, int]]:
+    """kB resident per node over every mapping, and over anonymous ones only."""
+    resident: dict[int, int] = {}
+    anon: dict[int, int] = {}
+    for line in text.splitlines():
+        fields = line.split()[2:]
+        page_kb = 4
+        for item in fields:
+            if item.startswith("kernelpagesize_kB="):
+                page_kb = int(item.split("=", 1)[1])
+        is_file = any(item.startswith("file=") for item in fields)
+        for match in filter(None, map(_NODE_FIELD.match, fields)):
+            node, kb = int(match[1]), int(match[2]) * page_kb
+            resident[node] = resident.get(node, 0) + kb
+            if not is_file:
+                anon[node] = anon.get(node, 0) + kb
+    return resident, anon
+
+
+def observe_self(
+    *,
+    proc_root: str = "/proc",
+    mempolicy: Optional[Callable[[], "tuple[str, frozenset[int]]"]] = None,
+) -> ObservedBinding:
+    """This process's binding as the kernel sees it; tests replace ``proc_root`` and
+    ``mempolicy`` (the get_mempolicy reader)."""
+    base = os.path.join(proc_root, "self")
+    allowed = read_process_affinity(os.path.join(base, "status"))
+    try:
+        with open(os.path.join(base, "numa_maps"), errors="replace") as f:
+            resident, anon = parse_numa_maps(f.read())
+    except FileNotFoundError:
+        # Kernels built without CONFIG_NUMA have no numa_maps: nothing to count.
+        resident, anon = {}, {}
+    policy, policy_nodes = (mempolicy or read_mempolicy)()
+    return ObservedBinding(
+        cpus=allowed.cpus,
+        mems=allowed.mems,
+        policy=policy,
+        policy_nodes=policy_nodes,
+        resident_kb=tuple(sorted(resident.items())),
+        anon_kb=tuple(sorted(anon.items())),
+    )
+
+
+def compare_binding(
+    placement: ProcessPlacement, observed: ObservedBinding
+) -> list[str]:
+    """One line per way ``observed`` differs from ``placement``. A policy stricter than
+    planned (bind for preferred) counts: it can fail allocations meant to spill over."""
+    if placement.strategy == Strategy.NONE:
+        return []
+    diffs: list[str] = []
+    if placement.cpus and observed.cpus != placement.cpus:
+        diffs.append(
+            f"cpus {_fmt(observed.cpus)} observed, {_fmt(placement.cpus)} planned"
+        )
+    if placement.mem_policy == MemPolicy.NONE:
+        return diffs
+    want_nodes, want_policies = placement.mem_nodes, ("bind",)
+    if placement.mem_policy != MemPolicy.BIND:
+        want_policies = ("preferred", "preferred_many")
+        if placement.numa_node is not None:
+            want_nodes = frozenset([placement.numa_node])
+    if not want_nodes <= observed.mems:
+        diffs.append(
+            f"mems allowed {_fmt(observed.mems)} observed, must include {_fmt(want_nodes)} (a cpuset or an outer numactl restricts this process)"
+        )
+    if observed.policy not in want_policies or observed.policy_nodes != want_nodes:
+        diffs.append(
+            f"memory policy {_policy_text(observed.policy, observed.policy_nodes)} observed, {_policy_text(placement.mem_policy, want_nodes)} planned"
+        )
+    return diffs
+
+
+def _fmt(values: frozenset[int]) -> str:
+    return format_cpulist(values) or "(none)"
+
+
+def _policy_text(policy: str, nodes: frozenset[int]) -> str:
+    return f"{policy} on node(s) {format_cpulist(nodes)}" if nodes else policy
+
+
 # Share of a rank's own (anonymous) resident memory that must sit on its bound node(s).
 # exec binds before the first allocation; in-process migrates what was touched before binding,
 # and a few pages (e.g. pinned by the kernel or shared) may stay behind.
@@ -34,16 +172,9 @@ MIN_LOCAL_PAGE_RATIO = {"exec": 0.99, "in-process": 0.95}
 
 
 def probe_main(writer: Any) -> None:
-    """A probe rank's target (top level, so a spawned child can import it)."""
-    from sglang.srt.placement_tools.observe import observe_self
-
-    try:
-        writer.send({"pid": os.getpid(), "observed": observe_self().to_dict()})
-    except BaseException as exc:  # noqa: BLE001 - the launcher hears of every failure
-        writer.send({"error": f"{type(exc).__name__}: {exc}"})
-        raise
-    finally:
-        writer.close()
+    """A probe rank's target (top level, so a spawned child can import it). A failure ends
+    it with its traceback on stderr, and the launcher sees it exit before reporting."""
+    writer.send({"pid": os.getpid(), "observed": observe_self().to_dict()})
 
 
 def _target_nodes(placement: ProcessPlacement) -> frozenset[int]:
@@ -55,16 +186,13 @@ def _target_nodes(placement: ProcessPlacement) -> frozenset[int]:
 
 
 def differences(
-    placement: ProcessPlacement, observed: Any, *, unbound_cpus: frozenset[int]
+    placement: ProcessPlacement,
+    observed: ObservedBinding,
+    *,
+    unbound_cpus: frozenset[int],
 ) -> list[str]:
-    """Every way a rank's observed binding differs from its placement.
-
-    An unbound rank must have been left alone: the launcher's CPUs and the default memory
-    policy. A bound one must hold its CPUs and memory policy, and keep most of its own
-    memory on its node(s).
-    """
-    from sglang.srt.placement_tools.observe import compare_binding
-
+    """Every way a rank's binding differs from its placement: an unbound rank must have been
+    left alone; a bound one must also keep most of its own memory on its node(s)."""
     if placement.strategy == Strategy.NONE:
         found = []
         if observed.cpus != unbound_cpus:
@@ -79,11 +207,12 @@ def differences(
     found = compare_binding(placement, observed)
     minimum = MIN_LOCAL_PAGE_RATIO.get(placement.strategy)
     nodes = _target_nodes(placement)
-    ratio = observed.local_page_ratio(nodes, anon_only=True) if nodes else None
+    ratio = observed.local_page_ratio(nodes, anon_only=True)
     bind = placement.mem_policy == MemPolicy.BIND
     if minimum and bind and ratio is not None and ratio < minimum:
         found.append(
-            f"{ratio:.1%} of the rank's resident anonymous memory is on node(s) {format_cpulist(nodes)}, at least {minimum:.0%} expected for strategy {placement.strategy}"
+            f"{ratio:.1%} of the rank's resident anonymous memory is on node(s) {format_cpulist(nodes)}, "
+            f"at least {minimum:.0%} expected for strategy {placement.strategy}"
         )
     return found
 
@@ -92,16 +221,10 @@ def verify_row(
     placement: ProcessPlacement, report: dict, *, launcher: str, unbound_cpus: frozenset
 ) -> dict:
     """One output row: the plan's fields, what the rank observed, and whether they agree."""
-    from sglang.srt.placement_tools.observe import ObservedBinding
-
     observed = ObservedBinding.from_dict(report["observed"])
     nodes = _target_nodes(placement)
     found = differences(placement, observed, unbound_cpus=unbound_cpus)
     policy_nodes = format_cpulist(observed.policy_nodes)
-
-    def ratio(**kwargs: bool) -> Optional[float]:
-        return observed.local_page_ratio(nodes, **kwargs) if nodes else None
-
     return {
         **placement.to_dict(),
         "launcher": launcher,
@@ -109,8 +232,8 @@ def verify_row(
         "observed_cpus": format_cpulist(observed.cpus),
         "observed_mems": format_cpulist(observed.mems),
         "observed_policy": f"{observed.policy}:{policy_nodes}".rstrip(":"),
-        "local_page_ratio": ratio(anon_only=True),
-        "local_page_ratio_all": ratio(),
+        "local_page_ratio": observed.local_page_ratio(nodes, anon_only=True),
+        "local_page_ratio_all": observed.local_page_ratio(nodes),
         "ok": not found,
         "differences": found,
     }
@@ -119,8 +242,6 @@ def verify_row(
 @contextlib.contextmanager
 def _reindexed(gpu_id: int, *, device: str) -> Iterator[int]:
     """sglang's ``maybe_reindex_device_id`` for CUDA ranks (it narrows CUDA_VISIBLE_DEVICES when asked)."""
-    from sglang.srt.placement import settings
-
     if device != "cuda" or not settings.one_visible_device_per_process():
         yield gpu_id
         return
@@ -170,11 +291,11 @@ def run_mp_probes(
             errors.append(exc)
 
     ranks = list(local_ranks(server_args))
-    groups: dict[int, list[RankIdentity]] = {}
-    for rank in ranks:
-        groups.setdefault(rank.dp_rank, []).append(rank)
     try:
         if dp_threads:
+            groups: dict[int, list[RankIdentity]] = {}
+            for rank in ranks:
+                groups.setdefault(rank.dp_rank, []).append(rank)
             threads = [
                 threading.Thread(target=spawn, args=(g,)) for g in groups.values()
             ]
@@ -199,53 +320,32 @@ def run_mp_probes(
 def _collect(
     started: Sequence[tuple[RankIdentity, Any, Any]], *, timeout_s: float
 ) -> list[tuple[RankIdentity, dict]]:
-    from multiprocessing.connection import wait
-
     deadline = time.monotonic() + timeout_s
-    reports: dict[int, dict] = {}
-    while len(reports) < len(started):
-        pending = [(i, *entry) for i, entry in enumerate(started) if i not in reports]
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            who = ", ".join(rank.label for _, rank, _, _ in pending)
+    reports = []
+    for rank, proc, reader in started:
+        # The launcher holds no writer: a probe that exits is EOF, which poll() returns for.
+        if not reader.poll(max(0.0, deadline - time.monotonic())):
             raise PlacementError(
-                f"{who}: no report within {timeout_s:g} s (see the rank's output above)"
+                f"{rank.label}: no report within {timeout_s:g} s (see the rank's output above)"
             )
-        waited = [p[3] for p in pending] + [p[2].sentinel for p in pending]
-        ready = wait(waited, timeout=remaining)
-        for i, rank, proc, reader in pending:
-            if not reader.poll() and proc.sentinel not in ready:
-                continue
-            try:
-                report = reader.recv() if reader.poll() else {}
-            except EOFError:
-                report = {}
-            if "observed" not in report:
-                proc.join(timeout=1)
-                why = report.get("error") or (
-                    f"it exited with status {proc.exitcode} before reporting (see its output above)"
-                )
-                raise PlacementError(f"{rank.label}: the probe rank failed: {why}")
-            reports[i] = report
-    return [(rank, reports[i]) for i, (rank, _, _) in enumerate(started)]
+        try:
+            reports.append((rank, reader.recv()))
+        except EOFError:
+            proc.join(timeout=1)
+            raise PlacementError(
+                f"{rank.label}: the probe rank exited with status {proc.exitcode} before reporting (see its output above)"
+            ) from None
+    return reports
 
 
-def verify_mp(
-    server_args: Any,
-    *,
-    timeout_s: float,
-    dp_threads: bool = False,
-    configure: Any = None,
-) -> list[dict]:
-    """One row per local rank: what ``plan`` says sglang's spawn does, against what the
-    spawned rank observed."""
+def verify_mp(server_args: Any, **probe_args: Any) -> list[dict]:
+    """One row per local rank, its probe started by ``run_mp_probes(server_args,
+    **probe_args)``: what ``plan`` says sglang's spawn does, against what the rank observed.
+    """
     from sglang.srt.placement.plan import plan_engine
-    from sglang.srt.placement.topology import read_process_affinity
 
     placements = {p.label: p for p in plan_engine(server_args, launcher="mp")}
-    reports = run_mp_probes(
-        server_args, timeout_s=timeout_s, dp_threads=dp_threads, configure=configure
-    )
+    reports = run_mp_probes(server_args, **probe_args)
     unbound = read_process_affinity().cpus
     return [
         verify_row(placements[rank.label], report, launcher="mp", unbound_cpus=unbound)

@@ -1,12 +1,9 @@
-"""verify --launcher ray: start probe ranks as sglang's RayEngine starts schedulers, and read each binding back.
+"""verify --launcher ray: probe ranks started as sglang 0.5.23's RayEngine starts schedulers.
 
-As ``RayEngine._launch_scheduler_processes`` (sglang 0.5.23) does, verify reserves one
-bundle of a node's GPUs per node, puts rank 0 in the bundle on the driver's node and
-creates every rank through sglang's own ``ray.engine._create_scheduler_actor``, with the
-per-node GPU index RayEngine passes (its data-parallel controller does the same for each
-dp rank in turn). Only the actor class differs while verify calls it: ``ProbeActor`` takes
-the same arguments and runs the same bind as sglang's actor (``bind_scheduler_actor``),
-then reports what its process observes instead of loading a model.
+One bundle of a node's GPUs per node, rank 0 in the driver node's bundle, every rank
+created by sglang's own ``ray.engine._create_scheduler_actor`` with the per-node GPU index
+RayEngine passes. Only the actor class differs: ``ProbeActor`` runs sglang's actor's bind
+(``bind_scheduler_actor``), then reports what its process observes instead of loading a model.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.ranks import engine_gpu_id, rank_ranges
 from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
-from sglang.srt.placement_tools import UsageError
-from sglang.srt.placement_tools.verify import verify_row
+from sglang.srt.placement_tools.verify import observe_self, verify_row
 from sglang.srt.scheduler_placement.ray_rank import bind_scheduler_actor
 
 logger = logging.getLogger(__name__)
@@ -64,8 +60,6 @@ class PlacementProbe:
         )
 
     def get_info(self) -> dict:
-        from sglang.srt.placement_tools.observe import observe_self
-
         try:
             launcher_cpus = os.sched_getaffinity(os.getppid())
         except OSError:
@@ -74,11 +68,9 @@ class PlacementProbe:
         context = ray.get_runtime_context()
         threads = {}  # /proc/self/status shows the main thread's CPUs only
         for tid in filter(str.isdigit, os.listdir("/proc/self/task")):
-            try:
+            with contextlib.suppress(PlacementError, ValueError):  # the thread exited
                 status = read_process_affinity(f"/proc/self/task/{tid}/status")
                 threads[int(tid)] = format_cpulist(status.cpus)
-            except (PlacementError, ValueError):
-                continue  # the thread exited after the listing
         return {
             "pid": os.getpid(),
             "observed": observe_self().to_dict(),
@@ -131,16 +123,16 @@ def ray_engine_ranks(
 
 
 def _engine_bundle_order(pg: Any, nnodes: int) -> tuple[list[int], str]:
-    """RayEngine's ``_find_engine_bundle``: the bundle on the driver's node first, then the
-    others (each bundle's node address read from Ray's tables, where RayEngine asks a task).
-    """
+    """RayEngine's ``_find_engine_bundle``: the driver node's bundle first, then the others
+    (each bundle's node read from Ray's tables, where RayEngine asks a task)."""
     node_of = placement_group_table(pg)["bundles_to_node_id"]
     address = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     bundle_ips = [address.get(node_of[i]) for i in range(nnodes)]
     engine_ip = ray.util.get_node_ip_address()
     if engine_ip not in bundle_ips:
         raise PlacementError(
-            f"Engine node {engine_ip} not found in any placement group bundle {bundle_ips}. Rank-0 scheduler must be co-located with the Engine: run verify on a node of the cluster"
+            f"Engine node {engine_ip} not found in any placement group bundle {bundle_ips}: "
+            "rank 0 runs on the driver's node, so run verify on a node of the cluster"
         )
     first = bundle_ips.index(engine_ip)
     return [first] + [i for i in range(nnodes) if i != first], engine_ip
@@ -164,7 +156,8 @@ def _row(rank: RankIdentity, report: dict, *, expected_actor: str) -> dict:
     off = sorted(tid for tid, cpus in threads.items() if cpus != expected)
     if expected is not None and off:
         row["differences"].append(
-            f"{len(off)} of {len(threads)} threads run outside the planned CPUs (thread {off[0]}: cpus {threads[off[0]] or '(none)'}, planned {expected})"
+            f"{len(off)} of {len(threads)} threads run outside the planned CPUs "
+            f"(thread {off[0]}: cpus {threads[off[0]] or '(none)'}, planned {expected})"
         )
     if report["actor"] != expected_actor:
         row["differences"].append(
@@ -174,15 +167,6 @@ def _row(rank: RankIdentity, report: dict, *, expected_actor: str) -> dict:
     return row
 
 
-def _cause(exc: BaseException) -> str:
-    """What a probe's actor raised, from Ray's error text (its last ``Type: message`` line)."""
-    for line in reversed(str(exc).splitlines()):
-        found = _EXCEPTION_LINE.match(line)
-        if found:
-            return f"{found.group(1)}: {found.group(2)}"
-    return str(exc)
-
-
 def verify_ray(server_args: Any, *, timeout_s: float) -> list[dict]:
     """One row per rank of the engine, each started as RayEngine starts it on the connected
     Ray cluster, comparing what the rank observes with the placement it bound itself to.
@@ -190,23 +174,15 @@ def verify_ray(server_args: Any, *, timeout_s: float) -> list[dict]:
     import sglang.srt.ray.engine as engine
 
     deadline = time.monotonic() + timeout_s
-
-    def remaining() -> float:
-        return max(0.0, deadline - time.monotonic())
-
-    # The placement group RayEngine reserves when it has none.
+    # The placement group RayEngine reserves when it has none (tp x pp splits over nnodes).
     total_gpus = server_args.dp_size * server_args.tp_size * server_args.pp_size
     nnodes = server_args.nnodes
-    if total_gpus % nnodes:
-        raise UsageError(
-            f"--dp-size x --tp-size x --pp-size = {total_gpus} GPUs cannot be split evenly over --nnodes={nnodes}: RayEngine reserves the same number of GPUs on every node"
-        )
     bundles = [{"CPU": 1, "GPU": total_gpus // nnodes}] * nnodes
     strategy = "STRICT_PACK" if nnodes == 1 else "SPREAD"
     pg = placement_group(bundles, strategy=strategy)
     started: list[tuple[RankIdentity, Any, str]] = []
     try:
-        if not ray.wait([pg.ready()], timeout=remaining())[0]:
+        if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
             raise PlacementError(
                 f"the placement group RayEngine reserves ({bundles}, {strategy}) was not ready within {timeout_s:g} s; "
                 f"the cluster has {ray.cluster_resources()}: RayEngine asks one GPU per rank, for --device cpu too "
@@ -234,27 +210,25 @@ def verify_ray(server_args: Any, *, timeout_s: float) -> list[dict]:
                     f"_tp{rank.tp_rank}_pg{pg.id.hex()[:8]}_bundle{bundle}"
                 )
                 started.append((rank, handle, name))
-        refs = {handle.get_info.remote(): i for i, (_, handle, _) in enumerate(started)}
-        reports: dict[int, dict] = {}
-        while len(reports) < len(started):
-            pending = [ref for ref, i in refs.items() if i not in reports]
-            if not remaining():
-                who = ", ".join(started[refs[ref]][0].label for ref in pending)
+        refs = [handle.get_info.remote() for _, handle, _ in started]
+        rows = []
+        for (rank, _, name), ref in zip(started, refs):
+            try:
+                report = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
                 raise PlacementError(
-                    f"{who}: no report within {timeout_s:g} s (see the raylet's worker logs)"
-                )
-            for ref in ray.wait(pending, num_returns=1, timeout=remaining())[0]:
-                try:
-                    reports[refs[ref]] = ray.get(ref)
-                except ray.exceptions.RayError as exc:
-                    label = started[refs[ref]][0].label
-                    raise PlacementError(
-                        f"{label}: the probe rank failed: {_cause(exc)}"
-                    ) from exc
-        return [
-            _row(rank, reports[i], expected_actor=name)
-            for i, (rank, _, name) in enumerate(started)
-        ]
+                    f"{rank.label}: no report within {timeout_s:g} s (see the raylet's worker logs)"
+                ) from None
+            except ray.exceptions.RayError as exc:
+                # What the actor raised: the last "Type: message" line of Ray's text.
+                lines = str(exc).splitlines()
+                found = [m for m in map(_EXCEPTION_LINE.match, lines) if m]
+                why = f"{found[-1][1]}: {found[-1][2]}" if found else str(exc)
+                raise PlacementError(
+                    f"{rank.label}: the probe rank failed: {why}"
+                ) from exc
+            rows.append(_row(rank, report, expected_actor=name))
+        return rows
     finally:
         for rank, handle, _ in started:
             try:
