@@ -238,21 +238,21 @@ SERIES: Tuple[Patch, ...] = (
         files=(T + "__init__.py", T + "__main__.py"),
     ),
     Patch(
-        "tools-capture-read-back",
-        "placement_tools: capture a host's topology, read a rank's binding back",
-        "capture saves the sysfs files placement reads, for plan --sysfs-root; the "
-        "read-back gives CPUs, allowed memory nodes, memory policy and where the "
-        "pages are, compared with the placement.",
-        "tests/test_capture.py, tests/test_observe.py",
+        "tools-capture",
+        "placement_tools: capture a host's topology",
+        "capture saves the sysfs files placement reads, for plan --sysfs-root.",
+        "tests/test_capture.py",
         "plan for another host from its snapshot.",
-        files=(T + "capture.py", T + "observe.py"),
+        files=(T + "capture.py",),
     ),
     Patch(
         "tools-verify",
-        "placement_tools: verify through sglang's own launchers",
-        "Probe ranks started inside configure_subprocess and through "
-        "_create_scheduler_actor report their binding from inside.",
-        "tests/test_verify.py, tests/test_ray_verify.py, tests/test_ray_verify_cli.py",
+        "placement_tools: read a rank's binding back; verify through sglang's launchers",
+        "The read-back gives CPUs, allowed memory nodes, memory policy and where the "
+        "pages are; probe ranks started inside configure_subprocess and through "
+        "_create_scheduler_actor report it from inside, compared with the placement.",
+        "tests/test_observe.py, tests/test_verify.py, tests/test_ray_verify.py, "
+        "tests/test_ray_verify_cli.py",
         "verify says, rank by rank, whether the launch path bound each rank as planned.",
         files=(T + "verify.py", T + "verify_ray.py"),
     ),
