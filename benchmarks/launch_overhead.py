@@ -66,7 +66,7 @@ def main() -> int:
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
         str(cpus[i % len(cpus)]) for i in range(args.ranks)
     )
-    from sglang.srt.placement_tools.plan_args import PlanArgs
+    from sglang.srt.placement_tools import PlanArgs
 
     server_args = PlanArgs(device="cpu", tp_size=args.ranks)
     times: dict[str, list[float]] = {"placed": [], "upstream": []}

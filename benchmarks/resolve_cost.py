@@ -25,7 +25,7 @@ import fakesys  # noqa: E402
 from sglang.srt.environ import envs  # noqa: E402
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult  # noqa: E402
 from sglang.srt.placement.plan import HostFacts, plan_engine  # noqa: E402
-from sglang.srt.placement_tools.plan_args import PlanArgs  # noqa: E402
+from sglang.srt.placement_tools import PlanArgs  # noqa: E402
 from sglang.srt.placement.resolve import HostCapabilities  # noqa: E402
 from sglang.srt.placement.topology import read_topology  # noqa: E402
 from sglang.srt.placement.types import AFFINITY_MODES, ProcessAffinity  # noqa: E402

@@ -258,7 +258,6 @@ SERIES: Tuple[Patch, ...] = (
             P + "libnuma.py",
             P + "apply.py",
             P + "numactl.py",
-            P + "strategy.py",
             P + "resolve.py",
             P + "ranks.py",
             P + "cpu_groups.py",
@@ -266,7 +265,6 @@ SERIES: Tuple[Patch, ...] = (
             G + "__init__.py",
             T + "__init__.py",
             T + "__main__.py",
-            T + "plan_args.py",
             PT + "test_placement_settings.py",
             PT + "test_topology.py",
             PT + "test_devices.py",
@@ -283,7 +281,7 @@ SERIES: Tuple[Patch, ...] = (
         "read-back gives CPUs, allowed memory nodes, memory policy and where the "
         "pages are, compared with the placement.",
         "plan for another host from its snapshot.",
-        files=(T + "capture.py", T + "observe.py", TT + "test_capture.py"),
+        files=(T + "capture.py", TT + "test_capture.py"),
     ),
     Patch(
         "tools-verify",

@@ -301,7 +301,7 @@ def test_real_libnuma_bind_in_a_child_matches_its_placement():
     code = f"""
         import json, threading
         from sglang.srt.placement.apply import bind_in_process
-        from sglang.srt.placement_tools.observe import compare_binding, observe_self
+        from sglang.srt.placement_tools.verify import compare_binding, observe_self
         from sglang.srt.placement.types import ProcessPlacement, RankIdentity
         p = ProcessPlacement(rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=None), pci=None, numa_node=0,
                              cpus=frozenset({{{cpu}}}), mem_nodes=frozenset({{0}}), mem_policy="bind",

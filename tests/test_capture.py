@@ -12,9 +12,10 @@ import stat
 import fakesys
 import pytest
 
-from sglang.srt.placement_tools.capture import CaptureError, capture_sysfs
+from sglang.srt.placement_tools import UsageError
+from sglang.srt.placement_tools.capture import capture_sysfs
 from sglang.srt.placement.topology import SNAPSHOT_MARKER, read_topology
-from sglang.srt.placement.types import TopologyError
+from sglang.srt.placement.types import PlacementError
 
 READY_MADE = [
     fakesys.one_node,
@@ -143,7 +144,7 @@ def test_capture_into_a_non_empty_directory(tmp_path):
     dest = tmp_path / "snap"
     dest.mkdir()
     (dest / "notes.txt").write_text("keep me")
-    with pytest.raises(CaptureError) as err:
+    with pytest.raises(UsageError) as err:
         capture_sysfs(dest, root=fakesys.one_node(tmp_path / "sys"))
     assert str(err.value).startswith(
         f"{dest}: is not empty; choose a new or empty directory"
@@ -155,11 +156,11 @@ def test_capture_onto_a_file_or_under_a_missing_parent(tmp_path):
     root = fakesys.one_node(tmp_path / "sys")
     (tmp_path / "file").write_text("")
     with pytest.raises(
-        CaptureError, match=f"{tmp_path}/file: exists and is not a directory"
+        UsageError, match=f"{tmp_path}/file: exists and is not a directory"
     ):
         capture_sysfs(tmp_path / "file", root=root)
     with pytest.raises(
-        CaptureError,
+        UsageError,
         match=f"{tmp_path}/no/snap: its parent {tmp_path}/no does not exist",
     ):
         capture_sysfs(tmp_path / "no" / "snap", root=root)
@@ -168,7 +169,7 @@ def test_capture_onto_a_file_or_under_a_missing_parent(tmp_path):
 def test_failed_read_leaves_nothing_behind(tmp_path):
     root = fakesys.one_node(tmp_path / "sys")
     (root / "devices/system/cpu/online").unlink()
-    with pytest.raises(TopologyError, match="devices/system/cpu/online: missing"):
+    with pytest.raises(PlacementError, match="devices/system/cpu/online: missing"):
         capture_sysfs(tmp_path / "snap", root=root)
     assert not (tmp_path / "snap").exists()
 
@@ -176,7 +177,7 @@ def test_failed_read_leaves_nothing_behind(tmp_path):
 def test_truncated_snapshot_names_the_capture_command(tmp_path):
     capture_sysfs(tmp_path / "snap", root=fakesys.sub_numa_clustering(tmp_path / "sys"))
     (tmp_path / "snap/devices/system/node/node2/meminfo").unlink()
-    with pytest.raises(TopologyError) as err:
+    with pytest.raises(PlacementError) as err:
         read_topology(tmp_path / "snap")
     message = str(err.value)
     assert message.startswith(

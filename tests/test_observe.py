@@ -11,13 +11,13 @@ import sys
 import pytest
 
 from sglang.srt.placement.cpulist import parse_cpulist
-from sglang.srt.placement_tools.observe import (
+from sglang.srt.placement_tools.verify import (
     ObservedBinding,
     compare_binding,
     observe_self,
     parse_numa_maps,
 )
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity, TopologyError
+from sglang.srt.placement.types import ProcessPlacement, RankIdentity, PlacementError
 
 NUMACTL = shutil.which("numactl")
 
@@ -66,7 +66,7 @@ def _mems_allowed_of_self() -> frozenset[int]:
 
 
 def _observe_in_child(*prefix: str) -> dict:
-    code = "from sglang.srt.placement_tools.observe import observe_self; import json; print(json.dumps(observe_self().to_dict()))"
+    code = "from sglang.srt.placement_tools.verify import observe_self; import json; print(json.dumps(observe_self().to_dict()))"
     proc = subprocess.run(
         [*prefix, sys.executable, "-c", code],
         capture_output=True,
@@ -115,7 +115,7 @@ def test_child_under_numactl_preferred_reads_back_preferred():
 def test_observe_module_does_not_import_torch():
     code = (
         "import sys\n"
-        "import sglang.srt.placement_tools.observe, sglang.srt.placement.apply, sglang.srt.placement.libnuma\n"
+        "import sglang.srt.placement_tools.verify, sglang.srt.placement.apply, sglang.srt.placement.libnuma\n"
         "print('torch' in sys.modules)\n"
     )
     proc = subprocess.run(
@@ -173,7 +173,7 @@ def test_crafted_tree_without_numa_maps_counts_nothing(tmp_path):
 def test_a_status_without_the_cpu_list_is_an_error_naming_the_file(tmp_path):
     (tmp_path / "self").mkdir()
     (tmp_path / "self" / "status").write_text("Mems_allowed_list:\t0\n")
-    with pytest.raises(TopologyError, match="status: has no Cpus_allowed_list line"):
+    with pytest.raises(PlacementError, match="status: has no Cpus_allowed_list line"):
         observe_self(
             proc_root=str(tmp_path), mempolicy=lambda: ("default", frozenset())
         )

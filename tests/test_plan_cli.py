@@ -173,6 +173,11 @@ def test_plan_human_output_one_line_per_rank(tmp_path):
         (["--gpus", "0000:18:00.0,"], {}, "--gpus='0000:18:00.0,' is not valid"),
         (["--gpus", "zz:00.0"], {}, "--gpus"),
         (
+            ["--gpus", "0000:18:00.0"],
+            {},
+            "--gpus lists 1 address(es) but a rank uses GPU id 1",
+        ),
+        (
             ["--numa-node", "0"],
             {},
             "--numa-node has 1 entry (0) but DP0 PP0 TP1 uses GPU 1",

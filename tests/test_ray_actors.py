@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_gpu_cluster import GPU_NODE, NO_CPU_NODE
 
 from sglang.srt.placement.cpulist import parse_cpulist
-from sglang.srt.placement_tools.plan_args import PlanArgs
+from sglang.srt.placement_tools import PlanArgs
 from sglang.srt.placement_tools.verify_ray import ProbeActor, probe_as_scheduler_actor
 
 pytestmark = pytest.mark.ray

@@ -15,8 +15,8 @@ import pytest
 import ray
 from ray_gpu_cluster import GPU_NODE
 
-from sglang.srt.placement_tools.plan_args import PlanArgs
-from sglang.srt.placement_tools.verify import VerifyError
+from sglang.srt.placement_tools import PlanArgs
+from sglang.srt.placement.types import PlacementError
 from sglang.srt.placement_tools.verify_ray import ray_engine_ranks, verify_ray
 
 pytestmark = pytest.mark.ray
@@ -108,7 +108,7 @@ def test_a_probe_that_fails_to_start_fails_verify_with_its_error_and_leaves_noth
 ):
     # --numa-node has an entry for GPU 0 only: the rank Ray gives another GPU fails,
     # as sglang's actor would.
-    with pytest.raises(VerifyError) as info:
+    with pytest.raises(PlacementError) as info:
         verify_ray(
             PlanArgs(tp_size=4, device="cuda", numa_node=[0]), timeout_s=TIMEOUT_S
         )
@@ -125,7 +125,7 @@ def test_a_group_the_cluster_cannot_hold_fails_at_the_deadline_and_leaves_nothin
     cluster,
 ):
     started = time.monotonic()
-    with pytest.raises(VerifyError) as info:
+    with pytest.raises(PlacementError) as info:
         verify_ray(PlanArgs(tp_size=8, device="cuda"), timeout_s=3.0)
     assert time.monotonic() - started < 60  # the deadline, plus removing the group
     message = str(info.value)

@@ -15,8 +15,8 @@ from sglang.srt.environ import envs
 from sglang.srt.placement import settings
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
 from sglang.srt.placement.plan import HostFacts, place_gpu_id, plan_engine
-from sglang.srt.placement_tools.plan_args import PlanArgs as EngineArgs
-from sglang.srt.placement_tools.plan_args import PlanArgsError as EngineArgsError
+from sglang.srt.placement_tools import PlanArgs as EngineArgs
+from sglang.srt.placement_tools import UsageError as EngineArgsError
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.ranks import local_ranks
 from sglang.srt.placement.settings import SettingError

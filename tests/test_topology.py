@@ -19,7 +19,7 @@ from sglang.srt.placement.topology import (
     read_process_affinity,
     read_topology,
 )
-from sglang.srt.placement.types import Cpu, TopologyError
+from sglang.srt.placement.types import Cpu, PlacementError
 
 CAPTURE_FIX = "re-capture it with `python -m sglang.srt.placement_tools capture DIR`"
 TREE_FIX = "set SGLANG_SYSFS_ROOT to a sysfs tree"
@@ -221,7 +221,7 @@ def test_kernel_without_numa_counts_only_online_memory_blocks(tmp_path):
 def test_kernel_without_numa_or_memory_blocks(tmp_path, monkeypatch):
     root = fakesys.no_numa_kernel(tmp_path)
     shutil.rmtree(root / "devices/system/memory")
-    with pytest.raises(TopologyError) as err:
+    with pytest.raises(PlacementError) as err:
         read_topology(root)
     assert (
         f"{root}/devices/system/node: missing, and so is {root}/devices/system/memory"
@@ -292,15 +292,15 @@ def test_process_affinity_from_a_status_file(tmp_path):
 
 def test_process_affinity_errors(tmp_path):
     with pytest.raises(
-        TopologyError, match=f"{tmp_path}/missing: missing; pass the status file"
+        PlacementError, match=f"{tmp_path}/missing: missing; pass the status file"
     ):
         read_process_affinity(tmp_path / "missing")
     status = tmp_path / "status"
     status.write_text("Name:\tx\nCpus_allowed_list:\t0-3\n")
-    with pytest.raises(TopologyError, match=f"{status}: has no Mems_allowed_list line"):
+    with pytest.raises(PlacementError, match=f"{status}: has no Mems_allowed_list line"):
         read_process_affinity(status)
     status.write_text("Cpus_allowed_list:\t0-x\nMems_allowed_list:\t0\n")
-    with pytest.raises(TopologyError, match="Cpus_allowed_list"):
+    with pytest.raises(PlacementError, match="Cpus_allowed_list"):
         read_process_affinity(status)
 
 
@@ -320,18 +320,18 @@ def broken(tmp_path, edit, *, snapshot=False):
             )
         )
     edit(root)
-    with pytest.raises(TopologyError) as err:
+    with pytest.raises(PlacementError) as err:
         read_topology(root)
     return root, str(err.value)
 
 
 def test_root_that_does_not_exist(tmp_path):
-    with pytest.raises(TopologyError) as err:
+    with pytest.raises(PlacementError) as err:
         read_topology(tmp_path / "nowhere")
     assert str(err.value).startswith(
         f"SGLANG_SYSFS_ROOT={tmp_path}/nowhere: does not exist; {TREE_FIX}"
     )
-    with pytest.raises(TopologyError) as err:
+    with pytest.raises(PlacementError) as err:
         read_topology(tmp_path / "nowhere", setting="--sysfs-root")
     assert str(err.value).startswith(
         f"--sysfs-root={tmp_path}/nowhere: does not exist; pass --sysfs-root pointing at a sysfs tree"

@@ -12,10 +12,9 @@ import time
 import pytest
 from spawn_support import args, numactl_standin
 
-from sglang.srt.placement_tools.observe import ObservedBinding
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity
+from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
 from sglang.srt.placement_tools.verify import (
-    VerifyError,
+    ObservedBinding,
     differences,
     format_verify_rows,
     run_mp_probes,
@@ -150,7 +149,7 @@ def test_a_probe_that_never_reports_ends_at_the_deadline_and_is_stopped(
     directory, _ = numactl_standin(tmp_path / "numactl", "hang")
     monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
     started = time.monotonic()
-    with pytest.raises(VerifyError, match=r"DP0 PP0 TP0.*no report within 3 s"):
+    with pytest.raises(PlacementError, match=r"DP0 PP0 TP0.*no report within 3 s"):
         run_mp_probes(args(device="cpu", tp_size=2), timeout_s=3)
     assert time.monotonic() - started < 60
     hanging = subprocess.run(

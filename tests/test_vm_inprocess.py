@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from numavm import run_script_in_vm
 
-from sglang.srt.placement_tools.observe import ObservedBinding
+from sglang.srt.placement_tools.verify import ObservedBinding
 
 SCRIPT = "tests/vm_scripts/inprocess_bind.py"
 

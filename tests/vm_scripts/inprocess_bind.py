@@ -56,7 +56,7 @@ def main() -> None:
     from types import SimpleNamespace
 
     from sglang.srt.placement.apply import bind_in_process
-    from sglang.srt.placement_tools.observe import compare_binding, observe_self
+    from sglang.srt.placement_tools.verify import compare_binding, observe_self
     from sglang.srt.placement.types import RankIdentity
     from sglang.srt.scheduler_placement.ray_rank import (
         actor_placement,

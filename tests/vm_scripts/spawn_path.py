@@ -38,7 +38,7 @@ from spawn_support import (  # noqa: E402  (the ServerArgs fields placement read
 
 def rank_report(queue, touch_mb: int) -> None:
     """A spawned rank (top level, so the child can import it): touch memory, then report its binding."""
-    from sglang.srt.placement_tools.observe import observe_self
+    from sglang.srt.placement_tools.verify import observe_self
 
     block = bytearray(touch_mb << 20)
     for offset in range(0, len(block), 4096):

@@ -12,8 +12,6 @@ MAX_CPULIST_CHARS = 64 * 1024  # every even CPU id below MAX_CPUS, one by one: 2
 _NUMBER = r"[ \t]*([0-9]+)[ \t]*"
 _PART_RE = re.compile(rf"{_NUMBER}(?:-{_NUMBER})?(?::{_NUMBER})?")
 
-CpuListError = ValueError
-
 
 def elide(text: str, limit: int) -> str:
     """``text`` cut in the middle past ``limit`` characters, saying how much was cut."""

@@ -15,13 +15,12 @@ from sglang.srt.placement.types import Accelerator, HostTopology, PciDevice
 
 logger = logging.getLogger(__name__)
 
-DeviceIdentityError = SettingError
 
 # (vendor, PCI class) of GPUs: display, 3D, processing accelerator; not a card's
 # audio function or an NVSwitch bridge.
 _GPUS = {
-    "cuda": {("0x10de", "0x0300"), ("0x10de", "0x0302")},
-    "xpu": {("0x8086", kind) for kind in ("0x0300", "0x0380", "0x1200")},
+    "cuda": {("10de", "0300"), ("10de", "0302")},
+    "xpu": {("8086", kind) for kind in ("0300", "0380", "1200")},
 }
 _GPUS_EXAMPLE = "e.g. --gpus 0000:17:00.0,0000:81:00.0."
 _PCI_RE = re.compile(r"(?:([0-9a-f]{4,8}):)?([0-9a-f]{2}):([01][0-9a-f])\.([0-7])")
@@ -141,8 +140,18 @@ def accelerator_pci_devices(
 ) -> tuple[PciDevice, ...]:
     """The GPUs of ``device``'s vendor that sysfs lists, in PCI bus order."""
     ids = _GPUS.get(device, ())
-    found = [d for d in topology.pci_devices if (d.vendor, d.pci_class[:6]) in ids]
+    found = [
+        d
+        for d in topology.pci_devices
+        if (_hex(d.vendor), _hex(d.pci_class)[:4]) in ids
+    ]
     return tuple(sorted(found, key=lambda d: (int(d.address[:-8], 16), d.address)))
+
+
+def _hex(value: str) -> str:
+    # sysfs writes "0x10de"; a snapshot or --gpus-built tree may not.
+    text = value.strip().lower()
+    return text[2:] if text.startswith("0x") else text
 
 
 class _Physical(NamedTuple):

@@ -63,7 +63,8 @@ def _identify(
     runtime: Runtime,
 ) -> tuple[Optional[Accelerator], str]:
     """The device behind ``gpu_id``, or None and why it was not found."""
-    from sglang.srt.placement.devices import DeviceIdentityError, identify_accelerators
+    from sglang.srt.placement.devices import identify_accelerators
+    from sglang.srt.placement.settings import SettingError
 
     with _opened(runtime, device, topology, gpus) as opened:
         try:
@@ -75,7 +76,7 @@ def _identify(
                 gpus=gpus,
                 runtime=opened,
             )
-        except DeviceIdentityError as exc:
+        except SettingError as exc:
             return None, str(exc)
     return found, ""
 

@@ -21,8 +21,8 @@ from sglang.srt.placement.types import (
     HostTopology,
     NumaNode,
     PciDevice,
+    PlacementError,
     ProcessAffinity,
-    TopologyError,
 )
 
 SNAPSHOT_MARKER = "sglang-placement-snapshot.json"
@@ -60,7 +60,7 @@ def read_file(path: str, *, fix: str) -> bytes:
             while chunk := os.read(fd, MAX_FILE_BYTES + 1 - len(data)):
                 data += chunk
                 if len(data) > MAX_FILE_BYTES:
-                    raise TopologyError(
+                    raise PlacementError(
                         f"{path}: is larger than {MAX_FILE_BYTES} bytes, far more than "
                         f"such a file holds; {fix}"
                     )
@@ -71,13 +71,13 @@ def read_file(path: str, *, fix: str) -> bytes:
         problem = "missing"
     except OSError as exc:
         problem = f"cannot be read ({exc.strerror or exc})"
-    raise TopologyError(f"{path}: {problem}; {fix}")
+    raise PlacementError(f"{path}: {problem}; {fix}")
 
 
 def _check_regular(mode: int, path: str, fix: str) -> None:
     if not stat.S_ISREG(mode):
         kind = _KINDS.get(stat.filemode(mode)[0], "not a regular file")
-        raise TopologyError(f"{path}: is {kind}, expected a regular file; {fix}")
+        raise PlacementError(f"{path}: is {kind}, expected a regular file; {fix}")
 
 
 def read_topology(
@@ -105,7 +105,7 @@ def read_topology_cached(root: str | os.PathLike = LIVE_SYSFS) -> HostTopology:
 def _stamp(root: str, rel: str) -> bytes:
     try:
         return read_file(os.path.join(root, rel), fix="")
-    except TopologyError:
+    except PlacementError:
         return b""
 
 
@@ -122,11 +122,11 @@ def read_process_affinity(
     for key in ("Cpus_allowed_list", "Mems_allowed_list"):
         match = re.search(rf"^{key}:(.*)$", text, re.MULTILINE)
         if match is None:
-            raise TopologyError(f"{path}: has no {key} line; {fix}")
+            raise PlacementError(f"{path}: has no {key} line; {fix}")
         try:
             found.append(parse_cpulist(match[1], what=f"{path} {key}"))
         except ValueError as exc:
-            raise TopologyError(f"{exc}; {fix}") from None
+            raise PlacementError(f"{exc}; {fix}") from None
     return ProcessAffinity(cpus=found[0], mems=found[1], source=source)
 
 
@@ -161,8 +161,8 @@ class _Reader:
     def path(self, rel: str) -> str:
         return os.path.join(self.root, rel)
 
-    def error(self, rel: str, problem: str) -> TopologyError:
-        return TopologyError(f"{self.path(rel)}: {problem}; {self.fix}")
+    def error(self, rel: str, problem: str) -> PlacementError:
+        return PlacementError(f"{self.path(rel)}: {problem}; {self.fix}")
 
     def read(self, rel: str) -> str:
         data = read_file(self.path(rel), fix=self.fix)
@@ -201,7 +201,7 @@ def _read(root: str | os.PathLike, *, setting: str = ROOT_SETTING) -> TopologyRe
     root = os.path.abspath(os.fspath(root))
     if not os.path.isdir(root):
         problem = "is not a directory" if os.path.exists(root) else "does not exist"
-        raise TopologyError(f"{setting}={root}: {problem}; {_tree_fix(setting)}")
+        raise PlacementError(f"{setting}={root}: {problem}; {_tree_fix(setting)}")
     reader = _Reader(root, setting)
     online = reader.cpulist(CPU_ONLINE)
     if not online:
@@ -230,11 +230,11 @@ def _read_marker(root: str) -> Optional[dict]:
         marker = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # JSON and Unicode errors included
         problem = f"is not a readable snapshot marker ({shown(exc, quote=False)})"
-        raise TopologyError(f"{path}: {problem}; {fix}") from None
+        raise PlacementError(f"{path}: {problem}; {fix}") from None
     if not isinstance(marker, dict) or not isinstance(marker.get("format"), int):
-        raise TopologyError(f"{path}: has no integer 'format' field; {fix}")
+        raise PlacementError(f"{path}: has no integer 'format' field; {fix}")
     if marker["format"] > SNAPSHOT_FORMAT:
-        raise TopologyError(
+        raise PlacementError(
             f"{path}: snapshot format {marker['format']} is newer than this version "
             f"reads ({SNAPSHOT_FORMAT}); upgrade sglang or {fix} with this version"
         )

@@ -33,9 +33,6 @@ class PlacementError(RuntimeError):
     """A placement (or the host facts it needs) cannot be computed or applied."""
 
 
-TopologyError = PlacementError
-
-
 @dataclass(frozen=True)
 class NumaNode:
     node_id: int

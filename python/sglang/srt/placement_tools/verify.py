@@ -1,38 +1,169 @@
-"""verify: start probe ranks through sglang's own launch path and read each binding back from inside it.
+"""verify: start probe ranks through sglang's own launch path; each reads its binding back.
 
-With ``--launcher mp`` every probe rank is started as
-``Engine._launch_scheduler_processes`` starts a scheduler: a spawn-context
-``Process`` whose ``start()`` runs inside ``numa_utils.configure_subprocess(
-server_args, gpu_id)``, for the ids sglang's arithmetic gives
-(``placement.ranks``), under ``maybe_reindex_device_id`` when
-``SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1``, and optionally from one thread per
-dp rank as the data-parallel controller does. The probe (the only thing that
-differs from a real rank) reports the binding its process has, and each row
-compares it with what ``plan`` says for that rank. ``--launcher ray`` is in
-``placement.verify_ray``. This is the CLI's layer: it imports the launch path.
+The read-back (``observe_self``) never imports torch: it runs in plain interpreters in
+test VMs. ``--launcher mp`` starts every probe as ``Engine._launch_scheduler_processes``
+starts a scheduler (a spawn ``Process`` started inside ``configure_subprocess(server_args,
+gpu_id)``, under ``maybe_reindex_device_id``), optionally from one thread per dp rank as
+the data-parallel controller does; only the probe differs from a real rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing
 import os
+import re
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
-from sglang.srt.placement.cpulist import format_cpulist
+from sglang.srt.placement import settings
+from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
+from sglang.srt.placement.libnuma import read_mempolicy
+from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import (
     MemPolicy,
+    PlacementError,
     ProcessPlacement,
     RankIdentity,
     Strategy,
 )
 
-logger = logging.getLogger(__name__)
+_NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
 
-DEFAULT_TIMEOUT_S = 300.0
+
+@dataclass(frozen=True)
+class ObservedBinding:
+    cpus: frozenset[int]
+    mems: frozenset[int]
+    """Nodes the process may allocate from at all (its cpuset's ``Mems_allowed_list``)."""
+    policy: str
+    """As get_mempolicy names it: "default", "bind", "preferred", "interleave", ..."""
+    policy_nodes: frozenset[int]
+    resident_kb: tuple[tuple[int, int], ...] = ()
+    """(node, kB resident on it) over every mapping, sorted by node."""
+    anon_kb: tuple[tuple[int, int], ...] = ()
+
+    def local_page_ratio(
+        self, nodes: Iterable[int], *, anon_only: bool = False
+    ) -> Optional[float]:
+        """Share of resident memory on ``nodes``; None when nothing is resident, or no node given."""
+        counts = self.anon_kb if anon_only else self.resident_kb
+        total = sum(kb for _, kb in counts)
+        wanted = frozenset(nodes)
+        on_nodes = sum(kb for n, kb in counts if n in wanted)
+        return on_nodes / total if total and wanted else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cpus": format_cpulist(self.cpus),
+            "mems": format_cpulist(self.mems),
+            "policy": self.policy,
+            "policy_nodes": format_cpulist(self.policy_nodes),
+            "resident_kb": {str(node): kb for node, kb in self.resident_kb},
+            "anon_kb": {str(node): kb for node, kb in self.anon_kb},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ObservedBinding":
+        def counts(key: str) -> tuple[tuple[int, int], ...]:
+            return tuple(
+                sorted((int(n), int(kb)) for n, kb in data.get(key, {}).items())
+            )
+
+        return cls(
+            cpus=parse_cpulist(data["cpus"]),
+            mems=parse_cpulist(data["mems"]),
+            policy=data["policy"],
+            policy_nodes=parse_cpulist(data["policy_nodes"]),
+            resident_kb=counts("resident_kb"),
+            anon_kb=counts("anon_kb"),
+        )
+
+
+def parse_numa_maps(text: str) -> tuple[dict[int, int], dict[int, int]]:
+    """kB resident per node over every mapping, and over anonymous ones only."""
+    resident: dict[int, int] = {}
+    anon: dict[int, int] = {}
+    for line in text.splitlines():
+        fields = line.split()[2:]
+        page_kb = 4
+        for item in fields:
+            if item.startswith("kernelpagesize_kB="):
+                page_kb = int(item.split("=", 1)[1])
+        is_file = any(item.startswith("file=") for item in fields)
+        for match in filter(None, map(_NODE_FIELD.match, fields)):
+            node, kb = int(match[1]), int(match[2]) * page_kb
+            resident[node] = resident.get(node, 0) + kb
+            if not is_file:
+                anon[node] = anon.get(node, 0) + kb
+    return resident, anon
+
+
+def observe_self(
+    *,
+    proc_root: str = "/proc",
+    mempolicy: Optional[Callable[[], "tuple[str, frozenset[int]]"]] = None,
+) -> ObservedBinding:
+    """This process's binding as the kernel sees it; tests replace ``proc_root`` and
+    ``mempolicy`` (the get_mempolicy reader)."""
+    base = os.path.join(proc_root, "self")
+    allowed = read_process_affinity(os.path.join(base, "status"))
+    try:
+        with open(os.path.join(base, "numa_maps"), errors="replace") as f:
+            resident, anon = parse_numa_maps(f.read())
+    except FileNotFoundError:
+        # Kernels built without CONFIG_NUMA have no numa_maps: nothing to count.
+        resident, anon = {}, {}
+    policy, policy_nodes = (mempolicy or read_mempolicy)()
+    return ObservedBinding(
+        cpus=allowed.cpus,
+        mems=allowed.mems,
+        policy=policy,
+        policy_nodes=policy_nodes,
+        resident_kb=tuple(sorted(resident.items())),
+        anon_kb=tuple(sorted(anon.items())),
+    )
+
+
+def compare_binding(
+    placement: ProcessPlacement, observed: ObservedBinding
+) -> list[str]:
+    """One line per way ``observed`` differs from ``placement``. A policy stricter than
+    planned (bind for preferred) counts: it can fail allocations meant to spill over."""
+    if placement.strategy == Strategy.NONE:
+        return []
+    diffs: list[str] = []
+    if placement.cpus and observed.cpus != placement.cpus:
+        diffs.append(
+            f"cpus {_fmt(observed.cpus)} observed, {_fmt(placement.cpus)} planned"
+        )
+    if placement.mem_policy == MemPolicy.NONE:
+        return diffs
+    want_nodes, want_policies = placement.mem_nodes, ("bind",)
+    if placement.mem_policy != MemPolicy.BIND:
+        want_policies = ("preferred", "preferred_many")
+        if placement.numa_node is not None:
+            want_nodes = frozenset([placement.numa_node])
+    if not want_nodes <= observed.mems:
+        diffs.append(
+            f"mems allowed {_fmt(observed.mems)} observed, must include {_fmt(want_nodes)} (a cpuset or an outer numactl restricts this process)"
+        )
+    if observed.policy not in want_policies or observed.policy_nodes != want_nodes:
+        diffs.append(
+            f"memory policy {_policy_text(observed.policy, observed.policy_nodes)} observed, {_policy_text(placement.mem_policy, want_nodes)} planned"
+        )
+    return diffs
+
+
+def _fmt(values: frozenset[int]) -> str:
+    return format_cpulist(values) or "(none)"
+
+
+def _policy_text(policy: str, nodes: frozenset[int]) -> str:
+    return f"{policy} on node(s) {format_cpulist(nodes)}" if nodes else policy
+
 
 # Share of a rank's own (anonymous) resident memory that must sit on its bound node(s).
 # exec binds before the first allocation; in-process migrates what was touched before binding,
@@ -40,85 +171,45 @@ DEFAULT_TIMEOUT_S = 300.0
 MIN_LOCAL_PAGE_RATIO = {"exec": 0.99, "in-process": 0.95}
 
 
-class VerifyError(RuntimeError):
-    """A probe rank did not report within the deadline, or failed; the message names it."""
-
-
-# --------------------------------------------------------------------------- inside a probe rank
-
-
-def probe_main(label: str, writer: Any) -> None:
-    """A probe rank's target (top level, so a spawned child can import it): report its
-    binding as the kernel sees it (CPUs, memory nodes, policy, pages), then exit."""
-    from sglang.srt.placement_tools.observe import observe_self
-
-    try:
-        observed = observe_self().to_dict()
-        writer.send(
-            {
-                "status": "ready",
-                "label": label,
-                "pid": os.getpid(),
-                "observed": observed,
-            }
-        )
-    except (
-        BaseException
-    ) as exc:  # noqa: BLE001 - the launcher must hear about every failure
-        writer.send(
-            {"status": "error", "label": label, "error": f"{type(exc).__name__}: {exc}"}
-        )
-        raise
-    finally:
-        writer.close()
-
-
-# --------------------------------------------------------------------------- comparing
+def probe_main(writer: Any) -> None:
+    """A probe rank's target (top level, so a spawned child can import it). A failure ends
+    it with its traceback on stderr, and the launcher sees it exit before reporting."""
+    writer.send({"pid": os.getpid(), "observed": observe_self().to_dict()})
 
 
 def _target_nodes(placement: ProcessPlacement) -> frozenset[int]:
     if placement.strategy == Strategy.NONE:
         return frozenset()
-    if placement.mem_nodes:
+    if placement.mem_nodes or placement.numa_node is None:
         return placement.mem_nodes
-    return (
-        frozenset() if placement.numa_node is None else frozenset([placement.numa_node])
-    )
+    return frozenset([placement.numa_node])
 
 
 def differences(
-    placement: ProcessPlacement, observed: Any, *, unbound_cpus: frozenset[int]
+    placement: ProcessPlacement,
+    observed: ObservedBinding,
+    *,
+    unbound_cpus: frozenset[int],
 ) -> list[str]:
-    """Every way a rank's observed binding differs from its placement.
-
-    An unbound rank must have been left alone: the launcher's CPUs and the
-    default memory policy. A bound one must hold its CPUs and memory policy,
-    and keep most of its own memory on its node(s).
-    """
-    from sglang.srt.placement_tools.observe import compare_binding
-
+    """Every way a rank's binding differs from its placement: an unbound rank must have been
+    left alone; a bound one must also keep most of its own memory on its node(s)."""
     if placement.strategy == Strategy.NONE:
         found = []
         if observed.cpus != unbound_cpus:
             found.append(
-                f"cpus {format_cpulist(observed.cpus)} observed, the launcher's "
-                f"{format_cpulist(unbound_cpus)} expected for an unbound rank"
+                f"cpus {format_cpulist(observed.cpus)} observed, the launcher's {format_cpulist(unbound_cpus)} expected for an unbound rank"
             )
         if observed.policy != "default":
             found.append(
                 f"memory policy {observed.policy} observed, default expected for an unbound rank"
             )
         return found
-    found = list(compare_binding(placement, observed))
+    found = compare_binding(placement, observed)
     minimum = MIN_LOCAL_PAGE_RATIO.get(placement.strategy)
     nodes = _target_nodes(placement)
-    ratio = observed.local_page_ratio(nodes, anon_only=True) if nodes else None
-    if (
-        minimum is not None
-        and placement.mem_policy == MemPolicy.BIND
-        and ratio is not None
-        and ratio < minimum
-    ):
+    ratio = observed.local_page_ratio(nodes, anon_only=True)
+    bind = placement.mem_policy == MemPolicy.BIND
+    if minimum and bind and ratio is not None and ratio < minimum:
         found.append(
             f"{ratio:.1%} of the rank's resident anonymous memory is on node(s) {format_cpulist(nodes)}, "
             f"at least {minimum:.0%} expected for strategy {placement.strategy}"
@@ -127,51 +218,30 @@ def differences(
 
 
 def verify_row(
-    placement: ProcessPlacement,
-    report: dict,
-    *,
-    launcher: str,
-    unbound_cpus: frozenset[int],
+    placement: ProcessPlacement, report: dict, *, launcher: str, unbound_cpus: frozenset
 ) -> dict:
-    """One output row: the plan's fields, then what the rank observed, and whether they agree."""
-    from sglang.srt.placement_tools.observe import ObservedBinding
-
+    """One output row: the plan's fields, what the rank observed, and whether they agree."""
     observed = ObservedBinding.from_dict(report["observed"])
     nodes = _target_nodes(placement)
-    row = placement.to_dict()
     found = differences(placement, observed, unbound_cpus=unbound_cpus)
     policy_nodes = format_cpulist(observed.policy_nodes)
-    row.update(
-        {
-            "launcher": launcher,
-            "observed_pid": report.get("pid"),
-            "observed_cpus": format_cpulist(observed.cpus),
-            "observed_mems": format_cpulist(observed.mems),
-            "observed_policy": (
-                f"{observed.policy}:{policy_nodes}" if policy_nodes else observed.policy
-            ),
-            "local_page_ratio": (
-                observed.local_page_ratio(nodes, anon_only=True) if nodes else None
-            ),
-            "local_page_ratio_all": observed.local_page_ratio(nodes) if nodes else None,
-            "ok": not found,
-            "differences": found,
-        }
-    )
-    for extra in ("node_id", "actor"):
-        if extra in report:
-            row[extra] = report[extra]
-    return row
-
-
-# --------------------------------------------------------------------------- the multiprocessing path
+    return {
+        **placement.to_dict(),
+        "launcher": launcher,
+        "observed_pid": report.get("pid"),
+        "observed_cpus": format_cpulist(observed.cpus),
+        "observed_mems": format_cpulist(observed.mems),
+        "observed_policy": f"{observed.policy}:{policy_nodes}".rstrip(":"),
+        "local_page_ratio": observed.local_page_ratio(nodes, anon_only=True),
+        "local_page_ratio_all": observed.local_page_ratio(nodes),
+        "ok": not found,
+        "differences": found,
+    }
 
 
 @contextlib.contextmanager
 def _reindexed(gpu_id: int, *, device: str) -> Iterator[int]:
     """sglang's ``maybe_reindex_device_id`` for CUDA ranks (it narrows CUDA_VISIBLE_DEVICES when asked)."""
-    from sglang.srt.placement import settings
-
     if device != "cuda" or not settings.one_visible_device_per_process():
         yield gpu_id
         return
@@ -184,15 +254,14 @@ def _reindexed(gpu_id: int, *, device: str) -> Iterator[int]:
 def run_mp_probes(
     server_args: Any,
     *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float,
     dp_threads: bool = False,
-    configure: Optional[Callable[[Any, int], Any]] = None,
+    configure: Any = None,
 ) -> list[tuple[RankIdentity, dict]]:
-    """Start one probe per local rank as sglang's engine (or, with ``dp_threads``, its data-parallel
-    controller) spawns schedulers, each ``start()`` inside ``configure_subprocess(server_args, gpu_id)``;
-    return (rank, report) pairs in launch order. Every probe ends, or is killed, within ``timeout_s``.
-
-    ``configure`` replaces ``numa_utils.configure_subprocess`` (tests that show verify notices a bypass).
+    """Start one probe per local rank as sglang's engine (or, with ``dp_threads``, its
+    data-parallel controller) spawns schedulers; return (rank, report) pairs in launch order.
+    Every probe ends, or is killed, within ``timeout_s``. ``configure`` replaces
+    ``numa_utils.configure_subprocess`` (tests that show verify notices a bypass).
     """
     from sglang.srt.placement.ranks import local_ranks
 
@@ -201,51 +270,43 @@ def run_mp_probes(
 
         configure = numa_utils.configure_subprocess
     ctx = multiprocessing.get_context("spawn")
-    ranks = list(local_ranks(server_args))
     device = getattr(server_args, "device", "cuda")
     started: list[tuple[RankIdentity, Any, Any]] = []
-    lock = threading.Lock()
+    lock = threading.Lock()  # the data-parallel controller's env_lock
     errors: list[BaseException] = []
 
-    def spawn(rank: RankIdentity) -> None:
-        reader, writer = ctx.Pipe(duplex=False)
-        with _reindexed(rank.gpu_id, device=device) as gpu_id:
-            proc = ctx.Process(
-                target=probe_main,
-                args=(rank.label, writer),
-                name=f"verify-{rank.label}",
-            )
-            with configure(server_args, gpu_id):
-                proc.start()
-        writer.close()
-        started.append((rank, proc, reader))
-
-    def spawn_group(group: list[RankIdentity]) -> None:
+    def spawn(group: list[RankIdentity]) -> None:
         try:
             for rank in group:
-                with lock:  # the data-parallel controller's env_lock
-                    spawn(rank)
+                with lock:
+                    reader, writer = ctx.Pipe(duplex=False)
+                    with _reindexed(rank.gpu_id, device=device) as gpu_id:
+                        name = f"verify-{rank.label}"
+                        proc = ctx.Process(target=probe_main, args=(writer,), name=name)
+                        with configure(server_args, gpu_id):
+                            proc.start()
+                    writer.close()
+                    started.append((rank, proc, reader))
         except BaseException as exc:  # noqa: BLE001 - re-raised by the launching thread
             errors.append(exc)
 
+    ranks = list(local_ranks(server_args))
     try:
         if dp_threads:
             groups: dict[int, list[RankIdentity]] = {}
             for rank in ranks:
                 groups.setdefault(rank.dp_rank, []).append(rank)
             threads = [
-                threading.Thread(target=spawn_group, args=(g,), name=f"verify-dp{d}")
-                for d, g in groups.items()
+                threading.Thread(target=spawn, args=(g,)) for g in groups.values()
             ]
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join()
-            if errors:
-                raise errors[0]
         else:
-            for rank in ranks:
-                spawn(rank)
+            spawn(ranks)  # from this thread, as the engine does
+        if errors:
+            raise errors[0]
         return _collect(started, timeout_s=timeout_s)
     finally:
         for _, proc, reader in started:
@@ -259,100 +320,55 @@ def run_mp_probes(
 def _collect(
     started: Sequence[tuple[RankIdentity, Any, Any]], *, timeout_s: float
 ) -> list[tuple[RankIdentity, dict]]:
-    from multiprocessing.connection import wait
-
     deadline = time.monotonic() + timeout_s
-    reports: dict[int, dict] = {}
-    while len(reports) < len(started):
-        pending = {
-            id(reader): (i, rank, proc, reader)
-            for i, (rank, proc, reader) in enumerate(started)
-            if i not in reports
-        }
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            who = ", ".join(rank.label for _, rank, _, _ in pending.values())
-            raise VerifyError(
-                f"{who}: no report within {timeout_s:g} s (see the rank's output above)"
+    reports = []
+    for rank, proc, reader in started:
+        # The launcher holds no writer: a probe that exits is EOF, which poll() returns for.
+        if not reader.poll(max(0.0, deadline - time.monotonic())):
+            raise PlacementError(
+                f"{rank.label}: no report within {timeout_s:g} s (see the rank's output above)"
             )
-        ready = wait(
-            [entry[3] for entry in pending.values()]
-            + [entry[2].sentinel for entry in pending.values()],
-            timeout=remaining,
-        )
-        for i, rank, proc, reader in pending.values():
-            if reader in ready or reader.poll():
-                try:
-                    report = reader.recv()
-                except EOFError:
-                    report = None
-                if report is None or report.get("status") != "ready":
-                    why = (report or {}).get(
-                        "error"
-                    ) or f"it exited with status {proc.exitcode}"
-                    raise VerifyError(f"{rank.label}: the probe rank failed: {why}")
-                reports[i] = report
-            elif proc.sentinel in ready and not reader.poll():
-                proc.join(timeout=1)
-                raise VerifyError(
-                    f"{rank.label}: the probe rank exited with status {proc.exitcode} before reporting "
-                    "(see its output above)"
-                )
-    return [(rank, reports[i]) for i, (rank, _, _) in enumerate(started)]
+        try:
+            reports.append((rank, reader.recv()))
+        except EOFError:
+            proc.join(timeout=1)
+            raise PlacementError(
+                f"{rank.label}: the probe rank exited with status {proc.exitcode} before reporting (see its output above)"
+            ) from None
+    return reports
 
 
-def verify_mp(
-    server_args: Any,
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    dp_threads: bool = False,
-    configure: Optional[Callable[[Any, int], Any]] = None,
-) -> list[dict]:
-    """One row per local rank: what ``plan`` says sglang's spawn does, against what the spawned rank observed."""
+def verify_mp(server_args: Any, **probe_args: Any) -> list[dict]:
+    """One row per local rank, its probe started by ``run_mp_probes(server_args,
+    **probe_args)``: what ``plan`` says sglang's spawn does, against what the rank observed.
+    """
     from sglang.srt.placement.plan import plan_engine
-    from sglang.srt.placement.topology import read_process_affinity
 
-    placements = plan_engine(server_args, launcher="mp")
-    reports = run_mp_probes(
-        server_args, timeout_s=timeout_s, dp_threads=dp_threads, configure=configure
-    )
-    unbound_cpus = read_process_affinity().cpus
-    by_label = {p.label: p for p in placements}
+    placements = {p.label: p for p in plan_engine(server_args, launcher="mp")}
+    reports = run_mp_probes(server_args, **probe_args)
+    unbound = read_process_affinity().cpus
     return [
-        verify_row(
-            by_label[rank.label], report, launcher="mp", unbound_cpus=unbound_cpus
-        )
+        verify_row(placements[rank.label], report, launcher="mp", unbound_cpus=unbound)
         for rank, report in reports
     ]
 
 
-# --------------------------------------------------------------------------- output
-
-
-def _percent(ratio: Optional[float]) -> str:
-    return "n/a" if ratio is None else f"{ratio:.1%}"
-
-
 def format_verify_rows(rows: Sequence[dict]) -> str:
-    """One line per rank, in the spirit of Slurm's --cpu-bind=verbose: planned vs observed, then OK or why not."""
+    """One line per rank, in the spirit of Slurm's --cpu-bind=verbose: planned against
+    observed, then OK or why not."""
     lines = []
     for row in rows:
-        label = f"DP{row['dp_rank']} PP{row['pp_rank']} TP{row['tp_rank']}"
-        gpu = f" gpu_id {row['gpu_id']}" if row.get("gpu_id") is not None else ""
+        gpu = "" if row.get("gpu_id") is None else f" gpu_id {row['gpu_id']}"
         pci = f" ({row['pci']})" if row.get("pci") else ""
         node = row.get("numa_node")
-        planned_mem = f"{row.get('mem_policy')}:{row.get('mem_nodes') or '-'}"
+        ratio = row.get("local_page_ratio")
         head = (
-            f"[{label}] {row.get('launcher')}{gpu}{pci} node {'-' if node is None else node} via "
-            f"{row.get('strategy')}: cpus {row.get('observed_cpus')} (plan {row.get('cpus') or 'unbound'}), "
-            f"mems {row.get('observed_mems')}, policy {row.get('observed_policy')} (plan {planned_mem}), "
-            f"local pages {_percent(row.get('local_page_ratio'))}"
+            f"[DP{row['dp_rank']} PP{row['pp_rank']} TP{row['tp_rank']}] {row['launcher']}{gpu}{pci} "
+            f"node {'-' if node is None else node} via {row['strategy']}: "
+            f"cpus {row['observed_cpus']} (plan {row['cpus'] or 'unbound'}), mems {row['observed_mems']}, "
+            f"policy {row['observed_policy']} (plan {row['mem_policy']}:{row['mem_nodes'] or '-'}), "
+            f"local pages {'n/a' if ratio is None else f'{ratio:.1%}'}"
         )
-        if row.get("ok"):
-            lines.append(f"{head}: OK")
-        else:
-            lines.append(
-                f"{head}: MISMATCH: "
-                + "; ".join(row.get("differences") or ["unknown difference"])
-            )
+        why = "; ".join(row["differences"])
+        lines.append(f"{head}: OK" if row["ok"] else f"{head}: MISMATCH: {why}")
     return "\n".join(lines)

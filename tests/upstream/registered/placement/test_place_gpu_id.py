@@ -6,8 +6,8 @@ from types import SimpleNamespace
 from unittest.mock import patch
 
 from sglang.srt.placement.plan import place_gpu_id
-from sglang.srt.placement.resolve import HostCapabilities, HostFacts
 from sglang.srt.placement.policy import PlacementPolicy, placement_view
+from sglang.srt.placement.resolve import HostCapabilities, HostFacts
 from sglang.srt.placement.types import (
     Cpu,
     HostTopology,

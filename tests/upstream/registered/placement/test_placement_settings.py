@@ -5,7 +5,7 @@ import unittest
 from types import SimpleNamespace
 from unittest.mock import patch
 
-from sglang.srt.placement.cpulist import CpuListError, format_cpulist, parse_cpulist
+from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.settings import SettingError, affinity_mode
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -38,7 +38,7 @@ class TestPlacementSettings(unittest.TestCase):
     def test_cpulists_parse_as_the_kernel_writes_them(self):
         self.assertEqual(parse_cpulist("0-3,8,10-14:2"), {0, 1, 2, 3, 8, 10, 12, 14})
         self.assertEqual(format_cpulist({0, 1, 2, 3, 8}), "0-3,8")
-        with self.assertRaises(CpuListError):
+        with self.assertRaises(ValueError):
             parse_cpulist("3-1")
 
 

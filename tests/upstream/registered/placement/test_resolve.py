@@ -4,8 +4,7 @@ import unittest
 
 from sglang.srt.placement.numactl import NumactlProber, ProbeResult
 from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.resolve import exclusive_cpus, resolve_placement
-from sglang.srt.placement.strategy import HostCapabilities
+from sglang.srt.placement.resolve import HostCapabilities, HostFacts, resolve_placement
 from sglang.srt.placement.types import (
     Accelerator,
     Cpu,
@@ -21,9 +20,10 @@ register_cpu_ci(est_time=2, suite="base-a-test-cpu")
 
 ON_NODE_1 = "0000:b1:00.0"
 UNKNOWN_NODE = "0000:ca:00.0"
+ALSO_ON_NODE_1 = "0000:b2:00.0"
 
 
-def two_nodes():
+def two_nodes(gpus=(ON_NODE_1, UNKNOWN_NODE)):
     """Two nodes of four CPUs (two cores of two threads each), a GPU on node 1 and one
     whose node the kernel does not know."""
     nodes = tuple(
@@ -34,24 +34,30 @@ def two_nodes():
         Cpu(cpu, cpu // 4, cpu // 4, (cpu % 4) // 2, frozenset({cpu, cpu ^ 1}))
         for cpu in range(8)
     )
-    gpus = (PciDevice(ON_NODE_1, 1), PciDevice(UNKNOWN_NODE, None))
-    return HostTopology("/sys", nodes, cpus, frozenset(range(8)), gpus)
+    node = {ON_NODE_1: 1, ALSO_ON_NODE_1: 1}
+    devices = tuple(
+        PciDevice(pci, node.get(pci), "0x10de", "0x2330", "0x030200") for pci in gpus
+    )
+    return HostTopology("/sys", nodes, cpus, frozenset(range(8)), devices)
 
 
-def place(pci, *, gpu_id=1):
-    topology = two_nodes()
+def place(pci, *, gpu_id=1, mode="node", topology=None):
+    topology = topology or two_nodes()
     prober = NumactlProber(
         numactl_path="numactl", run=lambda argv: ProbeResult(ok=True, message="")
     )
-    return resolve_placement(
+    facts = HostFacts(
         topology=topology,
         affinity=ProcessAffinity(
             frozenset(range(8)), frozenset({0, 1}), "this process"
         ),
+        capabilities=HostCapabilities(numactl=prober, libnuma=True),
+    )
+    return resolve_placement(
+        facts=facts,
         rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=gpu_id, gpu_id=gpu_id),
         accelerator=Accelerator(gpu_id, str(gpu_id), pci, "sysfs"),
-        policy=PlacementPolicy(launcher="mp", device="cuda", affinity_mode="node"),
-        capabilities=HostCapabilities(numactl=prober, libnuma=True),
+        policy=PlacementPolicy(launcher="mp", device="cuda", affinity_mode=mode),
     )
 
 
@@ -68,11 +74,11 @@ class TestResolvePlacement(unittest.TestCase):
         self.assertFalse(placement.bound)
         self.assertTrue(any(UNKNOWN_NODE in r for r in placement.reasons))
 
-    def test_exclusive_slices_keep_smt_siblings_together(self):
-        cpus = frozenset(range(4, 8))
+    def test_exclusive_gives_each_gpu_of_a_node_its_cores_smt_siblings_together(self):
+        topology = two_nodes(gpus=(ON_NODE_1, ALSO_ON_NODE_1))
         slices = [
-            exclusive_cpus(cpus, topology=two_nodes(), node_id=1, index=i, count=2).cpus
-            for i in range(2)
+            place(pci, gpu_id=i, mode="exclusive", topology=topology).cpus
+            for i, pci in enumerate((ON_NODE_1, ALSO_ON_NODE_1))
         ]
         self.assertEqual(slices, [{4, 5}, {6, 7}])
 

@@ -6,7 +6,7 @@ import tempfile
 import unittest
 
 from sglang.srt.placement.topology import read_topology
-from sglang.srt.placement.types import TopologyError
+from sglang.srt.placement.types import PlacementError
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
@@ -60,7 +60,7 @@ class TestReadTopology(unittest.TestCase):
         files = two_nodes()
         files["devices/system/node/node2/cpulist"] = "2-x"
         write_tree(self.root, files)
-        with self.assertRaisesRegex(TopologyError, "node2/cpulist"):
+        with self.assertRaisesRegex(PlacementError, "node2/cpulist"):
             read_topology(self.root)
 
 

@@ -7,7 +7,7 @@ import unittest
 
 from sglang.srt.placement.topology import read_topology
 from sglang.srt.placement_tools.capture import capture_sysfs
-from sglang.srt.placement_tools.observe import observe_self, parse_numa_maps
+from sglang.srt.placement_tools.verify import observe_self, parse_numa_maps
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="base-a-test-cpu")

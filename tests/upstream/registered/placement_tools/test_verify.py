@@ -4,8 +4,7 @@ import dataclasses
 import unittest
 
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity
-from sglang.srt.placement_tools.observe import observe_self
-from sglang.srt.placement_tools.verify import differences
+from sglang.srt.placement_tools.verify import differences, observe_self
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="base-a-test-cpu")

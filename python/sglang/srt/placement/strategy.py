@@ -1,3 +1,0 @@
-"""Moved into ``resolve``; importable from here until the callers follow."""
-
-from sglang.srt.placement.resolve import HostCapabilities  # noqa: F401
