@@ -142,11 +142,7 @@ SERIES: Tuple[Patch, ...] = (
         "other wrappers, writes no file; the failure policy acts before the spawn.",
         "tests/test_spawn_hook.py, tests/test_spawn_path.py",
         "Nothing yet: configure_subprocess uses it in the next patches.",
-        files=(
-            G + "__init__.py",
-            G + "spawn_hook.py",
-            G + "spawn.py",
-        ),
+        files=(G + "__init__.py", G + "spawn.py"),
     ),
     Patch(
         "numa-utils-discovery",

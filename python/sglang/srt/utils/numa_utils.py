@@ -96,13 +96,12 @@ def get_numa_node_if_available(server_args: Any, gpu_id: int) -> Optional[int]:
 
 
 def get_libnuma() -> Optional[ctypes.CDLL]:
-    """The loaded libnuma (a ``ctypes.CDLL``), or None when it cannot be loaded."""
-    for name in ("libnuma.so", "libnuma.so.1"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError as exc:
-            logger.debug(f"{exc}")
-    return None
+    """The loaded libnuma (a ``ctypes.CDLL``), or None when it cannot be loaded or the
+    kernel refuses NUMA calls; placement's one loader answers."""
+    from sglang.srt.placement.libnuma import load_libnuma
+
+    lib = load_libnuma()
+    return None if lib is None else lib.cdll
 
 
 def numa_bind_to_node(node: int) -> None:
@@ -130,14 +129,13 @@ def numa_bind_to_node(node: int) -> None:
         if not target:
             _handle_numa_bind_failure(node, allowed)
             return
-        try:
-            set_all_threads_affinity(
-                frozenset(target), setaffinity=os.sched_setaffinity
-            )
-        except OSError as exc:
+        _, refusal = set_all_threads_affinity(
+            frozenset(target), setaffinity=os.sched_setaffinity
+        )
+        if refusal is not None:
             _handle_numa_bind_failure(
                 node,
-                reason=f"cannot bind to the CPUs of NUMA node {node} ({exc}), "
+                reason=f"cannot bind to the CPUs of NUMA node {node} ({refusal}), "
                 "skipping NUMA binding.",
             )
             return
@@ -252,9 +250,13 @@ def _handle_numa_bind_failure(
 
 def _can_set_mempolicy() -> bool:
     """Whether this process may use the memory-policy syscalls (a container without SYS_NICE may not)."""
-    from sglang.srt.placement.apply import can_set_mempolicy
+    from sglang.srt.placement.libnuma import read_mempolicy
 
-    return can_set_mempolicy()
+    try:
+        read_mempolicy()
+    except OSError:
+        return False
+    return True
 
 
 def _is_numa_available() -> bool:
