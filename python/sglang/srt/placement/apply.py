@@ -1,11 +1,7 @@
-"""The in-process strategy, for launchers that cannot start a rank under numactl, and
-the one failure policy.
-
-Every running thread is moved (a pool started by an import would stay unbound), and
-the pages touched so far are migrated, or late binding leaves them where the process
-started. The memory policy holds for the calling thread and the threads it starts
-later: bind first thing in the rank, from its main thread.
-"""
+"""The one failure policy, and the in-process bind for launchers that cannot exec a
+rank under numactl. Every running thread is moved (an import's pool would stay
+unbound) and touched pages migrate (late binding leaves them where they are); the
+memory policy holds for the calling thread and those it starts: bind first thing."""
 
 from __future__ import annotations
 
@@ -63,18 +59,10 @@ class BindOutcome:
 
     @property
     def summary(self) -> str:
-        parts = [
-            (
-                f"cpus {format_cpulist(self.cpus)} on {self.threads} thread(s)"
-                if self.cpus
-                else "cpus unchanged"
-            ),
-            (
-                f"memory {self.mem_policy} on node(s) {format_cpulist(self.mem_nodes)}"
-                if self.mem_policy != MemPolicy.NONE
-                else "memory policy unchanged"
-            ),
-        ]
+        cpus = f"cpus {format_cpulist(self.cpus)} on {self.threads} thread(s)"
+        memory = f"memory {self.mem_policy} on node(s) {format_cpulist(self.mem_nodes)}"
+        parts = [cpus if self.cpus else "cpus unchanged"]
+        parts.append(memory if self.mem_nodes else "memory policy unchanged")
         if self.pages_not_migrated is not None:
             parts.append(f"pages migrated ({self.pages_not_migrated} not moved)")
         return f"{self.label}: " + "; ".join([", ".join(parts), *self.notes])
@@ -143,13 +131,9 @@ def set_all_threads_affinity(
     tasks_dir: str = "/proc/self/task",
     setaffinity: Callable[[int, Iterable[int]], None] = os.sched_setaffinity,
 ) -> tuple[int, Optional[str]]:
-    """Move every thread of this process to ``cpus``: (threads moved, the kernel's
-    refusal that stopped the walk, or None).
-
-    A thread started during the walk by one not yet moved keeps the old CPUs, so the
-    threads are listed again until a pass finds none new; threads that exit are
-    skipped.
-    """
+    """Move every thread to ``cpus``: (threads moved, the refusal that stopped it).
+    A thread started by one not yet moved keeps the old CPUs, so the threads are
+    listed again until a pass finds none new; threads that exit are skipped."""
     tried: set[int] = set()
     moved = 0
     for _ in range(_MAX_THREAD_PASSES):
@@ -171,8 +155,7 @@ def set_all_threads_affinity(
 def _set_memory_policy(
     placement: ProcessPlacement, lib: LibNuma, degrade: Callable[[str], None]
 ) -> tuple[str, frozenset[int]]:
-    nodes = placement.mem_nodes
-    preferred = placement.numa_node
+    nodes, preferred = placement.mem_nodes, placement.numa_node
     if preferred is None:
         preferred = min(nodes, default=None)
     if placement.mem_policy == MemPolicy.BIND:

@@ -1,4 +1,4 @@
-"""libnuma.so.1 through ctypes: the one loader, and the memory-policy calls placement makes.
+"""libnuma.so.1 through ctypes: the one loader, and the calls placement makes.
 
 ``numa_set_membind`` and ``numa_set_preferred`` return void and only print a
 refusal; libnuma's ``set_mempolicy`` wrapper, given the same arguments, lets the
@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 MPOL_PREFERRED, MPOL_BIND = 1, 2  # <linux/mempolicy.h>
 _MODE_NAMES = ("default", "preferred", "bind", "interleave", "local")
 _MODE_NAMES += ("preferred_many", "weighted_interleave")
-# MPOL_F_STATIC_NODES, MPOL_F_RELATIVE_NODES, MPOL_F_NUMA_BALANCING: high bits of a mode.
+# MPOL_F_STATIC_NODES, MPOL_F_RELATIVE_NODES, MPOL_F_NUMA_BALANCING: a mode's high bits
 _MODE_FLAGS = (1 << 15) | (1 << 14) | (1 << 13)
 # Above any kernel's MAX_NUMNODES, so no call fails for the size of its mask.
 MASK_BITS = 4096
@@ -70,7 +70,7 @@ class LibNuma:
         self.cdll = cdll
 
     def configured_nodes(self) -> frozenset[int]:
-        """Node ids present on this host (libnuma's ``numa_nodes_ptr``); may be sparse."""
+        """Node ids on this host (libnuma's ``numa_nodes_ptr``); they may be sparse."""
         mask = ctypes.POINTER(_Bitmask).in_dll(self.cdll, "numa_nodes_ptr").contents
         return _nodes(mask.maskp[: -(-mask.size // _ULONG_BITS)])
 

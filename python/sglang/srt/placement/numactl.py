@@ -7,14 +7,19 @@ import itertools
 import shutil
 import subprocess
 import threading
-from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.types import MemPolicy
 
 PROBE_TIMEOUT_S = 10.0
 _LADDER = ("bind", "preferred", "none")
+# Upstream's words for a weaker step, which operators search logs for.
+_FALLBACK = {
+    "preferred": ("hard memory binding", "soft preferred policy"),
+    "none": ("memory binding", "CPU-only binding"),
+}
 
 
 def find_numactl() -> Optional[str]:
@@ -26,7 +31,7 @@ def true_program() -> str:
 
 
 def cpu_option(*, cpus: Iterable[int], whole_nodes: Optional[Sequence[int]]) -> str:
-    """``--cpunodebind`` when the CPUs are exactly some nodes', else ``--physcpubind``."""
+    """``--cpunodebind`` when the CPUs are exactly some nodes', else --physcpubind."""
     if whole_nodes:
         return f"--cpunodebind={format_cpulist(whole_nodes)}"
     return f"--physcpubind={format_cpulist(cpus)}"
@@ -45,7 +50,7 @@ def memory_options(
 @dataclass(frozen=True)
 class ProbeResult:
     ok: bool
-    message: str  # numactl's reason when it refused, else empty
+    message: str  # numactl's reason when it refused
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class LadderOutcome:
 
 
 def run_numactl(argv: Sequence[str]) -> ProbeResult:
-    """Run ``argv`` (numactl, options, a program) once; numactl's reason if it refuses."""
+    """Run ``argv`` (numactl, options, a program); numactl's reason if it refuses."""
     try:
         done = subprocess.run(
             list(argv),
@@ -73,20 +78,12 @@ def run_numactl(argv: Sequence[str]) -> ProbeResult:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return ProbeResult(ok=False, message=f"{argv[0]} could not be run: {exc}")
     if done.returncode == 0:
-        return ProbeResult(ok=True, message="")
+        return ProbeResult(True, "")
     # numactl follows a refusal with its usage text; the lines before it say why.
     lines = done.stderr.decode(errors="replace").splitlines()
     reason = itertools.takewhile(lambda line: not line.startswith("usage:"), lines)
-    return ProbeResult(
-        ok=False,
-        message="; ".join(line.strip() for line in reason if line.strip())
-        or f"{argv[0]} exited with status {done.returncode}",
-    )
-
-
-def _with_memory(cpu_args: Sequence[str], step: str, nodes, preferred) -> tuple:
-    memory = memory_options(mem_policy=step, mem_nodes=nodes, preferred_node=preferred)
-    return (*cpu_args, *memory)
+    why = "; ".join(line.strip() for line in reason if line.strip())
+    return ProbeResult(False, why or f"{argv[0]} exited with status {done.returncode}")
 
 
 class NumactlProber:
@@ -130,20 +127,18 @@ class NumactlProber:
         for step in _LADDER[start:]:
             if step == "preferred" and preferred_node is None:
                 continue
-            args = _with_memory(cpu_args, step, nodes, preferred_node)
+            memory = memory_options(
+                mem_policy=step, mem_nodes=nodes, preferred_node=preferred_node
+            )
+            args = (*cpu_args, *memory)
             result = self.probe(args)
             if not result.ok:
                 refused.append((" ".join(args), result.message))
                 continue
             if not refused:
                 return LadderOutcome(step, args, (), ok=True)
-            # Upstream's words, which operators search logs for.
             first, why = refused[0]
-            lost, kept = (
-                ("hard memory binding", "soft preferred policy")
-                if step == "preferred"
-                else ("memory binding", "CPU-only binding")
-            )
+            lost, kept = _FALLBACK[step]
             reason = (
                 f"numactl rejected {lost} ({first!r}){why and ': ' + why}; "
                 f"falling back to {kept} ({' '.join(args)!r})"
@@ -152,26 +147,20 @@ class NumactlProber:
         return LadderOutcome("none", (), (refused[-1][1],), ok=False)
 
 
-class AssumedNumactl:
+class AssumedNumactl(NumactlProber):
     """Stands in for the prober when planning from a sysfs snapshot: nothing runs."""
 
     def __init__(self, *, root: str) -> None:
+        super().__init__(numactl_path="numactl", run=lambda _: ProbeResult(True, ""))
         self.root = root
 
-    def ladder(
-        self,
-        *,
-        cpu_args: Sequence[str],
-        mem_policy: str,
-        mem_nodes: Iterable[int],
-        preferred_node: Optional[int],
-    ) -> LadderOutcome:
-        args = _with_memory(cpu_args, mem_policy, sorted(mem_nodes), preferred_node)
+    def ladder(self, **step: Any) -> LadderOutcome:
+        outcome = super().ladder(**step)
         reason = (
             f"planned from the snapshot {self.root}: assumes numactl there accepts "
-            f"{' '.join(args)} (not probed)"
+            f"{' '.join(outcome.args)} (not probed)"
         )
-        return LadderOutcome(mem_policy, args, (reason,), ok=True)
+        return replace(outcome, reasons=(reason,))
 
 
 _probers: dict[str, NumactlProber] = {}

@@ -20,8 +20,6 @@ from sglang.srt.scheduler_placement.spawn import enforce_failure_policy
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
 
-_RAY_VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
-
 
 def actor_placement(
     server_args: "ServerArgs", *, rank: RankIdentity, assigned_gpus: Sequence[Any]
@@ -31,7 +29,8 @@ def actor_placement(
     policy = PlacementPolicy.from_env(view, launcher="ray", exec_supported=False)
     env: Any = os.environ
     if assigned_gpus:  # without Ray's one-GPU view, the id names the host's device
-        env = {k: v for k, v in env.items() if k not in _RAY_VISIBILITY_VARS}
+        hidden = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
+        env = {k: v for k, v in env.items() if k not in hidden}
     return place_gpu_id(
         view, rank.gpu_id, policy=policy, facts=HostFacts.live(), env=env, rank=rank
     )

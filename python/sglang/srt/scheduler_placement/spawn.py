@@ -1,13 +1,9 @@
-"""What ``numa_utils.configure_subprocess(server_args, gpu_id)`` does around a spawn.
-
-The rank of ``gpu_id`` is placed at the block's entry, and the failure policy acts
-before anything starts. An exec placement starts the child under numactl through a
-thread-local layer on ``multiprocessing.util.spawnv_passfds``: swapping the
-process-global spawn executable for a script in /tmp (upstream's way) races between
-threads and breaks on a noexec /tmp; no file is written here and no shell runs. A
-daemon thread then watches each child leave numactl and reports, naming the rank,
-why numactl refused to start it.
-"""
+"""What ``numa_utils.configure_subprocess(server_args, gpu_id)`` does: place the rank,
+apply the failure policy before anything starts, and start an exec placement's child
+under numactl through a thread-local layer on ``multiprocessing.util.spawnv_passfds``
+(upstream's swapped spawn executable, a script in /tmp, races between threads and
+breaks on a noexec /tmp; no file is written here). A daemon thread reports, naming
+the rank, why numactl refused to start a child."""
 
 from __future__ import annotations
 
@@ -37,7 +33,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EXEC_WAIT_S = 30.0  # for a child to leave numactl: a millisecond, far more under load
-_FIRST_PAUSE_S = 0.0005
 _SPAWN_PROGRAM = re.compile(
     r"from multiprocessing\.spawn import spawn_main; "
     r"spawn_main\((?:\w+=(?:\d+|None)(?:, )?)*\)"
@@ -47,15 +42,13 @@ _FORK_FLAG = "--multiprocessing-fork"
 
 
 def enforce_failure_policy(placement: ProcessPlacement, *, who: str) -> None:
-    """The failure policy for a placement planned less bound than intended."""
+    """The failure policy, for a rank planned less bound than intended."""
     reasons = "; ".join(placement.reasons)
-    if placement.warning and placement.bound:
-        message = f"{who}: bound less tightly than planned: {reasons}"
-    elif placement.warning:
-        message = f"{who}: {reasons}; skipping NUMA binding for {who}."
-    else:
-        return
-    handle_bind_failure(message, log=logger)
+    if placement.warning:
+        weaker = f"bound less tightly than planned: {reasons}"
+        unbound = f"{reasons}; skipping NUMA binding for {who}."
+        message = f"{who}: {weaker if placement.bound else unbound}"
+        handle_bind_failure(message, log=logger)
 
 
 @contextlib.contextmanager
@@ -105,15 +98,9 @@ def placed_spawn(server_args: "ServerArgs", gpu_id: int) -> Iterator[None]:
         handle_bind_failure(f"{who}: " + "; ".join(problems), log=logger)
 
 
-# -- the spawn layer ---------------------------------------------------------------------
-
-
 def is_spawned_child(args: Sequence[Any]) -> bool:
-    """Whether ``args`` has the structure of a spawn child's command line:
-    ``[python, *flags, "-c", "from multiprocessing.spawn import spawn_main;
-    spawn_main(k=v, ...)", "--multiprocessing-fork"]``, or a frozen executable's
-    ``[exe, "--multiprocessing-fork", "k=v", ...]``; the structure, not a substring,
-    so that a forkserver (its sys.path is on its command line) is never taken."""
+    """Whether ``args`` has the structure (not merely a substring: a forkserver's has
+    its sys.path) of a spawn child's command line, or a frozen executable's."""
     words = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args]
     if len(words) >= 4 and words[-1] == _FORK_FLAG and words[-3] == "-c":
         return _SPAWN_PROGRAM.fullmatch(words[-2]) is not None
@@ -172,14 +159,10 @@ def hook_reachable() -> bool:
 def spawn_with_prefix(
     prefix: Sequence[str], *, after_spawn: Optional[Callable[[int], None]] = None
 ) -> Iterator[SpawnPrefixUse]:
-    """Start each spawn child this thread creates in the block as ``prefix + argv``;
-    blocks nest (the inner prefix wins).
-
-    Other libraries may wrap ``spawnv_passfds`` before or after us and later put back
-    what they saved, so each block puts a new layer in front when a spawn would not
-    reach one; a layer entered while an outer one runs passes the call down, so each
-    spawn gets the prefix once.
-    """
+    """Start each spawn child this thread creates in the block as ``prefix + argv``
+    (the inner block's prefix wins). Other libraries may wrap ``spawnv_passfds`` and
+    later put back what they saved: each block puts a layer in front when a spawn
+    would not reach one, and a layer inside another passes the call down."""
     if not prefix:
         raise ValueError("spawn_with_prefix needs the program to exec first")
     with _install_lock:
@@ -198,9 +181,6 @@ def spawn_with_prefix(
 def armed_prefix() -> Optional[tuple[str, ...]]:
     """The prefix this thread would give a spawn child now (None when unarmed)."""
     return None if _state.use is None else _state.use.prefix
-
-
-# -- the exec watch ----------------------------------------------------------------------
 
 
 class _ExecWatch:
@@ -231,11 +211,11 @@ class _ExecWatch:
     @staticmethod
     def _run(children: queue.SimpleQueue) -> None:
         pending: list[tuple[int, list[str], str, float]] = []
-        pause = _FIRST_PAUSE_S
+        pause = 0.0005
         while True:
             try:
                 pending.append(children.get(timeout=pause if pending else None))
-                pause = _FIRST_PAUSE_S
+                pause = 0.0005
             except queue.Empty:
                 pause = min(pause * 2, 0.05)
             pending = [child for child in pending if not _watch_over(*child)]
