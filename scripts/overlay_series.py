@@ -233,7 +233,6 @@ SERIES: Tuple[Patch, ...] = (
         "before any child starts under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.",
         files=(
             NUMA,
-            G + "spawn_hook.py",
             G + "spawn.py",
             NUMA_TESTS,
             PT + "test_spawn_hook.py",

@@ -33,7 +33,6 @@ class FakeLibNuma:
     """Resident pages per node, moved by migrate_pages."""
     unmovable_pages: int = 0
     """Pages migrate_pages reports as not moved (pinned or shared pages in the real kernel)."""
-    is_available: bool = True
 
     calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
     policy: str = "default"
@@ -47,14 +46,7 @@ class FakeLibNuma:
             else frozenset(self.memory_nodes)
         )
 
-    # -- the LibNumaApi surface --------------------------------------------------------------
-
-    @property
-    def available(self) -> bool:
-        return self.is_available
-
-    def max_node(self) -> int:
-        return max(self.node_cpus)
+    # -- what placement calls on libnuma.LibNuma ---------------------------------------------
 
     def configured_nodes(self) -> frozenset[int]:
         return frozenset(self.node_cpus)

@@ -16,7 +16,7 @@ from conftest import setting
 from spawn_support import args
 
 from sglang.srt.placement.types import PlacementError
-from sglang.srt.scheduler_placement.spawn_hook import armed_prefix
+from sglang.srt.scheduler_placement.spawn import armed_prefix
 from sglang.srt.utils import numa_utils
 from sglang.srt.utils.numa_utils import (
     configure_subprocess,

@@ -17,8 +17,8 @@ import threading
 
 import pytest
 
-from sglang.srt.scheduler_placement import spawn_hook
-from sglang.srt.scheduler_placement.spawn_hook import (
+from sglang.srt.scheduler_placement import spawn
+from sglang.srt.scheduler_placement.spawn import (
     is_spawned_child,
     spawn_with_prefix,
 )
@@ -100,8 +100,8 @@ def test_a_spawned_child_starts_under_the_prefix_and_others_do_not():
 def test_prefixes_nest_and_an_empty_one_is_refused():
     with spawn_with_prefix(marked_prefix("outer")):
         assert spawn_one(marked_prefix("inner"))["marker"] == "inner"
-        assert spawn_hook.armed_prefix() == tuple(marked_prefix("outer"))
-    assert spawn_hook.armed_prefix() is None
+        assert spawn.armed_prefix() == tuple(marked_prefix("outer"))
+    assert spawn.armed_prefix() is None
     with pytest.raises(ValueError):
         with spawn_with_prefix([]):
             pass
@@ -126,7 +126,7 @@ def test_a_library_that_wraps_and_later_restores_spawnv_passfds_loses_nothing(
     multiprocessing.util.spawnv_passfds = (
         saved_spawnv  # the library puts back what it found first
     )
-    assert not spawn_hook.hook_reachable()
+    assert not spawn.hook_reachable()
     assert spawn_one(marked_prefix("restored"))["marker"] == "restored"
     assert calls, "the library's wrapper saw the spawn"
 
@@ -177,7 +177,7 @@ FORKSERVER_CHILD = r"""
 import multiprocessing, os, sys
 sys.path.insert(0, sys.argv[1])
 from test_spawn_hook import ENV, report_argv
-from sglang.srt.scheduler_placement.spawn_hook import spawn_with_prefix
+from sglang.srt.scheduler_placement.spawn import spawn_with_prefix
 
 if __name__ == "__main__":
     sys.path.append("/opt/spawn_main")  # a sys.path entry that names spawn_main

@@ -1,316 +1,121 @@
-"""A small ctypes binding of libnuma.so.1, loaded once per process.
+"""libnuma.so.1 through ctypes: the one loader, and the calls placement makes.
 
-Only what placement needs is bound, with Python types in and out. Calls that
-libnuma declares ``void`` (``numa_set_membind``, ``numa_set_preferred``) report
-failure only through ``numa_error``, which prints to stderr and keeps going; to
-see the kernel's answer we call libnuma's ``set_mempolicy`` wrapper with the
-same arguments those functions would pass, so a rejected policy raises
-``OSError`` instead of being lost.
+``numa_set_membind`` and ``numa_set_preferred`` return void and only print a
+refusal; libnuma's ``set_mempolicy`` wrapper, given the same arguments, lets the
+kernel's answer reach us as an ``OSError``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import errno as errno_mod
+import errno
 import functools
 import logging
 import os
-import platform
-from typing import (
-    Any,
-    Callable,
-    Iterable,
-    Iterator,
-    Optional,
-    Protocol,
-    runtime_checkable,
-)
+from typing import Iterable, Optional
 
 logger = logging.getLogger(__name__)
 
-LIBNUMA_NAME = "libnuma.so.1"
-
-# <linux/mempolicy.h>
-MPOL_PREFERRED = 1
-MPOL_BIND = 2
-
-
-@runtime_checkable
-class LibNumaApi(Protocol):
-    """What placement code needs from libnuma; the real binding and tests' fakes both provide it."""
-
-    @property
-    def available(self) -> bool: ...
-
-    def max_node(self) -> int: ...
-
-    def configured_nodes(self) -> frozenset[int]: ...
-
-    def set_membind(self, nodes: Iterable[int]) -> None: ...
-
-    def set_preferred(self, node: int) -> None: ...
-
-    def migrate_pages(
-        self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]
-    ) -> int: ...
+MPOL_PREFERRED, MPOL_BIND = 1, 2  # <linux/mempolicy.h>
+_MODE_NAMES = ("default", "preferred", "bind", "interleave", "local")
+_MODE_NAMES += ("preferred_many", "weighted_interleave")
+# MPOL_F_STATIC_NODES, MPOL_F_RELATIVE_NODES, MPOL_F_NUMA_BALANCING: a mode's high bits
+_MODE_FLAGS = (1 << 15) | (1 << 14) | (1 << 13)
+# Above any kernel's MAX_NUMNODES, so no call fails for the size of its mask.
+MASK_BITS = 4096
+_ULONG_BITS = ctypes.sizeof(ctypes.c_ulong) * 8
+_Mask = ctypes.c_ulong * (MASK_BITS // _ULONG_BITS)
+# The kernel reads one bit fewer than the maxnode it is given (libnuma passes size + 1).
+_MAXNODE = ctypes.c_ulong(MASK_BITS + 1)
 
 
 class _Bitmask(ctypes.Structure):
     _fields_ = [("size", ctypes.c_ulong), ("maskp", ctypes.POINTER(ctypes.c_ulong))]
 
 
-_BitmaskPtr = ctypes.POINTER(_Bitmask)
-
-
-def _oserror(call: str, err: int, detail: str = "") -> OSError:
-    suffix = f" ({detail})" if detail else ""
-    return OSError(err, f"libnuma {call}{suffix} failed: {os.strerror(err)}")
-
-
-class LibNuma:
-    """libnuma.so.1 through ctypes. Build it with :func:`load_libnuma`."""
-
-    def __init__(self, lib: ctypes.CDLL, *, name: str = LIBNUMA_NAME) -> None:
-        self._lib = lib
-        self.name = name
-        self._declare()
-
-    def _declare(self) -> None:
-        lib = self._lib
-        signatures = {
-            "numa_available": (ctypes.c_int, []),
-            "numa_max_node": (ctypes.c_int, []),
-            "numa_num_configured_nodes": (ctypes.c_int, []),
-            "numa_allocate_nodemask": (_BitmaskPtr, []),
-            "numa_bitmask_setbit": (_BitmaskPtr, [_BitmaskPtr, ctypes.c_uint]),
-            "numa_bitmask_isbitset": (ctypes.c_int, [_BitmaskPtr, ctypes.c_uint]),
-            "numa_bitmask_free": (None, [_BitmaskPtr]),
-            "numa_migrate_pages": (
-                ctypes.c_int,
-                [ctypes.c_int, _BitmaskPtr, _BitmaskPtr],
-            ),
-            "set_mempolicy": (
-                ctypes.c_long,
-                [ctypes.c_int, ctypes.POINTER(ctypes.c_ulong), ctypes.c_ulong],
-            ),
-        }
-        for symbol, (restype, argtypes) in signatures.items():
-            fn = getattr(lib, symbol)
-            fn.restype = restype
-            fn.argtypes = argtypes
-
-    # -- queries ---------------------------------------------------------------------------
-
-    @property
-    def available(self) -> bool:
-        return self._lib.numa_available() >= 0
-
-    def max_node(self) -> int:
-        return int(self._lib.numa_max_node())
-
-    def configured_nodes(self) -> frozenset[int]:
-        """Node ids present on this host (``numa_nodes_ptr``); ids may be sparse."""
-        nodes_ptr = _BitmaskPtr.in_dll(self._lib, "numa_nodes_ptr")
-        if not nodes_ptr:
-            return frozenset(range(self.max_node() + 1))
-        return frozenset(
-            node
-            for node in range(self.max_node() + 1)
-            if self._lib.numa_bitmask_isbitset(nodes_ptr, node)
-        )
-
-    # -- actions ---------------------------------------------------------------------------
-
-    def set_membind(self, nodes: Iterable[int]) -> None:
-        """Allocate only from ``nodes`` (MPOL_BIND) for the calling thread."""
-        node_set = frozenset(nodes)
-        self._set_mempolicy(MPOL_BIND, node_set, "numa_set_membind")
-
-    def set_preferred(self, node: int) -> None:
-        """Allocate from ``node`` first, elsewhere when it is full (MPOL_PREFERRED), for the calling thread."""
-        self._set_mempolicy(MPOL_PREFERRED, frozenset([node]), "numa_set_preferred")
-
-    def migrate_pages(
-        self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]
-    ) -> int:
-        """Move ``pid``'s pages (0 = this process) from ``from_nodes`` to ``to_nodes``; returns pages not moved."""
-        with self._nodemask(from_nodes) as src, self._nodemask(to_nodes) as dst:
-            result = self._lib.numa_migrate_pages(pid, src, dst)
-        if result < 0:
-            raise _oserror(
-                "numa_migrate_pages",
-                ctypes.get_errno(),
-                f"pid {pid}, {_nodes_text(from_nodes)} -> {_nodes_text(to_nodes)}",
+def _mask(nodes: Iterable[int]) -> ctypes.Array:
+    mask = _Mask()
+    for node in nodes:
+        if not 0 <= node < MASK_BITS:
+            raise OSError(
+                errno.EINVAL,
+                f"libnuma nodemask: node {node} is outside 0-{MASK_BITS - 1}",
             )
-        return int(result)
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def _set_mempolicy(self, mode: int, nodes: frozenset[int], call: str) -> None:
-        with self._nodemask(nodes) as mask:
-            # The kernel reads one bit fewer than maxnode; libnuma passes size + 1 for the same reason.
-            result = self._lib.set_mempolicy(
-                mode, mask.contents.maskp, mask.contents.size + 1
-            )
-        if result < 0:
-            raise _oserror(call, ctypes.get_errno(), _nodes_text(nodes))
-
-    @functools.cached_property
-    def _mask_bits(self) -> int:
-        mask = self._lib.numa_allocate_nodemask()
-        if not mask:
-            raise _oserror("numa_allocate_nodemask", errno_mod.ENOMEM)
-        try:
-            return int(mask.contents.size)
-        finally:
-            self._lib.numa_bitmask_free(mask)
-
-    @contextlib.contextmanager
-    def _nodemask(self, nodes: Iterable[int]) -> Iterator[ctypes._Pointer]:
-        """A libnuma nodemask holding ``nodes``, freed on exit."""
-        nodes = frozenset(nodes)
-        bits = self._mask_bits
-        for node in nodes:
-            if node < 0 or node >= bits:
-                raise OSError(
-                    errno_mod.EINVAL,
-                    f"libnuma nodemask: node {node} is outside 0-{bits - 1}, the nodes this kernel supports",
-                )
-        mask = self._lib.numa_allocate_nodemask()
-        if not mask:
-            raise _oserror("numa_allocate_nodemask", errno_mod.ENOMEM)
-        try:
-            for node in sorted(nodes):
-                self._lib.numa_bitmask_setbit(mask, node)
-            yield mask
-        finally:
-            self._lib.numa_bitmask_free(mask)
+        mask[node // _ULONG_BITS] |= 1 << node % _ULONG_BITS
+    return mask
 
 
-def _nodes_text(nodes: Iterable[int]) -> str:
-    ordered = sorted(set(nodes))
-    return "nodes " + ",".join(str(n) for n in ordered) if ordered else "no nodes"
-
-
-def _open(name: str) -> Optional[LibNuma]:
-    try:
-        lib = ctypes.CDLL(name, use_errno=True)
-    except OSError as exc:
-        logger.info(
-            f"libnuma not loaded ({name}: {exc}); in-process NUMA memory binding is unavailable"
-        )
-        return None
-    try:
-        binding = LibNuma(lib, name=name)
-    except AttributeError as exc:
-        logger.info(
-            f"libnuma at {name} lacks a symbol placement needs ({exc}); treating it as unavailable"
-        )
-        return None
-    if not binding.available:
-        logger.info(
-            f"libnuma loaded from {name} but numa_available() < 0: the kernel reports no NUMA support"
-        )
-        return None
-    return binding
-
-
-@functools.lru_cache(maxsize=None)
-def load_libnuma(*, name: str = LIBNUMA_NAME) -> Optional[LibNuma]:
-    """libnuma for this process, or None (logged once) when it is missing or NUMA is unavailable.
-
-    ``name`` is a seam: tests point it at a library that does not exist (and
-    ``load_libnuma.cache_clear()`` forgets what was loaded).
-    """
-    return _open(name)
-
-
-# <linux/mempolicy.h> modes, indexed by number.
-_MODE_NAMES = {
-    0: "default",
-    1: "preferred",
-    2: "bind",
-    3: "interleave",
-    4: "local",
-    5: "preferred_many",
-    6: "weighted_interleave",
-}
-# MPOL_F_STATIC_NODES | MPOL_F_RELATIVE_NODES | MPOL_F_NUMA_BALANCING ride in the high bits of the mode.
-_MODE_FLAGS_MASK = (1 << 15) | (1 << 14) | (1 << 13)
-
-# __NR_get_mempolicy; architectures not listed go through libnuma's wrapper instead.
-_SYS_GET_MEMPOLICY = {
-    "x86_64": 239,
-    "amd64": 239,
-    "aarch64": 236,
-    "arm64": 236,
-    "riscv64": 236,
-}
-
-# Room for 4096 node bits: more than any kernel's MAX_NUMNODES, so get_mempolicy never says EINVAL for size.
-_MASK_BITS = 4096
-_ULONG_BITS = ctypes.sizeof(ctypes.c_ulong) * 8
-
-
-# -- get_mempolicy ----------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _get_mempolicy_function() -> Callable[..., int]:
-    arch = platform.machine().lower()
-    number = _SYS_GET_MEMPOLICY.get(arch)
-    if number is not None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        syscall = libc.syscall
-        syscall.restype = ctypes.c_long
-
-        def call(mode: Any, mask: Any, maxnode: int, addr: Any, flags: int) -> int:
-            return syscall(
-                ctypes.c_long(number),
-                mode,
-                mask,
-                ctypes.c_ulong(maxnode),
-                addr,
-                ctypes.c_ulong(flags),
-            )
-
-        return call
-    try:
-        lib = ctypes.CDLL("libnuma.so.1", use_errno=True)
-    except OSError as exc:
-        raise OSError(
-            f"cannot read the memory policy on {arch}: no get_mempolicy syscall number known and libnuma.so.1 "
-            f"not loadable ({exc})"
-        ) from None
-    fn = lib.get_mempolicy
-    fn.restype = ctypes.c_long
-    return lambda mode, mask, maxnode, addr, flags: fn(
-        mode, mask, ctypes.c_ulong(maxnode), addr, ctypes.c_uint(flags)
-    )
-
-
-def read_mempolicy() -> tuple[str, frozenset[int]]:
-    """The calling thread's memory policy and its nodes, from get_mempolicy(2)."""
-    call = _get_mempolicy_function()
-    mode = ctypes.c_int(0)
-    words = _MASK_BITS // _ULONG_BITS
-    mask = (ctypes.c_ulong * words)()
-    # The kernel reads one bit fewer than maxnode, as for set_mempolicy.
-    result = call(ctypes.byref(mode), mask, _MASK_BITS + 1, None, 0)
-    if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"get_mempolicy failed: {os.strerror(err)}")
-    nodes = frozenset(
-        word_index * _ULONG_BITS + bit
-        for word_index, word in enumerate(mask)
+def _nodes(words: Iterable[int]) -> frozenset[int]:
+    return frozenset(
+        index * _ULONG_BITS + bit
+        for index, word in enumerate(words)
         if word
         for bit in range(_ULONG_BITS)
         if word >> bit & 1
     )
-    number = mode.value & ~_MODE_FLAGS_MASK
-    name = _MODE_NAMES.get(number, f"mode{number}")
+
+
+def _check(result: int, call: str, nodes: Iterable[int]) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        text = ",".join(map(str, sorted(nodes))) or "none"
+        raise OSError(err, f"libnuma {call} (nodes {text}) failed: {os.strerror(err)}")
+    return result
+
+
+class LibNuma:
+    """The libnuma calls placement makes, Python types in and out."""
+
+    def __init__(self, cdll: ctypes.CDLL) -> None:
+        self.cdll = cdll
+
+    def configured_nodes(self) -> frozenset[int]:
+        """Node ids on this host (libnuma's ``numa_nodes_ptr``); they may be sparse."""
+        mask = ctypes.POINTER(_Bitmask).in_dll(self.cdll, "numa_nodes_ptr").contents
+        return _nodes(mask.maskp[: -(-mask.size // _ULONG_BITS)])
+
+    def set_membind(self, nodes: Iterable[int]) -> None:
+        self._set_policy(MPOL_BIND, frozenset(nodes), "numa_set_membind")
+
+    def set_preferred(self, node: int) -> None:
+        self._set_policy(MPOL_PREFERRED, frozenset([node]), "numa_set_preferred")
+
+    def _set_policy(self, mode: int, nodes: frozenset[int], call: str) -> None:
+        _check(self.cdll.set_mempolicy(mode, _mask(nodes), _MAXNODE), call, nodes)
+
+    def migrate_pages(
+        self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]
+    ) -> int:
+        """Moves the pages of ``pid`` (0: this process); returns how many stayed."""
+        src, dst = _mask(from_nodes), _mask(to_nodes)
+        result = self.cdll.migrate_pages(pid, _MAXNODE, src, dst)
+        return _check(result, "migrate_pages", _nodes(dst))
+
+
+@functools.lru_cache(maxsize=None)
+def load_libnuma(*, name: str = "libnuma.so.1") -> Optional[LibNuma]:
+    """This process's libnuma, or None (logged once) when it is missing or the kernel
+    refuses NUMA calls; ``name`` lets tests ask for a library that is absent."""
+    try:
+        cdll = ctypes.CDLL(name, use_errno=True)
+    except OSError as exc:
+        logger.info(f"libnuma not loaded ({name}: {exc}): no in-process memory binding")
+        return None
+    if cdll.numa_available() < 0:
+        logger.info(f"{name}: numa_available() < 0: the kernel refuses NUMA calls here")
+        return None
+    return LibNuma(cdll)
+
+
+def read_mempolicy() -> tuple[str, frozenset[int]]:
+    """The calling thread's memory policy and its nodes, from get_mempolicy(2)."""
+    lib = load_libnuma()
+    if lib is None:
+        raise OSError(errno.ENOSYS, "get_mempolicy: libnuma or NUMA is unavailable")
+    mode, mask = ctypes.c_int(0), _Mask()
+    call = lib.cdll.get_mempolicy(ctypes.byref(mode), mask, _MAXNODE, None, 0)
+    _check(call, "get_mempolicy", ())
+    number, nodes = mode.value & ~_MODE_FLAGS, _nodes(mask)
+    name = _MODE_NAMES[number] if number < len(_MODE_NAMES) else f"mode{number}"
     # Older kernels report local allocation as MPOL_PREFERRED with no nodes.
-    if name == "preferred" and not nodes:
-        name = "local"
-    return name, nodes
+    return ("local" if name == "preferred" and not nodes else name), nodes

@@ -1,28 +1,37 @@
-"""numactl: the options that apply a binding, and a cached probe of which memory policy the kernel accepts."""
+"""numactl: the options that apply a binding, and a probe, cached per option set, of
+which memory policy the kernel accepts."""
 
 from __future__ import annotations
 
-import logging
+import itertools
 import shutil
 import subprocess
 import threading
-from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.types import MemPolicy, ProcessPlacement, Strategy
-
-logger = logging.getLogger(__name__)
+from sglang.srt.placement.types import MemPolicy
 
 PROBE_TIMEOUT_S = 10.0
+_LADDER = ("bind", "preferred", "none")
+# Upstream's words for a weaker step, which operators search logs for.
+_FALLBACK = {
+    "preferred": ("hard memory binding", "soft preferred policy"),
+    "none": ("memory binding", "CPU-only binding"),
+}
 
 
 def find_numactl() -> Optional[str]:
     return shutil.which("numactl")
 
 
+def true_program() -> str:
+    return shutil.which("true") or "/bin/true"
+
+
 def cpu_option(*, cpus: Iterable[int], whole_nodes: Optional[Sequence[int]]) -> str:
-    """``--cpunodebind`` when the CPU set is exactly some nodes' CPUs, else ``--physcpubind``."""
+    """``--cpunodebind`` when the CPUs are exactly some nodes', else --physcpubind."""
     if whole_nodes:
         return f"--cpunodebind={format_cpulist(whole_nodes)}"
     return f"--physcpubind={format_cpulist(cpus)}"
@@ -41,23 +50,22 @@ def memory_options(
 @dataclass(frozen=True)
 class ProbeResult:
     ok: bool
-    message: str
-    """numactl's stderr (first line) when it refused, else empty."""
+    message: str  # numactl's reason when it refused
 
 
 @dataclass(frozen=True)
 class LadderOutcome:
-    """The strongest memory policy numactl could apply with a CPU option, and why."""
+    """The strongest memory policy numactl accepted with the CPU option, and why;
+    ``ok`` is False when even the CPU option alone was refused."""
 
     mem_policy: str
     args: tuple[str, ...]
     reasons: tuple[str, ...]
     ok: bool
-    """False when even the CPU-only form was refused (the placement then cannot use exec)."""
 
 
 def run_numactl(argv: Sequence[str]) -> ProbeResult:
-    """Run ``argv`` (numactl, options, a program) once; numactl's reason when it refuses."""
+    """Run ``argv`` (numactl, options, a program); numactl's reason if it refuses."""
     try:
         done = subprocess.run(
             list(argv),
@@ -70,37 +78,25 @@ def run_numactl(argv: Sequence[str]) -> ProbeResult:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return ProbeResult(ok=False, message=f"{argv[0]} could not be run: {exc}")
     if done.returncode == 0:
-        return ProbeResult(ok=True, message="")
-    return ProbeResult(
-        ok=False,
-        message=_reason(done.stderr.decode(errors="replace"))
-        or f"{argv[0]} exited with status {done.returncode}",
-    )
-
-
-def _reason(stderr: str) -> str:
-    # numactl follows a refusal with its whole usage text; the lines before it are the reason.
-    lines = []
-    for line in stderr.splitlines():
-        if line.startswith("usage:"):
-            break
-        if line.strip():
-            lines.append(line.strip())
-    return "; ".join(lines)
+        return ProbeResult(True, "")
+    # numactl follows a refusal with its usage text; the lines before it say why.
+    lines = done.stderr.decode(errors="replace").splitlines()
+    reason = itertools.takewhile(lambda line: not line.startswith("usage:"), lines)
+    why = "; ".join(line.strip() for line in reason if line.strip())
+    return ProbeResult(False, why or f"{argv[0]} exited with status {done.returncode}")
 
 
 class NumactlProber:
-    """Runs ``numactl <options> true`` at most once per distinct option set and remembers the answer."""
+    """Runs ``numactl <options> true`` at most once per option set; ``run`` stands in
+    for numactl in tests and benchmarks."""
 
     def __init__(
         self,
         *,
         numactl_path: str,
-        true_path: Optional[str] = None,
         run: Callable[[Sequence[str]], ProbeResult] = run_numactl,
     ) -> None:
         self.numactl_path = numactl_path
-        self.true_path = true_path or shutil.which("true") or "/bin/true"
         self._run = run
         self._results: dict[tuple[str, ...], ProbeResult] = {}
         self._lock = threading.Lock()
@@ -109,15 +105,11 @@ class NumactlProber:
     def probe(self, args: Sequence[str]) -> ProbeResult:
         key = tuple(args)
         with self._lock:
-            cached = self._results.get(key)
-            if cached is not None:
-                return cached
-            self.probe_count += 1
-            result = self._run([self.numactl_path, *key, self.true_path])
-            self._results[key] = result
-        if not result.ok:
-            logger.debug(f"numactl {' '.join(key)} refused: {result.message}")
-        return result
+            if key not in self._results:
+                self.probe_count += 1
+                argv = [self.numactl_path, *key, true_program()]
+                self._results[key] = self._run(argv)
+            return self._results[key]
 
     def ladder(
         self,
@@ -127,122 +119,57 @@ class NumactlProber:
         mem_nodes: Iterable[int],
         preferred_node: Optional[int],
     ) -> LadderOutcome:
-        """Try bind, then preferred, then CPU only; stop at the first the kernel accepts."""
-        mem_nodes = tuple(sorted(mem_nodes))
-        ladder = ("bind", "preferred", "none")
-        steps = (
-            ladder[ladder.index(mem_policy) :] if mem_policy in ladder else ("none",)
-        )
-        # (options, numactl's refusal), strongest first
-        tried: list[tuple[tuple[str, ...], str]] = []
-        for step in steps:
+        """Try bind, then preferred, then CPUs only, from ``mem_policy`` down; stop at
+        the first the kernel accepts."""
+        nodes = sorted(mem_nodes)
+        start = _LADDER.index(mem_policy) if mem_policy in _LADDER else 2
+        refused: list[tuple[str, str]] = []  # (options, numactl's reason)
+        for step in _LADDER[start:]:
             if step == "preferred" and preferred_node is None:
                 continue
-            args = tuple(cpu_args) + memory_options(
-                mem_policy=step, mem_nodes=mem_nodes, preferred_node=preferred_node
+            memory = memory_options(
+                mem_policy=step, mem_nodes=nodes, preferred_node=preferred_node
             )
+            args = (*cpu_args, *memory)
             result = self.probe(args)
-            if result.ok:
-                return LadderOutcome(
-                    mem_policy=step,
-                    args=args,
-                    reasons=_fallback_reasons(tried, step, args),
-                    ok=True,
-                )
-            tried.append((args, result.message))
-        return LadderOutcome(
-            mem_policy=MemPolicy.NONE,
-            args=(),
-            reasons=(tried[-1][1],) if tried else (),
-            ok=False,
-        )
+            if not result.ok:
+                refused.append((" ".join(args), result.message))
+                continue
+            if not refused:
+                return LadderOutcome(step, args, (), ok=True)
+            first, why = refused[0]
+            lost, kept = _FALLBACK[step]
+            reason = (
+                f"numactl rejected {lost} ({first!r}){why and ': ' + why}; "
+                f"falling back to {kept} ({' '.join(args)!r})"
+            )
+            return LadderOutcome(step, args, (reason,), ok=True)
+        return LadderOutcome("none", (), (refused[-1][1],), ok=False)
 
 
-def _fallback_reasons(
-    tried: Sequence[tuple[tuple[str, ...], str]], step: str, args: tuple[str, ...]
-) -> tuple[str, ...]:
-    """Upstream's wording for a weaker binding that numactl accepted, which operators search logs for."""
-    if not tried:
-        return ()
-    first_args, first_refusal = tried[0]
-    suffix = f": {first_refusal}" if first_refusal else ""
-    if step == "preferred":
-        return (
-            f"numactl rejected hard memory binding ({' '.join(first_args)!r}){suffix}; falling back to soft "
-            f"preferred policy ({' '.join(args)!r})",
-        )
-    return (
-        f"numactl rejected memory binding ({' '.join(first_args)!r}){suffix}; falling back to CPU-only "
-        f"binding ({' '.join(args)!r})",
-    )
+class AssumedNumactl(NumactlProber):
+    """Stands in for the prober when planning from a sysfs snapshot: nothing runs."""
 
-
-class AssumedNumactl:
-    """Stands in for the prober when planning from a sysfs snapshot: nothing runs on this host."""
-
-    def __init__(self, *, root: str, numactl_path: str = "numactl") -> None:
+    def __init__(self, *, root: str) -> None:
+        super().__init__(numactl_path="numactl", run=lambda _: ProbeResult(True, ""))
         self.root = root
-        self.numactl_path = numactl_path
-        self.probe_count = 0
 
-    def ladder(
-        self,
-        *,
-        cpu_args: Sequence[str],
-        mem_policy: str,
-        mem_nodes: Iterable[int],
-        preferred_node: Optional[int],
-    ) -> LadderOutcome:
-        args = tuple(cpu_args) + memory_options(
-            mem_policy=mem_policy,
-            mem_nodes=tuple(sorted(mem_nodes)),
-            preferred_node=preferred_node,
+    def ladder(self, **step: Any) -> LadderOutcome:
+        outcome = super().ladder(**step)
+        reason = (
+            f"planned from the snapshot {self.root}: assumes numactl there accepts "
+            f"{' '.join(outcome.args)} (not probed)"
         )
-        reason = f"planned from the snapshot {self.root}: assumes numactl there accepts {' '.join(args)} (not probed)"
-        return LadderOutcome(
-            mem_policy=mem_policy, args=args, reasons=(reason,), ok=True
-        )
+        return replace(outcome, reasons=(reason,))
 
 
-_default_prober: Optional[NumactlProber] = None
-_default_lock = threading.Lock()
+_probers: dict[str, NumactlProber] = {}
 
 
 def default_prober() -> Optional[NumactlProber]:
-    """The process's prober for the numactl on PATH, or None when numactl is not installed."""
-    global _default_prober
-    with _default_lock:
-        path = find_numactl()
-        if path is None:
-            return None
-        if _default_prober is None or _default_prober.numactl_path != path:
-            _default_prober = NumactlProber(numactl_path=path)
-        return _default_prober
-
-
-def exec_refusal(placement: ProcessPlacement) -> Optional[str]:
-    """numactl's reason for refusing an exec placement's options on this host, from the cached probe; None if fine.
-
-    Planning on this host already probed these options, so this costs nothing there.
-    """
-    prober = default_prober()
-    if prober is None or not placement.numactl_args:
-        return None
-    result = prober.probe(placement.numactl_args)
-    return None if result.ok else result.message
-
-
-def numactl_prefix(
-    placement: ProcessPlacement, *, numactl_path: Optional[str] = None
-) -> list[str]:
-    """argv that starts a program under ``placement``: [numactl, *options]; the program follows."""
-    if placement.strategy != Strategy.EXEC or not placement.numactl_args:
-        raise ValueError(
-            f"{placement.label}: strategy {placement.strategy!r} has no numactl command; only exec placements do"
-        )
-    path = numactl_path or find_numactl()
+    """This process's prober of the numactl on PATH; None when it is not installed."""
+    path = find_numactl()
     if path is None:
-        raise FileNotFoundError(
-            f"{placement.label}: numactl is not on PATH; install the numactl package or set SGLANG_NUMA_BIND_V2=0"
-        )
-    return [path, *placement.numactl_args]
+        return None
+    # setdefault is atomic: threads asking at once share one prober and its cache.
+    return _probers.setdefault(path, NumactlProber(numactl_path=path))

@@ -1,18 +1,14 @@
-"""The bind a Ray scheduler actor runs on itself, before its ``Scheduler`` exists.
+"""The bind a Ray scheduler actor runs on itself, on its own host, before its
+``Scheduler`` exists: Ray cannot start an actor under numactl.
 
-Ray cannot start an actor under numactl, so the actor binds in-process, on its
-own host, once it is running: every thread (Ray and torch have started
-several by then), the memory policy, and the pages touched so far, which would
-otherwise stay on whichever node the worker started on. Ray hands the actor
-one GPU under its own ``CUDA_VISIBLE_DEVICES``, where index 0 names whichever
-GPU Ray picked; so the GPU is placed by Ray's id, the device as the host
-numbers it, through the same ``place_gpu_id`` the spawn path uses.
+Ray's ``CUDA_VISIBLE_DEVICES`` shows the actor one GPU as index 0, so the GPU is
+placed by Ray's id, the device as the host numbers it.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.apply import BindOutcome, bind_in_process
@@ -21,27 +17,27 @@ from sglang.srt.placement.policy import PlacementPolicy, placement_view
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity
 from sglang.srt.scheduler_placement.spawn import enforce_failure_policy
 
-_RAY_VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
 
 def actor_placement(
-    server_args: Any, *, rank: RankIdentity, assigned_gpus: Sequence[Any]
+    server_args: "ServerArgs", *, rank: RankIdentity, assigned_gpus: Sequence[Any]
 ) -> ProcessPlacement:
-    """Where the actor of ``rank`` runs, on this host; ``rank.gpu_id`` is the id the
-    actor uses (``int`` of Ray's first id, else the one passed)."""
+    """Where the actor of ``rank`` runs on this host; ``rank.gpu_id`` is Ray's id."""
     view = placement_view(server_args)
     policy = PlacementPolicy.from_env(view, launcher="ray", exec_supported=False)
     env: Any = os.environ
-    if assigned_gpus:
-        # Without Ray's one-GPU view, the id names the device it names for Ray.
-        env = {k: v for k, v in env.items() if k not in _RAY_VISIBILITY_VARS}
+    if assigned_gpus:  # without Ray's one-GPU view, the id names the host's device
+        hidden = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
+        env = {k: v for k, v in env.items() if k not in hidden}
     return place_gpu_id(
         view, rank.gpu_id, policy=policy, facts=HostFacts.live(), env=env, rank=rank
     )
 
 
 def bind_scheduler_actor(
-    server_args: Any,
+    server_args: "ServerArgs",
     *,
     gpu_id: int,
     assigned_gpus: Sequence[Any],
@@ -49,13 +45,8 @@ def bind_scheduler_actor(
     pp_rank: int,
     dp_rank: Optional[int],
 ) -> Optional[tuple[ProcessPlacement, BindOutcome]]:
-    """Place and bind the calling actor's process; None under SGLANG_NUMA_BIND_V2=0,
-    where ``configure_scheduler_process`` ran the legacy bind.
-
-    A rank less bound than intended gets one warning naming it, or, under
-    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1, a PlacementError before the caller builds
-    its ``Scheduler``. The bind logs one line naming the rank and what it bound.
-    """
+    """Place and bind the calling actor's process, under the one failure policy; None
+    under SGLANG_NUMA_BIND_V2=0, where ``configure_scheduler_process`` binds."""
     if not settings.bind_v2():
         return None
     rank = RankIdentity(

@@ -1,261 +1,253 @@
-"""The placement of one scheduler spawn: what
-``numa_utils.configure_subprocess(server_args, gpu_id)`` does.
-
-sglang's engine and data-parallel controller spawn every scheduler rank as
-``with configure_subprocess(server_args, gpu_id): proc.start()``. At the
-block's entry the rank of that ``gpu_id`` is placed (``placement.plan``)
-under the ``CUDA_VISIBLE_DEVICES`` in force, and the failure policy acts
-there, before anything is started: a rank that would be less bound than
-intended gets one WARNING naming it and the reason, or, under
-``SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1``, an error and no child. An ``exec``
-placement arms the spawn hook so that the child starts under numactl; a
-daemon thread then watches the child leave numactl, and reports numactl's
-reason, tied to the rank, when numactl refused to start it.
-"""
+"""What ``numa_utils.configure_subprocess(server_args, gpu_id)`` does: place the rank,
+apply the failure policy before anything starts, and start an exec placement's child
+under numactl through a thread-local layer on ``multiprocessing.util.spawnv_passfds``
+(upstream's swapped spawn executable, a script in /tmp, races between threads and
+breaks on a noexec /tmp; no file is written here). A daemon thread reports, naming
+the rank, why numactl refused to start a child."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing.spawn
+import multiprocessing.util
 import os
 import queue
-import shutil
+import re
 import threading
 import time
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.apply import handle_bind_failure
-from sglang.srt.placement.numactl import numactl_prefix, run_numactl
+from sglang.srt.placement.numactl import find_numactl, run_numactl, true_program
 from sglang.srt.placement.plan import HostFacts, place_gpu_id
 from sglang.srt.placement.policy import PlacementPolicy, placement_view
-from sglang.srt.placement.resolve import describe
 from sglang.srt.placement.types import ProcessPlacement, Strategy
-from sglang.srt.scheduler_placement.spawn_hook import hook_reachable, spawn_with_prefix
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-EXEC_WAIT_S = 30.0
-"""How long the watch waits for a child to leave numactl (about a millisecond; far
-more under load)."""
-
-
-def spawn_label(server_args: Any, gpu_id: int) -> str:
-    """How logs name the spawn of ``gpu_id``: the GPU, and the visible devices when
-    sglang narrowed them."""
-    if getattr(server_args, "device", None) == "cpu":
-        return f"CPU rank {gpu_id}"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and settings.one_visible_device_per_process():
-        return f"GPU {gpu_id} (CUDA_VISIBLE_DEVICES={visible})"
-    return f"GPU {gpu_id}"
-
-
-def spawn_placement(server_args: Any, gpu_id: int) -> ProcessPlacement:
-    """Where the scheduler spawned for ``gpu_id`` runs, from this host's facts and this
-    process's environment."""
-    view = placement_view(server_args)
-    policy = PlacementPolicy.from_env(view, launcher="mp")
-    return place_gpu_id(
-        view, gpu_id, policy=policy, facts=HostFacts.live(), env=os.environ
-    )
+EXEC_WAIT_S = 30.0  # for a child to leave numactl: a millisecond, far more under load
+_SPAWN_PROGRAM = re.compile(
+    r"from multiprocessing\.spawn import spawn_main; "
+    r"spawn_main\((?:\w+=(?:\d+|None)(?:, )?)*\)"
+)
+_FROZEN_ARGUMENT = re.compile(r"\w+=(?:\d+|None)")
+_FORK_FLAG = "--multiprocessing-fork"
 
 
 def enforce_failure_policy(placement: ProcessPlacement, *, who: str) -> None:
-    """One WARNING for a rank less bound than intended, or an error under
-    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1."""
-    if not placement.warning:
-        return
+    """The failure policy, for a rank planned less bound than intended."""
     reasons = "; ".join(placement.reasons)
-    if placement.bound:
-        handle_bind_failure(
-            f"{who}: bound less tightly than planned: {reasons}", log=logger
-        )
-    else:
-        handle_bind_failure(
-            f"{who}: {reasons}; skipping NUMA binding for {who}.", log=logger
-        )
+    if placement.warning:
+        weaker = f"bound less tightly than planned: {reasons}"
+        unbound = f"{reasons}; skipping NUMA binding for {who}."
+        message = f"{who}: {weaker if placement.bound else unbound}"
+        handle_bind_failure(message, log=logger)
 
 
 @contextlib.contextmanager
-def placed_spawn(server_args: Any, gpu_id: int) -> Iterator[None]:
-    """The body of ``configure_subprocess``: children spawned in the block start under
-    ``gpu_id``'s placement."""
+def placed_spawn(server_args: "ServerArgs", gpu_id: int) -> Iterator[None]:
+    """The body of ``configure_subprocess``."""
     if not settings.bind_v2():
         yield  # legacy V1: the child binds itself (configure_scheduler_process)
         return
-    who = spawn_label(server_args, gpu_id)
-    placement = spawn_placement(server_args, gpu_id)
+    who = f"GPU {gpu_id}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if getattr(server_args, "device", None) == "cpu":
+        who = f"CPU rank {gpu_id}"
+    elif visible is not None and settings.one_visible_device_per_process():
+        who += f" (CUDA_VISIBLE_DEVICES={visible})"
+    view = placement_view(server_args)
+    policy = PlacementPolicy.from_env(view, launcher="mp")
+    placement = place_gpu_id(
+        view, gpu_id, policy=policy, facts=HostFacts.live(), env=os.environ
+    )
     enforce_failure_policy(placement, who=who)
     if placement.strategy != Strategy.EXEC:
-        logger.debug(f"{who}: nothing to apply around the spawn: {describe(placement)}")
+        logger.debug(f"{who}: nothing to apply around the spawn: {placement.reasons}")
         yield
         return
-    prefix = numactl_prefix(placement)
-    executable_before = os.fsdecode(multiprocessing.spawn.get_executable())
+    prefix = [find_numactl() or "numactl", *placement.numactl_args]
+    executable = os.fsdecode(multiprocessing.spawn.get_executable())
     logger.info(f"{who}: the scheduler starts under {' '.join(prefix)}")
-    failed = False
-    with spawn_with_prefix(
-        prefix, after_spawn=lambda pid: _exec_watch.submit(pid, prefix=prefix, who=who)
-    ) as use:
-        try:
-            yield
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            if not failed:
-                _check_block(
-                    use.applied,
-                    prefix=prefix,
-                    who=who,
-                    executable_before=executable_before,
-                )
-
-
-def _check_block(
-    applied: int, *, prefix: list[str], who: str, executable_before: str
-) -> None:
+    watch = functools.partial(_exec_watch.submit, prefix=prefix, who=who)
+    with spawn_with_prefix(prefix, after_spawn=watch) as use:
+        yield
     problems = []
-    executable_after = os.fsdecode(multiprocessing.spawn.get_executable())
-    if executable_after != executable_before:
+    after = os.fsdecode(multiprocessing.spawn.get_executable())
+    if after != executable:
         problems.append(
-            "the multiprocessing spawn executable changed from "
-            f"{executable_before} to {executable_after} while the block ran (another "
-            "library called multiprocessing.set_executable); children may run another "
-            "interpreter"
+            f"the multiprocessing spawn executable changed from {executable} to "
+            f"{after} while the block ran (another library called "
+            "multiprocessing.set_executable); children may run another interpreter"
         )
-    if applied == 0:
-        if not hook_reachable():
-            problems.append(
-                "multiprocessing.util.spawnv_passfds was replaced while the block ran, "
-                "and the replacement does not lead to sglang's spawn hook: the child "
-                f"was not started under {' '.join(prefix)}"
-            )
-        else:
-            problems.append(
-                "no process was started with the spawn start method inside the block, "
-                f"so {' '.join(prefix)} was not applied (use "
-                "multiprocessing.get_context('spawn'))"
-            )
+    if use.applied == 0:
+        problems.append(
+            "no process was started with the spawn start method inside the block, so "
+            f"{' '.join(prefix)} was not applied (use multiprocessing.get_context"
+            "('spawn'); a library that replaced multiprocessing.util.spawnv_passfds "
+            "meanwhile, hiding sglang's layer, has the same effect)"
+        )
     if problems:
         handle_bind_failure(f"{who}: " + "; ".join(problems), log=logger)
 
 
-_Child = tuple[int, list[str], str]
-"""(pid, numactl prefix, how logs name the rank)."""
+def is_spawned_child(args: Sequence[Any]) -> bool:
+    """Whether ``args`` has the structure (not merely a substring: a forkserver's has
+    its sys.path) of a spawn child's command line, or a frozen executable's."""
+    words = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args]
+    if len(words) >= 4 and words[-1] == _FORK_FLAG and words[-3] == "-c":
+        return _SPAWN_PROGRAM.fullmatch(words[-2]) is not None
+    if len(words) >= 2 and words[1] == _FORK_FLAG:
+        return all(_FROZEN_ARGUMENT.fullmatch(w) for w in words[2:])
+    return False
+
+
+@dataclass
+class SpawnPrefixUse:
+    prefix: tuple[str, ...]
+    after_spawn: Optional[Callable[[int], None]] = None  # before anyone can reap
+    applied: int = 0
+
+
+class _ThreadState(threading.local):
+    use: Optional[SpawnPrefixUse] = None
+    inside: bool = False  # a layer runs: one below it passes the call straight down
+
+
+_state = _ThreadState()
+_install_lock = threading.Lock()
+
+
+def _layer(below: Callable[..., int]) -> Callable[..., int]:
+    def placed_spawnv_passfds(path: Any, args: Sequence[Any], passfds: Any) -> int:
+        use = _state.use
+        if _state.inside or use is None or not is_spawned_child(args):
+            return below(path, args, passfds)
+        _state.inside = True
+        try:  # CPython hands the executable over as bytes
+            pid = below(os.fsencode(use.prefix[0]), [*use.prefix, *args], passfds)
+        finally:
+            _state.inside = False
+        use.applied += 1
+        if use.after_spawn is not None:
+            use.after_spawn(pid)
+        return pid
+
+    placed_spawnv_passfds.__wrapped__ = below  # type: ignore[attr-defined]
+    placed_spawnv_passfds._sglang_spawn_layer = True  # type: ignore[attr-defined]
+    return placed_spawnv_passfds
+
+
+def hook_reachable() -> bool:
+    """Whether a spawn reaches one of our layers (following ``__wrapped__`` links)."""
+    current = multiprocessing.util.spawnv_passfds
+    for _ in range(32):
+        if current is None or getattr(current, "_sglang_spawn_layer", False):
+            return current is not None
+        current = getattr(current, "__wrapped__", None)
+    return False
+
+
+@contextlib.contextmanager
+def spawn_with_prefix(
+    prefix: Sequence[str], *, after_spawn: Optional[Callable[[int], None]] = None
+) -> Iterator[SpawnPrefixUse]:
+    """Start each spawn child this thread creates in the block as ``prefix + argv``
+    (the inner block's prefix wins). Other libraries may wrap ``spawnv_passfds`` and
+    later put back what they saved: each block puts a layer in front when a spawn
+    would not reach one, and a layer inside another passes the call down."""
+    if not prefix:
+        raise ValueError("spawn_with_prefix needs the program to exec first")
+    with _install_lock:
+        if not hook_reachable():
+            multiprocessing.util.spawnv_passfds = _layer(
+                multiprocessing.util.spawnv_passfds
+            )
+    use = SpawnPrefixUse(tuple(map(str, prefix)), after_spawn)
+    saved, _state.use = _state.use, use
+    try:
+        yield use
+    finally:
+        _state.use = saved
+
+
+def armed_prefix() -> Optional[tuple[str, ...]]:
+    """The prefix this thread would give a spawn child now (None when unarmed)."""
+    return None if _state.use is None else _state.use.prefix
 
 
 class _ExecWatch:
-    """One daemon thread per process that watches each placed child leave numactl.
-
-    A thread of its own per spawn would make every ``start()`` wait until the
-    new thread runs, which on a busy host costs more than the exec itself.
-    """
+    """One daemon thread per process watches each placed child leave numactl: a thread
+    per spawn would make every ``start()`` wait until it runs."""
 
     def __init__(self) -> None:
         self.forget()
+        os.register_at_fork(after_in_child=self.forget)
 
     def forget(self) -> None:
-        """No thread yet: the state of a new process, and of a forked child, which has
-        none of its parent's threads."""
+        """A new process, or a forked child (it has none of its parent's threads)."""
         self._lock = threading.Lock()
-        self._children: "Optional[queue.SimpleQueue[_Child]]" = None
+        self._queue: Optional[queue.SimpleQueue] = None
 
     def submit(self, pid: int, *, prefix: list[str], who: str) -> None:
         with self._lock:
-            if self._children is None:
-                self._children = queue.SimpleQueue()
+            if self._queue is None:
+                self._queue = queue.SimpleQueue()
                 threading.Thread(
                     target=self._run,
-                    args=(self._children,),
+                    args=(self._queue,),
                     name="sglang-numactl-watch",
                     daemon=True,
                 ).start()
-            self._children.put((pid, prefix, who))
+            self._queue.put((pid, prefix, who, time.monotonic() + EXEC_WAIT_S))
 
     @staticmethod
-    def _run(children: "queue.SimpleQueue[_Child]") -> None:
-        pending: dict[int, tuple[list[str], str, float]] = {}
-        pause = _FIRST_PAUSE_S
+    def _run(children: queue.SimpleQueue) -> None:
+        pending: list[tuple[int, list[str], str, float]] = []
+        pause = 0.0005
         while True:
             try:
-                pid, prefix, who = children.get(timeout=pause if pending else None)
-                pending[pid] = (prefix, who, time.monotonic() + EXEC_WAIT_S)
-                pause = _FIRST_PAUSE_S
+                pending.append(children.get(timeout=pause if pending else None))
+                pause = 0.0005
             except queue.Empty:
                 pause = min(pause * 2, 0.05)
-            for pid, (prefix, who, deadline) in list(pending.items()):
-                done, status = _past_numactl(pid, numactl=prefix[0], deadline=deadline)
-                if done:
-                    del pending[pid]
-                if status is not None:
-                    _report_exec_failure(pid, status, prefix=prefix, who=who)
+            pending = [child for child in pending if not _watch_over(*child)]
 
 
-_FIRST_PAUSE_S = 0.0005
 _exec_watch = _ExecWatch()
-os.register_at_fork(after_in_child=_exec_watch.forget)
 
 
-def _report_exec_failure(pid: int, status: int, *, prefix: list[str], who: str) -> None:
-    """Say why numactl refused to start the child ``pid``, naming the rank.
-
-    numactl's own complaint went to the child's stderr, mixed with every other
-    process's; asking numactl again, with the same options, ties it to the rank.
-    """
-    result = (
-        run_numactl([*prefix, shutil.which("true") or "/bin/true"])
-        if os.path.exists(prefix[0])
-        else None
-    )
-    why = (
-        result.message
-        if result is not None and not result.ok
-        else "see the numactl message above"
-    )
-    # The child is gone already: the launcher's own wait reports its death; this says
-    # why.
-    logger.error(
-        f"{who}: numactl refused to start the scheduler process (pid {pid}, exit "
-        f"status {status}) under {' '.join(prefix)}: {why}"
-    )
-
-
-def _past_numactl(
-    pid: int, *, numactl: str, deadline: float
-) -> tuple[bool, Optional[int]]:
-    """(whether the watch of ``pid`` is over, its exit status if it died while still
-    numactl).
-
-    It is over once ``pid`` runs another program, or when the deadline passed.
-    The child is not reaped: multiprocessing waits for it as usual.
-    """
-    argv = _cmdline(pid)
-    if not argv:
-        # An exiting process (or a zombie) has no command line: it ended as numactl.
-        status = _exit_status(pid)
-        return status is not None or time.monotonic() >= deadline, status
-    if numactl not in argv[:2]:  # [numactl, ...], or [interpreter, numactl, ...]
-        return True, None
-    if time.monotonic() >= deadline:
-        logger.debug(f"pid {pid} still runs {numactl} after {EXEC_WAIT_S} s")
-        return True, None
-    return False, None
-
-
-def _cmdline(pid: int) -> list[str]:
+def _watch_over(pid: int, prefix: list[str], who: str, deadline: float) -> bool:
+    """Whether ``pid`` left numactl: it runs another program, it died as numactl
+    (reported here), or the deadline passed. The child is not reaped: its launcher
+    waits for it and reports its death; this says why it died."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [os.fsdecode(part) for part in f.read().split(b"\0") if part]
+            argv = [os.fsdecode(part) for part in f.read().split(b"\0") if part]
     except OSError:
-        return []
-
-
-def _exit_status(pid: int) -> Optional[int]:
+        argv = []
+    if argv:  # [numactl, ...], or [interpreter, numactl, ...] for a script
+        return prefix[0] not in argv[:2] or time.monotonic() >= deadline
+    # An exiting process (or a zombie) has no command line: it ended as numactl.
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
-        return None  # not our child, or already reaped: its owner reports its exit code
-    return None if info is None else info.si_status
+        return True  # already reaped: its owner reports the exit
+    if info is None:
+        return time.monotonic() >= deadline
+    # numactl's complaint went to the child's stderr, among every other process's;
+    # asking numactl again, with the same options, ties it to the rank.
+    result = run_numactl([*prefix, true_program()])
+    why = result.message if not result.ok else "see the numactl message above"
+    logger.error(
+        f"{who}: numactl refused to start the scheduler process (pid {pid}, exit "
+        f"status {info.si_status}) under {' '.join(prefix)}: {why}"
+    )
+    return True

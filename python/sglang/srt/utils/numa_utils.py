@@ -1,4 +1,4 @@
-"""sglang's NUMA helpers, kept by name and meaning, answered by ``sglang.srt.placement``.
+"""sglang's NUMA helpers, kept by name and meaning, answered by sglang.srt.placement.
 
 Upstream's callers drive these: the engine and the data-parallel controller
 wrap each scheduler ``proc.start()`` in ``configure_subprocess(server_args,
@@ -27,16 +27,19 @@ import ctypes
 import logging
 import os
 import shutil
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from sglang.srt.placement import settings
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
 def __getattr__(name: str) -> Any:
-    # Upstream computes these at import (is_cuda()/is_xpu() import torch and ask the driver);
-    # here they are computed once, when first read, and tests may patch them as before.
+    # Upstream computes these at import (is_cuda()/is_xpu() import torch and ask the
+    # driver); here they are computed when first read, and tests may patch them.
     if name in ("_is_cuda", "_is_xpu"):
         from sglang.srt.utils.common import is_cuda, is_xpu
 
@@ -52,8 +55,9 @@ def _platform_flag(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def configure_subprocess(server_args: Any, gpu_id: int) -> Iterator[None]:
-    """Wrap ``Process.start()``: a child spawned in the block runs under the placement of ``gpu_id``.
+def configure_subprocess(server_args: "ServerArgs", gpu_id: int) -> Iterator[None]:
+    """Wrap ``Process.start()``: a child spawned in the block runs under the placement
+    of ``gpu_id``.
 
     The placement and the failure policy are settled at entry, before anything
     starts: a rank that would be less bound than intended gets a WARNING, or an
@@ -68,16 +72,18 @@ def configure_subprocess(server_args: Any, gpu_id: int) -> Iterator[None]:
         yield
 
 
-def get_numa_node_if_available(server_args: Any, gpu_id: int) -> Optional[int]:
-    """The NUMA node of GPU ``gpu_id``: ``--numa-node`` first, else the node of the device that
-    ``gpu_id`` names under the ``CUDA_VISIBLE_DEVICES``/``ZE_AFFINITY_MASK`` in force; None when
-    discovery is off, not possible here, or finds nothing."""
+def get_numa_node_if_available(server_args: "ServerArgs", gpu_id: int) -> Optional[int]:
+    """The NUMA node of GPU ``gpu_id``: ``--numa-node`` first, else the node of the
+    device that ``gpu_id`` names under the ``CUDA_VISIBLE_DEVICES`` or
+    ``ZE_AFFINITY_MASK`` in force; None when discovery is off, not possible here, or
+    finds nothing."""
     numa_nodes = getattr(server_args, "numa_node", None)
     if numa_nodes is not None:
         if not 0 <= gpu_id < len(numa_nodes):
             raise ValueError(
-                f"--numa-node has {len(numa_nodes)} entries but GPU {gpu_id} needs entry {gpu_id}: give "
-                f"one NUMA node per GPU id, e.g. --numa-node {' '.join(['0'] * (gpu_id + 1))}"
+                f"--numa-node has {len(numa_nodes)} entries but GPU {gpu_id} needs "
+                f"entry {gpu_id}: give one NUMA node per GPU id, e.g. --numa-node "
+                + " ".join(["0"] * (gpu_id + 1))
             )
         return numa_nodes[gpu_id]
     if not settings.auto_numa_bind():
@@ -96,18 +102,17 @@ def get_numa_node_if_available(server_args: Any, gpu_id: int) -> Optional[int]:
 
 
 def get_libnuma() -> Optional[ctypes.CDLL]:
-    """The loaded libnuma (a ``ctypes.CDLL``), or None when it cannot be loaded."""
-    for name in ("libnuma.so", "libnuma.so.1"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError as exc:
-            logger.debug(f"{exc}")
-    return None
+    """The loaded libnuma (a ``ctypes.CDLL``), or None when it cannot be loaded or the
+    kernel refuses NUMA calls; placement's one loader answers."""
+    from sglang.srt.placement.libnuma import load_libnuma
+
+    lib = load_libnuma()
+    return None if lib is None else lib.cdll
 
 
 def numa_bind_to_node(node: int) -> None:
-    """Bind the calling process to ``node``: its CPUs that the current affinity allows, and its memory
-    as the preferred node where the memory policy may be set.
+    """Bind the calling process to ``node``: its CPUs that the current affinity allows,
+    and its memory as the preferred node where the memory policy may be set.
 
     As upstream, with one deliberate difference: every thread of the process is
     moved, not only the calling one (a pool started by an import would stay
@@ -130,14 +135,13 @@ def numa_bind_to_node(node: int) -> None:
         if not target:
             _handle_numa_bind_failure(node, allowed)
             return
-        try:
-            set_all_threads_affinity(
-                frozenset(target), setaffinity=os.sched_setaffinity
-            )
-        except OSError as exc:
+        _, refusal = set_all_threads_affinity(
+            frozenset(target), setaffinity=os.sched_setaffinity
+        )
+        if refusal is not None:
             _handle_numa_bind_failure(
                 node,
-                reason=f"cannot bind to the CPUs of NUMA node {node} ({exc}), "
+                reason=f"cannot bind to the CPUs of NUMA node {node} ({refusal}), "
                 "skipping NUMA binding.",
             )
             return
@@ -146,10 +150,12 @@ def numa_bind_to_node(node: int) -> None:
     else:
         _handle_numa_bind_failure(
             node,
-            reason=f"NUMA node {node} does not exist on this host, skipping NUMA binding.",
+            reason=f"NUMA node {node} does not exist on this host, skipping NUMA "
+            "binding.",
         )
         return
-    # CPU affinity alone keeps first-touch allocations local where the memory policy may not be set.
+    # Where the memory policy may not be set, CPU affinity alone keeps first-touch
+    # allocations local.
     if _can_set_mempolicy():
         libnuma.numa_set_preferred(ctypes.c_int(node))
     else:
@@ -178,8 +184,9 @@ def init_threads_binding(*, numa_index: int, world_size: int) -> str:
     if setting == "all":
         if world_size < n_nodes:
             logger.warning(
-                f"Detected the current machine has {n_nodes} numa nodes available, but the total number of ranks "
-                f"(dp_size * tp_size * pp_size) is {world_size}, so only {world_size} numa nodes are used."
+                f"Detected the current machine has {n_nodes} numa nodes available, but "
+                f"the total number of ranks (dp_size * tp_size * pp_size) is "
+                f"{world_size}, so only {world_size} numa nodes are used."
             )
         local_omp_cpuid = ",".join(
             str(cpu) for cpu in sorted(topology.one_cpu_per_core(cpus))
@@ -188,20 +195,22 @@ def init_threads_binding(*, numa_index: int, world_size: int) -> str:
         local_omp_cpuid = setting.split("|")[numa_index].strip()
         if world_size > n_nodes:
             logger.warning(
-                f"The total number of ranks ({world_size}) is larger than numa node number ({n_nodes}), in this "
-                "case the available memory amount of each rank cannot be determined in prior. Please set proper "
+                f"The total number of ranks ({world_size}) is larger than numa node "
+                f"number ({n_nodes}), in this case the available memory amount of each "
+                "rank cannot be determined in prior. Please set proper "
                 "`--max-total-tokens` to avoid the out-of-memory error."
             )
         note = shared_cpus(setting, index=numa_index)
         if note is not None:
             logger.warning(note)
     logger.info(
-        f"init_threads_binding: numa_index={numa_index}, world_size={world_size}, local_omp_cpuid={local_omp_cpuid}"
+        f"init_threads_binding: numa_index={numa_index}, world_size={world_size}, "
+        f"local_omp_cpuid={local_omp_cpuid}"
     )
     return local_omp_cpuid
 
 
-# --------------------------------------------------------------------------- upstream's private helpers
+# -- upstream's private helpers ---------------------------------------------------
 
 
 def _log_cpu_only_binding(node: int) -> None:
@@ -222,7 +231,7 @@ def _node_exists(node: int) -> bool:
 
 
 def _node_cpus(node: int) -> set:
-    """The online CPUs of ``node`` (empty for a node without CPUs or one this host lacks)."""
+    """The online CPUs of ``node`` (none for a node without CPUs or one not here)."""
     found = _host_topology().node(node)
     return set(found.cpus) if found is not None else set()
 
@@ -234,7 +243,8 @@ def _handle_numa_bind_failure(
     *,
     reason: Optional[str] = None,
 ) -> None:
-    """Upstream's failure policy: warn, or raise (``RuntimeError``) under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
+    """Upstream's failure policy: warn, or raise (``RuntimeError``) under
+    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
 
     Without ``reason`` the failure is an empty CPU intersection and the message
     names ``allowed_cpus``, in upstream's words.
@@ -244,21 +254,27 @@ def _handle_numa_bind_failure(
     if reason is None:
         for_gpu = f" for GPU {gpu_id}" if gpu_id is not None else ""
         reason = (
-            f"NUMA node {node} has no CPU cores allowed by the current affinity {sorted(allowed_cpus or ())}, "
-            f"skipping NUMA binding{for_gpu}."
+            f"NUMA node {node} has no CPU cores allowed by the current affinity "
+            f"{sorted(allowed_cpus or ())}, skipping NUMA binding{for_gpu}."
         )
     handle_bind_failure(reason, log=logger)
 
 
 def _can_set_mempolicy() -> bool:
-    """Whether this process may use the memory-policy syscalls (a container without SYS_NICE may not)."""
-    from sglang.srt.placement.apply import can_set_mempolicy
+    """Whether this process may use the memory-policy calls (a container without
+    SYS_NICE may not)."""
+    from sglang.srt.placement.libnuma import read_mempolicy
 
-    return can_set_mempolicy()
+    try:
+        read_mempolicy()
+    except OSError:
+        return False
+    return True
 
 
 def _is_numa_available() -> bool:
-    """Upstream's preconditions for discovery: a CUDA or XPU platform, a node 1, and numactl for the V2 path.
+    """Upstream's preconditions for discovery: a CUDA or XPU platform, a node 1, and
+    numactl for the V2 path.
 
     A host where only CPU affinity can be set (a container without SYS_NICE) counts.
     """
@@ -270,7 +286,8 @@ def _is_numa_available() -> bool:
         return False
     if not shutil.which("numactl") and settings.bind_v2():
         logger.debug(
-            "numactl command not found, skipping NUMA node configuration for GPU. Install numactl "
+            "numactl command not found, skipping NUMA node configuration for GPU. "
+            "Install numactl "
             "(e.g., apt-get install numactl) to enable automatic NUMA binding."
         )
         return False
@@ -278,8 +295,9 @@ def _is_numa_available() -> bool:
 
 
 def _query_numa_node_for_gpu(device_id: int) -> list[int]:
-    """The NUMA node(s) of logical device ``device_id``: the node of its PCI address, found through the
-    visibility variable in force (``CUDA_VISIBLE_DEVICES``, ``ZE_AFFINITY_MASK``) and NVML when present.
+    """The NUMA node(s) of logical device ``device_id``: the node of its PCI address,
+    found through the visibility variable in force (``CUDA_VISIBLE_DEVICES``,
+    ``ZE_AFFINITY_MASK``) and NVML when present.
     """
     from sglang.srt.placement.plan import device_node
 
@@ -293,7 +311,8 @@ def _query_numa_node_for_gpu(device_id: int) -> list[int]:
     )
     if node is None:
         logger.warning(
-            f"GPU {device_id}: no NUMA node ({why}), skipping NUMA node configuration for GPU"
+            f"GPU {device_id}: no NUMA node ({why}), skipping NUMA node configuration "
+            "for GPU"
         )
         return []
     return [node]

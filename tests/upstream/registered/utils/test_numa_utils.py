@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from unittest.mock import MagicMock, patch
 
 from sglang.srt.placement.numactl import cpu_option, default_prober, memory_options
-from sglang.srt.scheduler_placement.spawn_hook import armed_prefix
+from sglang.srt.scheduler_placement.spawn import armed_prefix
 from sglang.srt.utils.numa_utils import (
     _handle_numa_bind_failure,
     _is_numa_available,
