@@ -6,7 +6,7 @@ import os
 import sys
 import unittest
 
-from sglang.srt.scheduler_placement.spawn_hook import (
+from sglang.srt.scheduler_placement.spawn import (
     armed_prefix,
     is_spawned_child,
     spawn_with_prefix,
