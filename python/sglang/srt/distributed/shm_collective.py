@@ -1,24 +1,10 @@
-"""One rank's CPU shared-memory collective: segments named by an explicit :class:`ShmNamespace`, unlinked once every rank has mapped them.
+"""The CPU collective's segments: named by a :class:`ShmNamespace`, unlinked once
+every rank of the stage has mapped them.
 
-Bootstrap calls :func:`start_shm_collective` after setting ``LOCAL_SIZE`` as
-upstream does, instead of setting ``MASTER_ADDR``/``MASTER_PORT`` and calling
-``sgl_kernel::initialize``, and :func:`finish_shm_collective` once
-``initialize_model_parallel`` has built the groups.
-
-The kernel (sgl-kernel's CPU ``shm.cpp``) has three ``shm_open`` calls, all in its
-one-time ``initialize``: it creates this rank's segment (``O_CREAT``, no
-``O_EXCL``), reopens it by name, then opens each peer's in a loop that retries on
-ENOENT forever; nothing opens or unlinks a name later. So once a barrier on the
-stage's TP group (built after ``initialize`` on every rank) returns, each rank
-unlinks its own name: the mappings stay valid, and a killed engine leaves nothing.
-
-Before ``initialize`` a rank creates its segment itself (mode 0600, no symlink
-followed): a file another user made under the engine's names is refused; one of
-this user's, left by a set-up that died before the unlink, is reused as the
-kernel would reuse it, so a peer that already opened the name maps the same file.
-The released ``initialize(int size, int rank)`` reads the names from
-``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_SIZE``, set for the call only;
-``initialize(int size, int rank, str namespace)`` takes ``ShmNamespace.prefix``.
+``shm.cpp`` opens names only in its one-time ``initialize`` (its own segment with
+``O_CREAT`` and no ``O_EXCL``, then each peer's in a loop that retries on ENOENT
+forever), so after a barrier on the stage's TP group, built after ``initialize``
+on every rank, each rank unlinks its own name and a killed engine leaves nothing.
 """
 
 from __future__ import annotations
@@ -44,8 +30,7 @@ SHM_DIR = "/dev/shm"
 # 1 MiB and one of 32 MiB. The kernel write()s this much into each rank's segment.
 KERNEL_SEGMENT_BYTES = 2 * 4 + 2 * (1 << 20) + 2 * (32 << 20)
 _MIB = 1 << 20
-# os.environ is process-wide: two threads scoping the same names would restore
-# each other's values, so every scoped change holds this lock for its block.
+# os.environ is process-wide: two threads must not restore each other's values.
 _SCOPED_ENVIRON_LOCK = threading.RLock()
 # (pid, path) of the segments this process created and has not unlinked yet; the
 # pid keeps a forked child from unlinking its parent's.
@@ -54,8 +39,6 @@ _PENDING: list[tuple[int, str]] = []
 
 @contextlib.contextmanager
 def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
-    """Set ``values`` in the process environment for the ``with`` block only, then put
-    back the previous values (or their absence), also on error."""
     with _SCOPED_ENVIRON_LOCK:
         previous = {name: os.environ.get(name) for name in values}
         try:
@@ -135,12 +118,8 @@ def _prepare(namespace: ShmNamespace, *, tp_size: int, rank: int) -> None:
 
 
 def init_shm_collective(namespace: ShmNamespace, *, tp_size: int, tp_rank: int) -> bool:
-    """Initialise the CPU shared-memory collective of rank ``tp_rank`` in ``namespace``.
-
-    Returns True if ``sgl_kernel::initialize`` was called, False (one DEBUG line) if no
-    such op is registered. Once every rank of ``namespace`` is past this call (a
-    barrier), call :func:`unlink_shm_segments`, as :func:`finish_shm_collective` does.
-    """
+    """True once ``sgl_kernel::initialize`` ran; False where no such op is registered.
+    The caller unlinks once every rank is past it (:func:`finish_shm_collective`)."""
     check_int("tp_size", tp_size, 1, MAX_RANK + 1)
     check_int("tp_rank", tp_rank, 0, tp_size - 1)
     op = None  # whoever wants the CPU kernel imports its package first
@@ -211,10 +190,9 @@ def unlink_shm_segments() -> list[str]:
 
 
 def finish_shm_collective() -> list[str]:
-    """Bootstrap's CPU path, once sglang has built its groups: a barrier on this rank's
-    TP group (each rank of the stage called ``initialize`` before building groups),
-    then :func:`unlink_shm_segments`, also if the barrier fails. No segment, no
-    barrier."""
+    """Once sglang has built its groups: a barrier on the TP group (every rank called
+    ``initialize`` before building them), then the unlink, also if the barrier
+    fails."""
     if not _PENDING:
         return []
     from sglang.srt.distributed.parallel_state import get_tp_group
@@ -231,8 +209,6 @@ def finish_shm_collective() -> list[str]:
 def start_shm_collective(
     *, dist_init_method: Optional[str], tp_size: int, tp_rank: int, pp_rank: int
 ) -> bool:
-    """Bootstrap's CPU path: :func:`init_shm_collective` in the namespace of the
-    engine's init method and this rank's pipeline stage (``<addr>@pp<k>``)."""
     namespace = ShmNamespace.from_init_method(
         dist_init_method or "env://", pp_rank=pp_rank
     )

@@ -1,13 +1,7 @@
-"""ShmNamespace: the value that names one engine's ``/dev/shm`` segments, built from its init address.
+"""The names of one engine's ``/dev/shm`` segments, from its own init address.
 
-The CPU build of ``sgl_kernel`` names its segments
-``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` (``<uid>`` is
-``getuid()``; the released kernel reads ``<addr>``/``<port>`` from
-``MASTER_ADDR``/``MASTER_PORT``), so two engines on one host must never hand it the
-same address and port: the name comes from the engine's own init address, split
-by upstream's ``NetworkAddress``, never from the process environment. This module
-adds the bounds a name needs: ASCII ports 1 to 65535, IPv6 hosts in brackets,
-names within ``NAME_MAX``.
+The CPU kernel names them ``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``,
+so co-located engines must never hand it the same address and port.
 """
 
 from __future__ import annotations
@@ -45,8 +39,7 @@ class ShmCollectiveError(RuntimeError):
 
 
 def quoted(value: object) -> str:
-    """``repr(value)`` for an error message, cut short when long: a NUL or control
-    character stays visible and a huge value cannot flood the line."""
+    """A NUL or control character stays visible; a huge value cannot flood the line."""
     text = repr(value)
     short = len(text) <= _SHOWN_MAX
     return text if short else f"{text[:_SHOWN_MAX]}... ({len(text)} characters)"
@@ -62,7 +55,6 @@ def check_int(name: str, value: object, low: int, high: int) -> int:
 
 
 def parse_port(text: str, *, what: str) -> int:
-    """A TCP port from text in ASCII digits, 1 to 65535; ``what`` names the setting."""
     stripped = text.strip() if isinstance(text, str) else ""
     if not _PORT_RE.fullmatch(stripped):
         raise ShmCollectiveError(
@@ -79,10 +71,7 @@ def parse_port(text: str, *, what: str) -> int:
 
 
 def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
-    """``(host, port)`` of ``tcp://host:port`` or ``tcp://[ipv6]:port``.
-
-    The query string and a trailing ``/`` are ignored, as torch's rendezvous does.
-    """
+    # The query string and a trailing "/" are ignored, as torch's rendezvous does.
     rest = method[len("tcp://") :].partition("?")[0]
     rest = rest[:-1] if rest.endswith("/") else rest
     # No longer address fits a segment name; upstream's messages show it whole.
@@ -196,8 +185,7 @@ class ShmNamespace:
             raise ShmCollectiveError(f"{what}: {exc}") from None
 
     @property
-    def kernel_addr(self) -> str:
-        """The address part of segment names (``MASTER_ADDR`` for the released kernel)."""
+    def kernel_addr(self) -> str:  # MASTER_ADDR for the released kernel
         stage = f"{_STAGE_MARK}{self.pp_rank}" if self.pp_rank else ""
         return self.addr + stage
 
@@ -207,5 +195,4 @@ class ShmNamespace:
         return f"{SHM_SEGMENT_PREFIX}_{self.uid}_{self.kernel_addr}_{self.port}"
 
     def segment_name(self, rank: int) -> str:
-        """The ``/dev/shm`` name the CPU kernel uses for ``rank``."""
         return f"{self.prefix}_{check_int('rank', rank, 0, MAX_RANK)}"
