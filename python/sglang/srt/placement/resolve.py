@@ -60,11 +60,14 @@ class HostFacts:
 
     @classmethod
     def live(cls) -> "HostFacts":
-        from sglang.srt.placement import topology
+        from sglang.srt.placement.topology import (
+            read_process_affinity,
+            read_topology_cached,
+        )
 
         return cls(
-            topology=topology.read_topology_cached(settings.sysfs_root()),
-            affinity=topology.read_process_affinity(),
+            topology=read_topology_cached(settings.sysfs_root()),
+            affinity=read_process_affinity(),
             capabilities=HostCapabilities.live(),
         )
 
