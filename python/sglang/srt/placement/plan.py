@@ -41,7 +41,7 @@ Runtime = Union["AcceleratorRuntime", str, None]
 def _opened(
     runtime: Runtime, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]
 ) -> contextlib.AbstractContextManager:
-    """What identifies devices; NVML is shut down after, as upstream does."""
+    # NVML is shut down after, as upstream does.
     if runtime != LIVE_RUNTIME:
         return contextlib.nullcontext(runtime)
     if device == "cuda" and gpus is None and os.path.realpath(topology.root) == "/sys":
@@ -62,9 +62,7 @@ def _identify(
     gpus: Optional[Sequence[str]],
     runtime: Runtime,
 ) -> tuple[Optional[Accelerator], str]:
-    """The device behind ``gpu_id``, or None and why it was not found."""
     from sglang.srt.placement.devices import identify_accelerators
-    from sglang.srt.placement.settings import SettingError
 
     with _opened(runtime, device, topology, gpus) as opened:
         try:
@@ -76,7 +74,7 @@ def _identify(
                 gpus=gpus,
                 runtime=opened,
             )
-        except SettingError as exc:
+        except settings.SettingError as exc:
             return None, str(exc)
     return found, ""
 
@@ -89,7 +87,6 @@ def device_node(
     env: Mapping[str, str],
     runtime: Runtime = LIVE_RUNTIME,
 ) -> tuple[Optional[int], str]:
-    """The NUMA node of logical device ``gpu_id`` under ``env``, or None, and why."""
     found, problem = _identify(
         gpu_id, device=device, topology=topology, env=env, gpus=None, runtime=runtime
     )
@@ -149,7 +146,7 @@ def place_gpu_id(
 def _noted(placement: ProcessPlacement, note: Optional[str]) -> ProcessPlacement:
     if not note:
         return placement
-    return placement.replace(reasons=(note, *placement.reasons))
+    return dataclasses.replace(placement, reasons=(note, *placement.reasons))
 
 
 def plan_engine(

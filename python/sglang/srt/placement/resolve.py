@@ -7,6 +7,7 @@ to the other ranks, so a spawned child, a Ray actor and ``plan`` agree on a GPU.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
@@ -35,9 +36,7 @@ SHARING_MODES = ("exclusive", "core-complex")  # each GPU gets its share of its 
 
 
 @dataclass(frozen=True)
-class HostCapabilities:
-    """What can apply a binding: numactl (a stand-in for a snapshot) and libnuma."""
-
+class HostCapabilities:  # what can apply a binding (a snapshot's numactl: a stand-in)
     numactl: Optional[Union[NumactlProber, AssumedNumactl]]
     libnuma: bool
 
@@ -69,9 +68,7 @@ class HostFacts:
         )
 
 
-class Choice(NamedTuple):
-    """One step's answer (None: nothing), why, and whether it is less than intended."""
-
+class Choice(NamedTuple):  # an answer (None: nothing), why, and if less than intended
     value: Any
     reasons: tuple[str, ...]
     warning: bool = False
@@ -220,7 +217,7 @@ def _gpu_where(
     if choice.value is None:
         return choice
     node = topology.node(choice.value)
-    if node is None or not node.has_cpus:
+    if node is None or not node.cpus:
         what = (
             "does not exist on this host" if node is None else "has memory but no CPUs"
         )
@@ -311,20 +308,16 @@ def resolve_placement(
     under the strongest numactl form the kernel accepts, else in-process (libnuma),
     or the legacy V1 bind under SGLANG_NUMA_BIND_V2=0."""
     pci = accelerator.pci if accelerator is not None else None
+    unbound = functools.partial(
+        ProcessPlacement.unbound, rank, launcher=policy.launcher, pci=pci
+    )
     if policy.device == "cpu":
         where = _cpu_where(facts, rank, policy, cpu_rank_set)
     else:
         where = _gpu_where(facts, rank, accelerator, policy)
     reasons = list(where.reasons)
-    unbound = ProcessPlacement.unbound
     if where.value is None:
-        return unbound(
-            rank,
-            reasons=reasons,
-            launcher=policy.launcher,
-            failure=where.warning,
-            pci=pci,
-        )
+        return unbound(reasons=reasons, failure=where.warning)
     node_id, cpus, nodes, whole = where.value
     mems = facts.affinity.mems
     mem_nodes = tuple(n.node_id for n in nodes if n.has_memory and n.node_id in mems)
@@ -394,9 +387,7 @@ def resolve_placement(
         reasons.append(
             f"the {policy.launcher} launcher binds only by exec: running unbound"
         )
-        return unbound(
-            rank, reasons=reasons, launcher=policy.launcher, failure=True, pci=pci
-        )
+        return unbound(reasons=reasons, failure=True)
     if facts.capabilities.libnuma:
         reasons.append("in-process bind with libnuma")
         return placed(Strategy.IN_PROCESS, wanted)
@@ -405,7 +396,6 @@ def resolve_placement(
 
 
 def describe(p: ProcessPlacement) -> str:
-    """The one-line human form of a placement."""
     gpu_id = p.rank.gpu_id
     # A CPU rank's id is its numa_index; only an accelerator has a PCI address.
     gpu = "" if gpu_id is None else f" GPU {gpu_id}" if p.pci else f" gpu_id {gpu_id}"
