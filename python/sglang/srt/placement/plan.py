@@ -17,12 +17,7 @@ from sglang.srt.placement import settings
 from sglang.srt.placement.cpu_groups import rank_cpus, shared_cpus
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.ranks import local_ranks, reindexed
-from sglang.srt.placement.resolve import (
-    HostFacts,
-    choose_node,
-    not_placed,
-    resolve_placement,
-)
+from sglang.srt.placement.resolve import HostFacts, choose_node, resolve_placement
 from sglang.srt.placement.types import (
     Accelerator,
     HostTopology,
@@ -59,8 +54,8 @@ def _identify(
     device: str,
     topology: HostTopology,
     env: Mapping[str, str],
-    gpus: Optional[Sequence[str]],
-    runtime: Runtime,
+    gpus: Optional[Sequence[str]] = None,
+    runtime: Runtime = LIVE_RUNTIME,
 ) -> tuple[Optional[Accelerator], str]:
     from sglang.srt.placement.devices import identify_accelerators
 
@@ -80,16 +75,9 @@ def _identify(
 
 
 def device_node(
-    gpu_id: int,
-    *,
-    device: str,
-    topology: HostTopology,
-    env: Mapping[str, str],
-    runtime: Runtime = LIVE_RUNTIME,
+    gpu_id: int, *, device: str, topology: HostTopology, env: Mapping[str, str]
 ) -> tuple[Optional[int], str]:
-    found, problem = _identify(
-        gpu_id, device=device, topology=topology, env=env, gpus=None, runtime=runtime
-    )
+    found, problem = _identify(gpu_id, device=device, topology=topology, env=env)
     if found is None:
         return None, problem
     policy = PlacementPolicy(launcher="mp", device=device)
@@ -126,7 +114,18 @@ def place_gpu_id(
     unbound = functools.partial(
         ProcessPlacement.unbound, rank, launcher=policy.launcher
     )
-    why = not_placed(policy, topology)
+    # Why sglang leaves an accelerator rank unbound whatever its device, decided
+    # before any device is asked about.
+    why, listed = None, policy.numa_nodes is not None
+    if policy.device not in ("cuda", "xpu"):
+        why = f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"
+    elif not listed and not policy.auto_numa_bind:
+        why = "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
+    elif not listed and policy.affinity_mode == "node" and len(topology.cpu_nodes) < 2:
+        why = (
+            "this host has one NUMA node with CPUs: node binding cannot help "
+            "(exclusive and core-complex modes still share it out between its GPUs)"
+        )
     if why is not None:
         return unbound(reasons=[why], failure=False)
     found, problem = _identify(

@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.devices import accelerator_pci_devices
-from sglang.srt.placement.numactl import (
-    AssumedNumactl,
-    NumactlProber,
-    cpu_option,
-    default_prober,
-)
+from sglang.srt.placement.numactl import AssumedNumactl, NumactlProber, cpu_option
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.types import (
     Accelerator,
@@ -37,12 +32,13 @@ SHARING_MODES = ("exclusive", "core-complex")  # each GPU gets its share of its 
 
 @dataclass(frozen=True)
 class HostCapabilities:  # what can apply a binding (a snapshot's numactl: a stand-in)
-    numactl: Optional[Union[NumactlProber, AssumedNumactl]]
+    numactl: Optional[NumactlProber]
     libnuma: bool
 
     @classmethod
     def live(cls) -> "HostCapabilities":
         from sglang.srt.placement.libnuma import load_libnuma
+        from sglang.srt.placement.numactl import default_prober
 
         return cls(numactl=default_prober(), libnuma=load_libnuma() is not None)
 
@@ -72,23 +68,6 @@ class Choice(NamedTuple):  # an answer (None: nothing), why, and if less than in
     value: Any
     reasons: tuple[str, ...]
     warning: bool = False
-
-
-def not_placed(policy: PlacementPolicy, topology: HostTopology) -> Optional[str]:
-    """Why sglang leaves an accelerator rank unbound whatever its device; decided
-    before any device is asked about."""
-    if policy.device not in ("cuda", "xpu"):
-        return f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"
-    if policy.numa_nodes is not None:
-        return None
-    if not policy.auto_numa_bind:
-        return "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
-    if policy.affinity_mode == "node" and len(topology.cpu_nodes) < 2:
-        return (
-            "this host has one NUMA node with CPUs: node binding cannot help "
-            "(exclusive and core-complex modes still share it out between its GPUs)"
-        )
-    return None
 
 
 def choose_node(
