@@ -1,9 +1,6 @@
-"""The placement of the rank a GPU id names, and of every rank of a host.
-
-sglang spawns each scheduler inside ``configure_subprocess(server_args, gpu_id)``;
-``place_gpu_id`` answers for that id, under the visibility variable in force, and
-``plan_engine`` asks it for every local rank, so it shows what the spawns do.
-"""
+"""sglang spawns each scheduler inside ``configure_subprocess(server_args, gpu_id)``:
+``place_gpu_id`` places that id, under the visibility variable in force, and
+``plan_engine`` asks it for every local rank, so it shows what the spawns do."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The decision of where one rank runs, then of how that is applied.
-
-Where (node, CPUs, memory nodes) is pure, from host facts and policy alone and blind
-to the other ranks, so a spawned child, a Ray actor and ``plan`` agree on a GPU. How
-(exec, in-process, V1) asks numactl, once per option set, on the rank's own host.
-"""
+"""Where one rank runs: pure, from host facts and policy, blind to the other ranks, so
+a spawned child, a Ray actor and ``plan`` agree on a GPU. Then how (exec, in-process,
+V1): numactl is asked once per option set, on the rank's own host."""
 
 from __future__ import annotations
 
@@ -203,8 +200,9 @@ def _gpu_where(
         return Choice(None, (*choice.reasons, f"node {choice.value} {what}"), True)
     reasons, nodes = list(choice.reasons), [node]
     if policy.affinity_mode == "socket":
-        packages = topology.packages_of_node(node.node_id)
-        node_ids = topology.nodes_of_packages(packages) or (node.node_id,)
+        packages = {c.package_id for c in topology.cpus if c.node_id == node.node_id}
+        held = {c.node_id for c in topology.cpus if c.package_id in packages} - {None}
+        node_ids = sorted(held) or [node.node_id]
         nodes = [n for n in map(topology.node, node_ids) if n is not None]
         reasons.append(
             f"socket mode: package {format_cpulist(packages)} holds node(s) "
@@ -268,9 +266,8 @@ def _cpu_where(
         why = "none of these CPUs may be used by this process"
         return Choice(None, (*reasons, why), True)
     nodes = [topology.node(n) for n in sorted(counts)]
-    whole = tuple(sorted(counts))
-    if frozenset().union(*(n.cpus for n in nodes)) != cpus:
-        whole = None
+    exact = frozenset().union(*(n.cpus for n in nodes)) == cpus
+    whole = tuple(sorted(counts)) if exact else None
     node_id = max(counts, key=lambda n: (counts[n], -n))
     return Choice((node_id, cpus, nodes, whole), reasons)
 
@@ -307,19 +304,16 @@ def resolve_placement(
     wanted = MemPolicy.BIND if mem_nodes else MemPolicy.NONE
 
     def placed(
-        strategy: Strategy,
-        mem_policy: MemPolicy,
-        nodes: tuple[int, ...] = mem_nodes,
-        args: tuple[str, ...] = (),
-        warning: bool = False,
+        strategy: Strategy, mem: MemPolicy, args: tuple = (), warning: bool = False
     ) -> ProcessPlacement:
+        nodes = (node_id,) if mem == MemPolicy.PREFERRED else mem_nodes
         return ProcessPlacement(
             rank=rank,
             pci=pci,
             numa_node=node_id,
             cpus=cpus,
-            mem_nodes=frozenset(nodes if mem_policy != MemPolicy.NONE else ()),
-            mem_policy=mem_policy,
+            mem_nodes=frozenset(nodes if mem != MemPolicy.NONE else ()),
+            mem_policy=mem,
             strategy=strategy,
             reasons=tuple(reasons),
             numactl_args=args,
@@ -333,7 +327,7 @@ def resolve_placement(
             "(numa_run_on_node + numa_set_preferred)"
         )
         preferred = MemPolicy.PREFERRED if mem_nodes else MemPolicy.NONE
-        return placed(Strategy.V1, preferred, (node_id,))
+        return placed(Strategy.V1, preferred)
     numactl = facts.capabilities.numactl
     if policy.exec_supported and numactl is not None:
         outcome = numactl.ladder(
@@ -346,8 +340,7 @@ def resolve_placement(
             got = MemPolicy(outcome.mem_policy)
             reasons.extend(outcome.reasons)
             reasons.append(f"exec under numactl {' '.join(outcome.args)}")
-            nodes = (node_id,) if got == MemPolicy.PREFERRED else mem_nodes
-            return placed(Strategy.EXEC, got, nodes, outcome.args, got != wanted)
+            return placed(Strategy.EXEC, got, outcome.args, got != wanted)
         refusal = f": {outcome.reasons[0]}" if outcome.reasons else ""
         reasons.append(
             f"numactl could not apply NUMA binding for node {node_id} (e.g. "
@@ -371,21 +364,17 @@ def resolve_placement(
         reasons.append("in-process bind with libnuma")
         return placed(Strategy.IN_PROCESS, wanted)
     reasons.append("libnuma is not available: in-process CPU affinity only")
-    return placed(Strategy.IN_PROCESS, MemPolicy.NONE, (), warning=bool(mem_nodes))
+    return placed(Strategy.IN_PROCESS, MemPolicy.NONE, warning=bool(mem_nodes))
 
 
 def describe(p: ProcessPlacement) -> str:
-    gpu_id = p.rank.gpu_id
+    gpu_id, why = p.rank.gpu_id, "; ".join(p.reasons)
     # A CPU rank's id is its numa_index; only an accelerator has a PCI address.
     gpu = "" if gpu_id is None else f" GPU {gpu_id}" if p.pci else f" gpu_id {gpu_id}"
     head = f"[{p.label}]{gpu}{f' ({p.pci})' if p.pci else ''}:"
-    if p.strategy == Strategy.NONE:
-        return f"{head} not bound -- {'; '.join(p.reasons)}"
-    nodes = format_cpulist(p.mem_nodes)
-    mem = {"bind": f"membind {nodes}", "preferred": f"preferred {nodes}"}.get(
-        p.mem_policy, "memory unbound"
-    )
-    return (
-        f"{head} node {p.numa_node} CPUs {format_cpulist(p.cpus)} {mem} via "
-        f"{p.strategy} -- {'; '.join(p.reasons)}"
-    )
+    if not p.bound:
+        return f"{head} not bound -- {why}"
+    mem = {"bind": "membind", "preferred": "preferred"}.get(p.mem_policy)
+    mem = f"{mem} {format_cpulist(p.mem_nodes)}" if mem else "memory unbound"
+    cpus = format_cpulist(p.cpus)
+    return f"{head} node {p.numa_node} CPUs {cpus} {mem} via {p.strategy} -- {why}"

@@ -96,13 +96,6 @@ class HostTopology:  # what a host's sysfs (or a snapshot of it) says, read once
             chosen.setdefault(key, cpu_id)
         return frozenset(chosen.values())
 
-    def packages_of_node(self, node_id: int) -> frozenset[int]:
-        return frozenset(cpu.package_id for cpu in self.cpus if cpu.node_id == node_id)
-
-    def nodes_of_packages(self, packages: frozenset[int]) -> tuple[int, ...]:
-        found = {c.node_id for c in self.cpus if c.package_id in packages}
-        return tuple(sorted(found - {None}))
-
 
 @dataclass(frozen=True)
 class ProcessAffinity:  # what a cpuset or an outer numactl/taskset allows
@@ -187,15 +180,13 @@ class ProcessPlacement:  # where a rank runs, how and why; the defaults: unbound
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ProcessPlacement":
-        given = {
-            f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data
-        }
+        # Reads what to_dict wrote.
+        given = {f.name: data[f.name] for f in dataclasses.fields(cls)[1:]}
         given.update(
             cpus=parse_cpulist(data["cpus"]),
-            mem_nodes=parse_cpulist(data.get("mem_nodes", "")),
+            mem_nodes=parse_cpulist(data["mem_nodes"]),
             reasons=tuple(data["reasons"]),
-            numactl_args=tuple(data.get("numactl_args", ())),
-            warning=bool(data.get("warning", False)),
+            numactl_args=tuple(data["numactl_args"]),
         )
         ranks = (int(data[k]) for k in ("dp_rank", "pp_rank", "tp_rank"))
         return cls(rank=RankIdentity(*ranks, gpu_id=data["gpu_id"]), **given)
