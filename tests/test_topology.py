@@ -61,9 +61,8 @@ def test_shape_reads_back_exactly(tmp_path, shape):
     for node in topology.nodes:
         assert node.cpus == shape.cpus_of_node(node.node_id)
         assert node.memory_kb == shape.memory_kb_per_node
-        assert topology.packages_of_node(node.node_id) == {
-            node.node_id // shape.nodes_per_socket
-        }
+        packages = {c.package_id for c in topology.cpus if c.node_id == node.node_id}
+        assert packages == {node.node_id // shape.nodes_per_socket}
         for other, distance in node.distances:
             same_socket = (
                 other // shape.nodes_per_socket
@@ -112,8 +111,8 @@ def test_two_sockets_four_gpus(tmp_path):
 def test_sub_numa_clustering_packages(tmp_path):
     topology = read_topology(fakesys.sub_numa_clustering(tmp_path))
     assert topology.node_ids == (0, 1, 2, 3)
-    assert topology.nodes_of_packages(frozenset({0})) == (0, 1)
-    assert topology.nodes_of_packages(frozenset({1})) == (2, 3)
+    for package, nodes in ((0, {0, 1}), (1, {2, 3})):
+        assert {c.node_id for c in topology.cpus if c.package_id == package} == nodes
     assert topology.node(2).cpus == {8, 9, 10, 11, 24, 25, 26, 27}
     assert topology.node(1).distances == ((0, 12), (1, 10), (2, 21), (3, 21))
     assert sum(1 for node in gpus(topology).values() if node == 3) == 2
@@ -135,7 +134,7 @@ def test_memory_only_nodes(tmp_path):
     assert [node.node_id for node in topology.cpu_nodes] == [0, 1]
     for node_id in (2, 3):
         node = topology.node(node_id)
-        assert node.cpus == frozenset() and not node.has_cpus
+        assert node.cpus == frozenset()
         assert node.memory_kb == 96 * GIB_KB and node.has_memory
     assert topology.node(2).distances == ((0, 40), (1, 80), (2, 10), (3, 80))
     assert {cpu.node_id for cpu in topology.cpus} == {0, 1}
@@ -297,7 +296,9 @@ def test_process_affinity_errors(tmp_path):
         read_process_affinity(tmp_path / "missing")
     status = tmp_path / "status"
     status.write_text("Name:\tx\nCpus_allowed_list:\t0-3\n")
-    with pytest.raises(PlacementError, match=f"{status}: has no Mems_allowed_list line"):
+    with pytest.raises(
+        PlacementError, match=f"{status}: has no Mems_allowed_list line"
+    ):
         read_process_affinity(status)
     status.write_text("Cpus_allowed_list:\t0-x\nMems_allowed_list:\t0\n")
     with pytest.raises(PlacementError, match="Cpus_allowed_list"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -139,7 +140,7 @@ def test_page_ratio_thresholds():
     assert differences(exec_rank, observed(98, 2), unbound_cpus=frozenset()) == [
         "98.0% of the rank's resident anonymous memory is on node(s) 0, at least 99% expected for strategy exec"
     ]
-    in_process = exec_rank.replace(strategy="in-process")
+    in_process = dataclasses.replace(exec_rank, strategy="in-process")
     assert differences(in_process, observed(96, 4), unbound_cpus=frozenset()) == []
 
 

@@ -1,9 +1,6 @@
-"""The placement of the rank a GPU id names, and of every rank of a host.
-
-sglang spawns each scheduler inside ``configure_subprocess(server_args, gpu_id)``;
-``place_gpu_id`` answers for that id, under the visibility variable in force, and
-``plan_engine`` asks it for every local rank, so it shows what the spawns do.
-"""
+"""sglang spawns each scheduler inside ``configure_subprocess(server_args, gpu_id)``:
+``place_gpu_id`` places that id, under the visibility variable in force, and
+``plan_engine`` asks it for every local rank, so it shows what the spawns do."""
 
 from __future__ import annotations
 
@@ -17,12 +14,7 @@ from sglang.srt.placement import settings
 from sglang.srt.placement.cpu_groups import rank_cpus, shared_cpus
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.ranks import local_ranks, reindexed
-from sglang.srt.placement.resolve import (
-    HostFacts,
-    choose_node,
-    not_placed,
-    resolve_placement,
-)
+from sglang.srt.placement.resolve import HostFacts, choose_node, resolve_placement
 from sglang.srt.placement.types import (
     Accelerator,
     HostTopology,
@@ -41,7 +33,7 @@ Runtime = Union["AcceleratorRuntime", str, None]
 def _opened(
     runtime: Runtime, device: str, topology: HostTopology, gpus: Optional[Sequence[str]]
 ) -> contextlib.AbstractContextManager:
-    """What identifies devices; NVML is shut down after, as upstream does."""
+    # NVML is shut down after, as upstream does.
     if runtime != LIVE_RUNTIME:
         return contextlib.nullcontext(runtime)
     if device == "cuda" and gpus is None and os.path.realpath(topology.root) == "/sys":
@@ -59,12 +51,10 @@ def _identify(
     device: str,
     topology: HostTopology,
     env: Mapping[str, str],
-    gpus: Optional[Sequence[str]],
-    runtime: Runtime,
+    gpus: Optional[Sequence[str]] = None,
+    runtime: Runtime = LIVE_RUNTIME,
 ) -> tuple[Optional[Accelerator], str]:
-    """The device behind ``gpu_id``, or None and why it was not found."""
     from sglang.srt.placement.devices import identify_accelerators
-    from sglang.srt.placement.settings import SettingError
 
     with _opened(runtime, device, topology, gpus) as opened:
         try:
@@ -76,23 +66,15 @@ def _identify(
                 gpus=gpus,
                 runtime=opened,
             )
-        except SettingError as exc:
+        except settings.SettingError as exc:
             return None, str(exc)
     return found, ""
 
 
 def device_node(
-    gpu_id: int,
-    *,
-    device: str,
-    topology: HostTopology,
-    env: Mapping[str, str],
-    runtime: Runtime = LIVE_RUNTIME,
+    gpu_id: int, *, device: str, topology: HostTopology, env: Mapping[str, str]
 ) -> tuple[Optional[int], str]:
-    """The NUMA node of logical device ``gpu_id`` under ``env``, or None, and why."""
-    found, problem = _identify(
-        gpu_id, device=device, topology=topology, env=env, gpus=None, runtime=runtime
-    )
+    found, problem = _identify(gpu_id, device=device, topology=topology, env=env)
     if found is None:
         return None, problem
     policy = PlacementPolicy(launcher="mp", device=device)
@@ -129,7 +111,18 @@ def place_gpu_id(
     unbound = functools.partial(
         ProcessPlacement.unbound, rank, launcher=policy.launcher
     )
-    why = not_placed(policy, topology)
+    # Why sglang leaves an accelerator rank unbound whatever its device, decided
+    # before any device is asked about.
+    why, listed = None, policy.numa_nodes is not None
+    if policy.device not in ("cuda", "xpu"):
+        why = f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"
+    elif not listed and not policy.auto_numa_bind:
+        why = "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
+    elif not listed and policy.affinity_mode == "node" and len(topology.cpu_nodes) < 2:
+        why = (
+            "this host has one NUMA node with CPUs: node binding cannot help "
+            "(exclusive and core-complex modes still share it out between its GPUs)"
+        )
     if why is not None:
         return unbound(reasons=[why], failure=False)
     found, problem = _identify(
@@ -149,7 +142,7 @@ def place_gpu_id(
 def _noted(placement: ProcessPlacement, note: Optional[str]) -> ProcessPlacement:
     if not note:
         return placement
-    return placement.replace(reasons=(note, *placement.reasons))
+    return dataclasses.replace(placement, reasons=(note, *placement.reasons))
 
 
 def plan_engine(

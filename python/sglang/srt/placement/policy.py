@@ -66,11 +66,7 @@ _PLACEMENT_FIELDS = dict(tp_size=1, pp_size=1, dp_size=1, nnodes=1, gpu_id_step=
 _PLACEMENT_FIELDS.update(node_rank=0, base_gpu_id=0, numa_node=None, device=None)
 
 
-def placement_fields(server_args: Any) -> dict[str, Any]:
+def placement_view(server_args: Any) -> types.SimpleNamespace:
     fields = {k: getattr(server_args, k, v) for k, v in _PLACEMENT_FIELDS.items()}
     fields["device"] = fields["device"] or "cuda"
-    return fields
-
-
-def placement_view(server_args: Any) -> types.SimpleNamespace:
-    return types.SimpleNamespace(**placement_fields(server_args))
+    return types.SimpleNamespace(**fields)

@@ -1,10 +1,6 @@
-"""Which scheduler ranks a node launches and the GPU id sglang hands each one.
-
-sglang 0.5.23's own arithmetic, in one place: the engine (``_calculate_rank_ranges``)
-and the data-parallel controller each compute a rank's ``gpu_id`` before spawning it
-inside ``configure_subprocess(server_args, gpu_id)``; bootstrap uses the same id as a
-CPU rank's ``numa_index``.
-"""
+"""Which scheduler ranks a node launches and the GPU id sglang hands each one: the
+engine's and the data-parallel controller's arithmetic in one place (bootstrap uses
+the id as a CPU rank's ``numa_index``)."""
 
 from __future__ import annotations
 
@@ -20,8 +16,6 @@ if TYPE_CHECKING:
 class RankRanges(NamedTuple):
     pp_ranks: range
     tp_ranks: range
-    pp_per_node: int
-    tp_per_node: int
 
 
 def rank_ranges(
@@ -34,10 +28,7 @@ def rank_ranges(
     tp_per_node = tp_size // nnodes_per_pp_rank
     tp_start = tp_per_node * (node_rank % nnodes_per_pp_rank)
     return RankRanges(
-        range(pp_start, pp_start + pp_per_node),
-        range(tp_start, tp_start + tp_per_node),
-        pp_per_node,
-        tp_per_node,
+        range(pp_start, pp_start + pp_per_node), range(tp_start, tp_start + tp_per_node)
     )
 
 
@@ -50,35 +41,27 @@ def engine_gpu_id(
     ranges: RankRanges,
 ) -> int:
     """``Engine._launch_scheduler_processes``: the step scales the TP offset only."""
+    pp_per_node, tp_per_node = len(ranges.pp_ranks), len(ranges.tp_ranks)
     return (
         base_gpu_id
-        + (pp_rank % ranges.pp_per_node) * ranges.tp_per_node
-        + (tp_rank % ranges.tp_per_node) * gpu_id_step
+        + (pp_rank % pp_per_node) * tp_per_node
+        + (tp_rank % tp_per_node) * gpu_id_step
     )
 
 
 def local_ranks(server_args: "ServerArgs") -> tuple[RankIdentity, ...]:
     """The ranks this ``node_rank`` launches, in launch order (dp, pp, tp)."""
-    tp, pp, dp = server_args.tp_size, server_args.pp_size, server_args.dp_size
-    ranges = rank_ranges(
-        tp_size=tp,
-        pp_size=pp,
-        nnodes=server_args.nnodes,
-        node_rank=server_args.node_rank,
-    )
-    step, ranks = server_args.gpu_id_step, []
+    tp, pp, step = server_args.tp_size, server_args.pp_size, server_args.gpu_id_step
+    nodes = dict(nnodes=server_args.nnodes, node_rank=server_args.node_rank)
+    ranges = rank_ranges(tp_size=tp, pp_size=pp, **nodes)
+    ids = dict(base_gpu_id=server_args.base_gpu_id, gpu_id_step=step, ranges=ranges)
+    ranks = []
     for dp_rank, pp_rank, tp_rank in itertools.product(
-        range(dp), ranges.pp_ranks, ranges.tp_ranks
+        range(server_args.dp_size), ranges.pp_ranks, ranges.tp_ranks
     ):
-        gpu_id = engine_gpu_id(
-            base_gpu_id=server_args.base_gpu_id,
-            gpu_id_step=step,
-            pp_rank=pp_rank,
-            tp_rank=tp_rank,
-            ranges=ranges,
-        )
-        if dp > 1:  # the DataParallelController's replicas follow one another
-            gpu_id += dp_rank * tp * pp * step
+        gpu_id = engine_gpu_id(pp_rank=pp_rank, tp_rank=tp_rank, **ids)
+        # The DataParallelController's replicas follow one another.
+        gpu_id += dp_rank * tp * pp * step
         ranks.append(RankIdentity(dp_rank, pp_rank, tp_rank, gpu_id))
     return tuple(ranks)
 

@@ -1,24 +1,17 @@
-"""The decision of where one rank runs, then of how that is applied.
-
-Where (node, CPUs, memory nodes) is pure, from host facts and policy alone and blind
-to the other ranks, so a spawned child, a Ray actor and ``plan`` agree on a GPU. How
-(exec, in-process, V1) asks numactl, once per option set, on the rank's own host.
-"""
+"""Where one rank runs: pure, from host facts and policy, blind to the other ranks, so
+a spawned child, a Ray actor and ``plan`` agree on a GPU. Then how (exec, in-process,
+V1): numactl is asked once per option set, on the rank's own host."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.devices import accelerator_pci_devices
-from sglang.srt.placement.numactl import (
-    AssumedNumactl,
-    NumactlProber,
-    cpu_option,
-    default_prober,
-)
+from sglang.srt.placement.numactl import AssumedNumactl, NumactlProber, cpu_option
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.types import (
     Accelerator,
@@ -35,15 +28,14 @@ SHARING_MODES = ("exclusive", "core-complex")  # each GPU gets its share of its 
 
 
 @dataclass(frozen=True)
-class HostCapabilities:
-    """What can apply a binding: numactl (a stand-in for a snapshot) and libnuma."""
-
-    numactl: Optional[Union[NumactlProber, AssumedNumactl]]
+class HostCapabilities:  # what can apply a binding (a snapshot's numactl: a stand-in)
+    numactl: Optional[NumactlProber]
     libnuma: bool
 
     @classmethod
     def live(cls) -> "HostCapabilities":
         from sglang.srt.placement.libnuma import load_libnuma
+        from sglang.srt.placement.numactl import default_prober
 
         return cls(numactl=default_prober(), libnuma=load_libnuma() is not None)
 
@@ -72,29 +64,10 @@ class HostFacts:
         )
 
 
-class Choice(NamedTuple):
-    """One step's answer (None: nothing), why, and whether it is less than intended."""
-
+class Choice(NamedTuple):  # an answer (None: nothing), why, and if less than intended
     value: Any
     reasons: tuple[str, ...]
     warning: bool = False
-
-
-def not_placed(policy: PlacementPolicy, topology: HostTopology) -> Optional[str]:
-    """Why sglang leaves an accelerator rank unbound whatever its device; decided
-    before any device is asked about."""
-    if policy.device not in ("cuda", "xpu"):
-        return f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"
-    if policy.numa_nodes is not None:
-        return None
-    if not policy.auto_numa_bind:
-        return "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
-    if policy.affinity_mode == "node" and len(topology.cpu_nodes) < 2:
-        return (
-            "this host has one NUMA node with CPUs: node binding cannot help "
-            "(exclusive and core-complex modes still share it out between its GPUs)"
-        )
-    return None
 
 
 def choose_node(
@@ -223,15 +196,16 @@ def _gpu_where(
     if choice.value is None:
         return choice
     node = topology.node(choice.value)
-    if node is None or not node.has_cpus:
+    if node is None or not node.cpus:
         what = (
             "does not exist on this host" if node is None else "has memory but no CPUs"
         )
         return Choice(None, (*choice.reasons, f"node {choice.value} {what}"), True)
     reasons, nodes = list(choice.reasons), [node]
     if policy.affinity_mode == "socket":
-        packages = topology.packages_of_node(node.node_id)
-        node_ids = topology.nodes_of_packages(packages) or (node.node_id,)
+        packages = {c.package_id for c in topology.cpus if c.node_id == node.node_id}
+        held = {c.node_id for c in topology.cpus if c.package_id in packages} - {None}
+        node_ids = sorted(held) or [node.node_id]
         nodes = [n for n in map(topology.node, node_ids) if n is not None]
         reasons.append(
             f"socket mode: package {format_cpulist(packages)} holds node(s) "
@@ -295,9 +269,8 @@ def _cpu_where(
         why = "none of these CPUs may be used by this process"
         return Choice(None, (*reasons, why), True)
     nodes = [topology.node(n) for n in sorted(counts)]
-    whole = tuple(sorted(counts))
-    if frozenset().union(*(n.cpus for n in nodes)) != cpus:
-        whole = None
+    exact = frozenset().union(*(n.cpus for n in nodes)) == cpus
+    whole = tuple(sorted(counts)) if exact else None
     node_id = max(counts, key=lambda n: (counts[n], -n))
     return Choice((node_id, cpus, nodes, whole), reasons)
 
@@ -314,20 +287,16 @@ def resolve_placement(
     under the strongest numactl form the kernel accepts, else in-process (libnuma),
     or the legacy V1 bind under SGLANG_NUMA_BIND_V2=0."""
     pci = accelerator.pci if accelerator is not None else None
+    unbound = functools.partial(
+        ProcessPlacement.unbound, rank, launcher=policy.launcher, pci=pci
+    )
     if policy.device == "cpu":
         where = _cpu_where(facts, rank, policy, cpu_rank_set)
     else:
         where = _gpu_where(facts, rank, accelerator, policy)
     reasons = list(where.reasons)
-    unbound = ProcessPlacement.unbound
     if where.value is None:
-        return unbound(
-            rank,
-            reasons=reasons,
-            launcher=policy.launcher,
-            failure=where.warning,
-            pci=pci,
-        )
+        return unbound(reasons=reasons, failure=where.warning)
     node_id, cpus, nodes, whole = where.value
     mems = facts.affinity.mems
     mem_nodes = tuple(n.node_id for n in nodes if n.has_memory and n.node_id in mems)
@@ -338,19 +307,16 @@ def resolve_placement(
     wanted = MemPolicy.BIND if mem_nodes else MemPolicy.NONE
 
     def placed(
-        strategy: Strategy,
-        mem_policy: MemPolicy,
-        nodes: tuple[int, ...] = mem_nodes,
-        args: tuple[str, ...] = (),
-        warning: bool = False,
+        strategy: Strategy, mem: MemPolicy, args: tuple = (), warning: bool = False
     ) -> ProcessPlacement:
+        nodes = (node_id,) if mem == MemPolicy.PREFERRED else mem_nodes
         return ProcessPlacement(
             rank=rank,
             pci=pci,
             numa_node=node_id,
             cpus=cpus,
-            mem_nodes=frozenset(nodes if mem_policy != MemPolicy.NONE else ()),
-            mem_policy=mem_policy,
+            mem_nodes=frozenset(nodes if mem != MemPolicy.NONE else ()),
+            mem_policy=mem,
             strategy=strategy,
             reasons=tuple(reasons),
             numactl_args=args,
@@ -364,7 +330,7 @@ def resolve_placement(
             "(numa_run_on_node + numa_set_preferred)"
         )
         preferred = MemPolicy.PREFERRED if mem_nodes else MemPolicy.NONE
-        return placed(Strategy.V1, preferred, (node_id,))
+        return placed(Strategy.V1, preferred)
     numactl = facts.capabilities.numactl
     if policy.exec_supported and numactl is not None:
         outcome = numactl.ladder(
@@ -377,8 +343,7 @@ def resolve_placement(
             got = MemPolicy(outcome.mem_policy)
             reasons.extend(outcome.reasons)
             reasons.append(f"exec under numactl {' '.join(outcome.args)}")
-            nodes = (node_id,) if got == MemPolicy.PREFERRED else mem_nodes
-            return placed(Strategy.EXEC, got, nodes, outcome.args, got != wanted)
+            return placed(Strategy.EXEC, got, outcome.args, got != wanted)
         refusal = f": {outcome.reasons[0]}" if outcome.reasons else ""
         reasons.append(
             f"numactl could not apply NUMA binding for node {node_id} (e.g. "
@@ -397,29 +362,22 @@ def resolve_placement(
         reasons.append(
             f"the {policy.launcher} launcher binds only by exec: running unbound"
         )
-        return unbound(
-            rank, reasons=reasons, launcher=policy.launcher, failure=True, pci=pci
-        )
+        return unbound(reasons=reasons, failure=True)
     if facts.capabilities.libnuma:
         reasons.append("in-process bind with libnuma")
         return placed(Strategy.IN_PROCESS, wanted)
     reasons.append("libnuma is not available: in-process CPU affinity only")
-    return placed(Strategy.IN_PROCESS, MemPolicy.NONE, (), warning=bool(mem_nodes))
+    return placed(Strategy.IN_PROCESS, MemPolicy.NONE, warning=bool(mem_nodes))
 
 
 def describe(p: ProcessPlacement) -> str:
-    """The one-line human form of a placement."""
-    gpu_id = p.rank.gpu_id
+    gpu_id, why = p.rank.gpu_id, "; ".join(p.reasons)
     # A CPU rank's id is its numa_index; only an accelerator has a PCI address.
     gpu = "" if gpu_id is None else f" GPU {gpu_id}" if p.pci else f" gpu_id {gpu_id}"
     head = f"[{p.label}]{gpu}{f' ({p.pci})' if p.pci else ''}:"
-    if p.strategy == Strategy.NONE:
-        return f"{head} not bound -- {'; '.join(p.reasons)}"
-    nodes = format_cpulist(p.mem_nodes)
-    mem = {"bind": f"membind {nodes}", "preferred": f"preferred {nodes}"}.get(
-        p.mem_policy, "memory unbound"
-    )
-    return (
-        f"{head} node {p.numa_node} CPUs {format_cpulist(p.cpus)} {mem} via "
-        f"{p.strategy} -- {'; '.join(p.reasons)}"
-    )
+    if not p.bound:
+        return f"{head} not bound -- {why}"
+    mem = {"bind": "membind", "preferred": "preferred"}.get(p.mem_policy)
+    mem = f"{mem} {format_cpulist(p.mem_nodes)}" if mem else "memory unbound"
+    cpus = format_cpulist(p.cpus)
+    return f"{head} node {p.numa_node} CPUs {cpus} {mem} via {p.strategy} -- {why}"

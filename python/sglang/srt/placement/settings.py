@@ -38,7 +38,6 @@ def affinity_mode() -> str:
 
 
 def cpu_threads_bind() -> str:
-    """'all', or one cpulist per rank separated by ``|`` (parsed by cpu_groups)."""
     value = str(envs.SGLANG_CPU_OMP_THREADS_BIND.get()).strip()
     if not value:
         raise SettingError(

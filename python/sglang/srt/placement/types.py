@@ -16,9 +16,7 @@ class MemPolicy(enum.StrEnum):
     NONE = "none"
 
 
-class Strategy(enum.StrEnum):
-    """numactl before the interpreter, libnuma inside it, the legacy V1 bind, none."""
-
+class Strategy(enum.StrEnum):  # numactl before the interpreter, libnuma inside it
     EXEC = "exec"
     IN_PROCESS = "in-process"
     V1 = "v1"
@@ -39,10 +37,6 @@ class NumaNode:
     cpus: frozenset[int]  # online CPUs; empty for a memory-only (GPU, CXL) node
     memory_kb: int
     distances: tuple[tuple[int, int], ...] = ()  # (other node id, distance)
-
-    @property
-    def has_cpus(self) -> bool:
-        return bool(self.cpus)
 
     @property
     def has_memory(self) -> bool:
@@ -69,9 +63,7 @@ class PciDevice:
 
 
 @dataclass(frozen=True)
-class HostTopology:
-    """What a host's sysfs (or a snapshot of it) says, read once."""
-
+class HostTopology:  # what a host's sysfs (or a snapshot of it) says, read once
     root: str
     nodes: tuple[NumaNode, ...]
     cpus: tuple[Cpu, ...]
@@ -87,7 +79,7 @@ class HostTopology:
 
     @property
     def cpu_nodes(self) -> tuple[NumaNode, ...]:
-        return tuple(node for node in self.nodes if node.has_cpus)
+        return tuple(node for node in self.nodes if node.cpus)
 
     def cpu(self, cpu_id: int) -> Optional[Cpu]:
         return next((c for c in self.cpus if c.cpu_id == cpu_id), None)
@@ -97,7 +89,6 @@ class HostTopology:
         return next((d for d in self.pci_devices if d.address == wanted), None)
 
     def one_cpu_per_core(self, cpus: frozenset[int]) -> frozenset[int]:
-        """The lowest of ``cpus`` on each physical core."""
         chosen: dict[tuple, int] = {}
         for cpu_id in sorted(cpus):
             cpu = self.cpu(cpu_id)
@@ -105,27 +96,16 @@ class HostTopology:
             chosen.setdefault(key, cpu_id)
         return frozenset(chosen.values())
 
-    def packages_of_node(self, node_id: int) -> frozenset[int]:
-        return frozenset(cpu.package_id for cpu in self.cpus if cpu.node_id == node_id)
-
-    def nodes_of_packages(self, packages: frozenset[int]) -> tuple[int, ...]:
-        found = {c.node_id for c in self.cpus if c.package_id in packages}
-        return tuple(sorted(found - {None}))
-
 
 @dataclass(frozen=True)
-class ProcessAffinity:
-    """The CPUs and memory nodes a process may use (cpuset, outer numactl/taskset)."""
-
+class ProcessAffinity:  # what a cpuset or an outer numactl/taskset allows
     cpus: frozenset[int]
     mems: frozenset[int]
     source: str  # for reasons: "this process", "--allowed-cpus", "snapshot"
 
 
 @dataclass(frozen=True)
-class Accelerator:
-    """The device a rank uses (``cuda:<gpu_id>``) and the physical one behind it."""
-
+class Accelerator:  # the device a rank uses (cuda:<gpu_id>), the physical one behind
     gpu_id: int
     physical_id: str  # as the runtime names it: an index or a GPU- UUID
     pci: Optional[str]
@@ -145,10 +125,7 @@ class RankIdentity:
 
 
 @dataclass(frozen=True)
-class ProcessPlacement:
-    """Where one scheduler rank runs and how that binding is applied, with the reasons;
-    the defaults leave it unbound."""
-
+class ProcessPlacement:  # where a rank runs, how and why; the defaults: unbound
     rank: RankIdentity
     pci: Optional[str] = None
     numa_node: Optional[int] = None
@@ -174,9 +151,6 @@ class ProcessPlacement:
     def label(self) -> str:
         return self.rank.label
 
-    def replace(self, **changes: Any) -> "ProcessPlacement":
-        return dataclasses.replace(self, **changes)
-
     @classmethod
     def unbound(
         cls,
@@ -187,8 +161,7 @@ class ProcessPlacement:
         failure: bool,
         pci: Optional[str] = None,
     ) -> "ProcessPlacement":
-        """What a ``failure`` costs (a warning or an error) is decided where the
-        placement is applied."""
+        # What a ``failure`` costs (warning or error) is decided where it is applied.
         return cls(
             rank, pci, reasons=tuple(reasons), launcher=launcher, warning=failure
         )
@@ -207,15 +180,13 @@ class ProcessPlacement:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ProcessPlacement":
-        given = {
-            f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data
-        }
+        # Reads what to_dict wrote.
+        given = {f.name: data[f.name] for f in dataclasses.fields(cls)[1:]}
         given.update(
             cpus=parse_cpulist(data["cpus"]),
-            mem_nodes=parse_cpulist(data.get("mem_nodes", "")),
+            mem_nodes=parse_cpulist(data["mem_nodes"]),
             reasons=tuple(data["reasons"]),
-            numactl_args=tuple(data.get("numactl_args", ())),
-            warning=bool(data.get("warning", False)),
+            numactl_args=tuple(data["numactl_args"]),
         )
         ranks = (int(data[k]) for k in ("dp_rank", "pp_rank", "tp_rank"))
         return cls(rank=RankIdentity(*ranks, gpu_id=data["gpu_id"]), **given)
