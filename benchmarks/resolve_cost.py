@@ -67,9 +67,7 @@ def main() -> None:
             probes.append(tuple(argv))
             return ProbeResult(ok=True, message="")
 
-        prober = NumactlProber(
-            numactl_path="numactl", true_path="true", run=counting_numactl
-        )
+        prober = NumactlProber(numactl_path="numactl", run=counting_numactl)
         capabilities = HostCapabilities(numactl=prober, libnuma=True)
         timings = []
         with envs.SGLANG_NUMA_AFFINITY_MODE.override(mode):

@@ -25,8 +25,9 @@ class TestSetAllThreadsAffinity(unittest.TestCase):
         thread.start()
         started.wait(30)
         try:
-            moved = set_all_threads_affinity(frozenset(one))
+            moved, refused = set_all_threads_affinity(frozenset(one))
             self.assertGreaterEqual(moved, 2)
+            self.assertIsNone(refused)
             self.assertEqual(os.sched_getaffinity(thread.native_id), one)
             self.assertEqual(os.sched_getaffinity(0), one)
         finally:
