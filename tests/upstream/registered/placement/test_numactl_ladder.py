@@ -2,7 +2,7 @@
 
 import unittest
 
-from sglang.srt.placement.numactl import NumactlProber, ProbeResult
+from sglang.srt.placement.numactl import NumactlProber, ProbeResult, true_program
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
@@ -21,9 +21,7 @@ class TestNumactlLadder(unittest.TestCase):
                 ok=not refused, message=MEMBIND_REFUSED if refused else ""
             )
 
-        self.prober = NumactlProber(
-            numactl_path="/usr/bin/numactl", true_path="/bin/true", run=run
-        )
+        self.prober = NumactlProber(numactl_path="/usr/bin/numactl", run=run)
 
     def ladder(self):
         return self.prober.ladder(
@@ -44,11 +42,12 @@ class TestNumactlLadder(unittest.TestCase):
     def test_each_option_set_is_probed_once(self):
         self.ladder()
         self.ladder()
+        numactl, true = "/usr/bin/numactl", true_program()
         self.assertEqual(
             self.calls,
             [
-                ("/usr/bin/numactl", "--cpunodebind=1", "--membind=1", "/bin/true"),
-                ("/usr/bin/numactl", "--cpunodebind=1", "--preferred=1", "/bin/true"),
+                (numactl, "--cpunodebind=1", "--membind=1", true),
+                (numactl, "--cpunodebind=1", "--preferred=1", true),
             ],
         )
 
