@@ -329,7 +329,7 @@ def test_a_patch_over_800_lines_is_refused(changes):
     assert re.search(
         r"patch 1 \(shm-segments\) changes \d+ lines, more than 800", found
     )
-    assert "sglang/srt/distributed/shm_collective.py 239" in found
+    assert re.search(r"sglang/srt/distributed/shm_collective\.py \d+", found)
 
 
 def test_a_file_in_two_patches_or_in_none_is_refused(changes):
