@@ -48,7 +48,7 @@ class Partial:
     Either ``keep``, for a new file (a module or a test): the top-level names its
     state defines at least; what they use comes along. Or edits of upstream's
     module, the rest of which stays as upstream has it: ``replace``,
-    ``add_before``, ``remove`` and ``imports``.
+    ``add_before``, ``remove`` and ``imports``. Either may ``swap`` texts.
     """
 
     path: str
@@ -60,6 +60,10 @@ class Partial:
     remove: Tuple[str, ...] = ()
     imports: Tuple[str, ...] = ()
     """``from X import ...`` lines: each replaces upstream's import from X, or is added where isort puts it."""
+    swap: Tuple[Tuple[str, str], ...] = ()
+    """(old, new) texts, each old found once: in the final new file before it is cut
+    to ``keep`` (a command line without its later subcommands), or in the edited
+    upstream module (a dispatch kept for a path a later patch replaces)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,27 @@ NUMA_DISCOVERY = Partial(
     NUMA,
     replace=NUMA_NODES.replace + ("_query_numa_node_for_gpu",),
     add_before=NUMA_NODES.add_before,
+    remove=NUMA_NODES.remove,
+    imports=NUMA_NODES.imports,
+    swap=(  # XPU keeps upstream's path until the next patch
+        (
+            """    device = (
+        "xpu"
+        if _platform_flag("_is_xpu") and not _platform_flag("_is_cuda")
+        else "cuda"
+    )
+""",
+            """    if _platform_flag("_is_xpu") and not _platform_flag("_is_cuda"):
+        return _query_numa_node_for_xpu(device_id)
+    device = "cuda"
+""",
+        ),
+    ),
+)
+NUMA_XPU = Partial(
+    NUMA,
+    replace=NUMA_DISCOVERY.replace,
+    add_before=NUMA_NODES.add_before,
     remove=NUMA_NODES.remove
     + (
         "_list_xpu_pci_addresses",
@@ -134,7 +159,7 @@ NUMA_DISCOVERY = Partial(
 )
 NUMA_BIND = Partial(
     NUMA,
-    replace=NUMA_DISCOVERY.replace
+    replace=NUMA_XPU.replace
     + (
         "get_libnuma",
         "numa_bind_to_node",
@@ -142,11 +167,40 @@ NUMA_BIND = Partial(
         "_can_set_mempolicy",
         "get_numa_node_if_available",
     ),
-    add_before=NUMA_DISCOVERY.add_before,
-    remove=NUMA_DISCOVERY.remove,
-    imports=NUMA_DISCOVERY.imports,
+    add_before=NUMA_XPU.add_before,
+    remove=NUMA_XPU.remove,
+    imports=NUMA_XPU.imports,
 )
 NUMA_TESTS = UT + "test_numa_utils.py"
+
+#: The command line before verify and capture join it.
+_VERIFY_CLI = (
+    (
+        '    verify = sub.add_parser("verify", help="start the ranks, read each binding back")\n',
+        "",
+    ),
+    (
+        '(plan, ("mp", "ray")), (verify, ("mp", "ray", "both"))',
+        '(plan, ("mp", "ray")),',
+    ),
+    (
+        "    # One thread per dp rank, as sglang's data-parallel controller starts them.\n"
+        '    verify.add_argument("--dp-threads", action="store_true")\n'
+        '    verify.add_argument("--timeout", type=_seconds, default=120.0, help="seconds")\n',
+        "",
+    ),
+    ('"plan": cmd_plan, "verify": cmd_verify, ', '"plan": cmd_plan, '),
+)
+_CAPTURE_CLI = (
+    (
+        '    capture = sub.add_parser("capture", help="copy the sysfs files plan reads into DIR")\n'
+        '    capture.add_argument("dir", metavar="DIR", type=_path("DIR"))\n'
+        '    capture.add_argument("--sysfs-root", default="/sys", type=_path("--sysfs-root"))\n',
+        "",
+    ),
+    ('"plan": cmd_plan, "capture": cmd_capture}', '"plan": cmd_plan}'),
+)
+MAIN = T + "__main__.py"
 
 SERIES: Tuple[Patch, ...] = (
     Patch(
@@ -178,21 +232,34 @@ SERIES: Tuple[Patch, ...] = (
         "process, from /sys or a snapshot (the new settings join envs).",
         "SGLANG_SYSFS_ROOT points numa_utils at a captured topology, and a node "
         "without CPUs or memory no longer counts towards a NUMA host.",
-        files=(PY + "srt/environ.py",),
+        files=(PY + "srt/environ.py", PT + "test_topology.py"),
         partial=(NUMA_NODES, Partial(NUMA_TESTS, keep=("TestIsNumaAvailable",))),
     ),
     Patch(
         "numa-utils-discovery",
-        "numa_utils: find a GPU's node through its PCI address",
+        "numa_utils: find a CUDA GPU's node through its PCI address",
         "_query_numa_node_for_gpu names the node of the device's PCI address, found "
-        "through the visibility variable in force (NVML optional); upstream's XPU "
-        "helpers give way to placement's device identity, in Level Zero's order.",
+        "through CUDA_VISIBLE_DEVICES (indices, GPU- and MIG- UUIDs; NVML optional); "
+        "XPU keeps upstream's path for one more patch.",
         "get_numa_node_if_available finds GPUs named by UUID in CUDA_VISIBLE_DEVICES "
         "and answers from the PCI numa_node, without NVML's memory-affinity mask.",
+        files=(PT + "test_placement_settings.py", PT + "test_devices.py"),
         partial=(
             NUMA_DISCOVERY,
             Partial(NUMA_TESTS, keep=("TestQueryNumaNodeForGpu",)),
         ),
+    ),
+    Patch(
+        "numa-utils-xpu",
+        "numa_utils: an XPU's node in Level Zero's order",
+        "_query_numa_node_for_gpu answers XPU devices through placement's device "
+        "identity: ZE_AFFINITY_MASK filters (card.tile names its card), Level Zero "
+        "numbers integrated GPUs last unless ZE_ENABLE_PCI_ID_DEVICE_ORDER is set; "
+        "upstream's XPU helpers go.",
+        "An XPU rank under ZE_AFFINITY_MASK or with an integrated GPU present is "
+        "bound to the node of the device Level Zero gives it, read from sysfs.",
+        files=(UT + "test_numa_utils_xpu.py",),
+        partial=(NUMA_XPU,),
     ),
     Patch(
         "numa-bind-to-node",
@@ -263,15 +330,11 @@ SERIES: Tuple[Patch, ...] = (
             P + "plan.py",
             G + "__init__.py",
             T + "__init__.py",
-            T + "__main__.py",
-            PT + "test_placement_settings.py",
-            PT + "test_topology.py",
-            PT + "test_devices.py",
             PT + "test_resolve.py",
             PT + "test_place_gpu_id.py",
-            UT + "test_numa_utils_xpu.py",
             TT + "test_plan.py",
         ),
+        partial=(Partial(MAIN, keep=("main",), swap=_VERIFY_CLI + _CAPTURE_CLI),),
     ),
     Patch(
         "tools-capture-read-back",
@@ -281,6 +344,7 @@ SERIES: Tuple[Patch, ...] = (
         "pages are, compared with the placement.",
         "plan for another host from its snapshot.",
         files=(T + "capture.py", TT + "test_capture.py"),
+        partial=(Partial(MAIN, keep=("main",), swap=_VERIFY_CLI),),
     ),
     Patch(
         "tools-verify",
@@ -288,7 +352,7 @@ SERIES: Tuple[Patch, ...] = (
         "Probe ranks started inside configure_subprocess and through "
         "_create_scheduler_actor report their binding from inside.",
         "verify says, rank by rank, whether the launch path bound each rank as planned.",
-        files=(T + "verify.py", T + "verify_ray.py", TT + "test_verify.py"),
+        files=(MAIN, T + "verify.py", T + "verify_ray.py", TT + "test_verify.py"),
     ),
 )
 
@@ -450,6 +514,20 @@ def _spans(source: str) -> Dict[str, Tuple[int, int]]:
     return spans
 
 
+def swapped(
+    text: str, swaps: Iterable[Tuple[str, str]], refuse: Callable, where: str
+) -> str:
+    """``text`` with each (old, new) of ``swaps`` done; an old not found exactly once is refused."""
+    for old, new in swaps:
+        if text.count(old) != 1:
+            raise refuse(
+                f"{where} swaps a text found {text.count(old)} times, not once "
+                f"(fix or drop the swap): {old.strip()[:80]!r}"
+            )
+        text = text.replace(old, new)
+    return text
+
+
 def edited(upstream: str, final: str, partial: Partial) -> str:
     """``upstream`` with ``partial``'s definitions taken from ``final``, removed, or added."""
     ours, theirs = _spans(final), _spans(upstream)
@@ -589,6 +667,7 @@ class _States:
         }
         self.final: Set[str] = set()
         self.roots: Dict[str, Set[str]] = {}
+        self.base: Dict[str, str] = {}  # a new file's final text with a Partial's swaps
 
     def final_text(self, path: str) -> str:
         return self.by_path[path].new.decode()
@@ -606,7 +685,9 @@ class _States:
                     for module, name, attributes in imports_of(text):
                         self._need(importer, module, name, attributes, where)
             grown = {
-                path: sliced(self.final_text(path), sorted(roots))
+                path: sliced(
+                    self.base.get(path) or self.final_text(path), sorted(roots)
+                )
                 for path, roots in self.roots.items()
                 if self.sliceable(path)
             }
@@ -688,17 +769,19 @@ def build(
             problems = _edit_problems(upstream, states.final_text(path), partial, where)
             if problems:
                 raise refuse("; ".join(problems))
+            final = states.final_text(path)
             if partial.keep:
                 states.roots.setdefault(path, set()).update(partial.keep)
+                states.base[path] = swapped(final, partial.swap, refuse, where)
             else:
-                text = edited(upstream, states.final_text(path), partial)
+                text = edited(upstream, final, partial)
                 lacking = _lacking(text, states.final_text(path), partial)
                 if lacking:
                     raise refuse(
                         f"{where}: the state of {path} uses {', '.join(lacking)}, which "
                         "it lacks: add them to add_before (or imports)"
                     )
-                states.text[path] = text
+                states.text[path] = swapped(text, partial.swap, refuse, where)
         states.grow(where)
         order += sorted(p for p in states.text if p not in order)
         touched = [p for p in order if states.text[p] != before[p]]

@@ -161,9 +161,8 @@ def test_each_patch_has_a_header_an_operator_notice_and_its_tests(checkout_serie
 #: size goals (they are being cut down); ``overlay.py --series`` refuses the
 #: series until they hold, naming the patch and its largest files.
 KNOWN_OVER_BUDGET = (
-    "numa-utils-nodes 819, numa-utils-discovery 1421, ray-actors 2200, "
-    "configure-subprocess 1361, tools-plan 2601 changed lines; Ray actors fixed "
-    "at 5440 changed lines"
+    "numa-utils-discovery 1029, ray-actors 1293, configure-subprocess 1275 changed "
+    "lines; Ray actors fixed at 4344 changed lines"
 )
 
 
@@ -330,7 +329,7 @@ def test_a_patch_over_800_lines_is_refused(changes):
     assert re.search(
         r"patch 1 \(shm-segments\) changes \d+ lines, more than 800", found
     )
-    assert "sglang/srt/distributed/shm_collective.py 239" in found
+    assert re.search(r"sglang/srt/distributed/shm_collective\.py \d+", found)
 
 
 def test_a_file_in_two_patches_or_in_none_is_refused(changes):

@@ -42,16 +42,12 @@ class TestNumactlLadder(unittest.TestCase):
     def test_each_option_set_is_probed_once(self):
         self.ladder()
         self.ladder()
+        numactl, true = "/usr/bin/numactl", true_program()
         self.assertEqual(
             self.calls,
             [
-                ("/usr/bin/numactl", "--cpunodebind=1", "--membind=1", true_program()),
-                (
-                    "/usr/bin/numactl",
-                    "--cpunodebind=1",
-                    "--preferred=1",
-                    true_program(),
-                ),
+                (numactl, "--cpunodebind=1", "--membind=1", true),
+                (numactl, "--cpunodebind=1", "--preferred=1", true),
             ],
         )
 
