@@ -14,7 +14,6 @@ _PART_RE = re.compile(rf"{_NUMBER}(?:-{_NUMBER})?(?::{_NUMBER})?")
 
 
 def elide(text: str, limit: int) -> str:
-    """``text`` cut in the middle past ``limit`` characters, saying how much was cut."""
     if len(text) <= limit:
         return text
     half = limit // 2
@@ -28,11 +27,8 @@ def shown(value: object, *, limit: int = 120, quote: bool = True) -> str:
 
 
 def parse_cpulist(text: str, *, what: str = "cpulist") -> frozenset[int]:
-    """A cpulist such as ``"0-3,8,10-11:2"``; "" is the empty set.
-
-    ``what`` names the text's source in the error; the bare reason is its
-    ``__cause__``. Every number is bounded before any range is built.
-    """
+    """``"0-3,8,10-11:2"``; "" is the empty set. ``what`` names the source in the error
+    (the bare reason is its ``__cause__``); every number is bounded before a range."""
     stripped = text.strip()
     if len(stripped) > MAX_CPULIST_CHARS:
         raise ValueError(

@@ -6,6 +6,7 @@ torch, whose CUDA initialisation in a launcher breaks the children it forks late
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from typing import Any, Mapping, NamedTuple, Optional, Protocol, Sequence, Union
@@ -96,8 +97,7 @@ class NvmlRuntime:
             self._open = False
             self._ask("nvmlShutdown")
 
-    def _ask(self, call: str, *args: Any) -> Any:
-        """NVML's answer, or None where it has none (or is asked about None)."""
+    def _ask(self, call: str, *args: Any) -> Any:  # None: no answer, or asked of None
         try:
             return None if None in args else getattr(self._nvml, call)(*args)
         except self._error as exc:
@@ -139,19 +139,14 @@ def accelerator_pci_devices(
     topology: HostTopology, *, device: str
 ) -> tuple[PciDevice, ...]:
     """The GPUs of ``device``'s vendor that sysfs lists, in PCI bus order."""
-    ids = _GPUS.get(device, ())
+    ids, bare = _GPUS.get(device, ()), lambda v: v.lower().removeprefix("0x")
+    # sysfs writes "0x10de"; a snapshot or --gpus-built tree may not.
     found = [
         d
         for d in topology.pci_devices
-        if (_hex(d.vendor), _hex(d.pci_class)[:4]) in ids
+        if (bare(d.vendor), bare(d.pci_class)[:4]) in ids
     ]
     return tuple(sorted(found, key=lambda d: (int(d.address[:-8], 16), d.address)))
-
-
-def _hex(value: str) -> str:
-    # sysfs writes "0x10de"; a snapshot or --gpus-built tree may not.
-    text = value.strip().lower()
-    return text[2:] if text.startswith("0x") else text
 
 
 class _Physical(NamedTuple):
@@ -265,13 +260,8 @@ def identify_accelerators(
 def parse_cuda_visible_devices(text: str) -> tuple[str, ...]:
     """The entries of ``CUDA_VISIBLE_DEVICES`` that CUDA honours: it stops at the
     first invalid one (``"0,2,-1,1"`` shows 0 and 2)."""
-    entries = []
-    for part in text.split(","):
-        found = _cuda_entry(part.strip(), "")
-        if found is None:
-            break
-        entries.append(found.text)
-    return tuple(entries)
+    found = (_cuda_entry(part.strip(), "") for part in text.split(","))
+    return tuple(e.text for e in itertools.takewhile(lambda e: e is not None, found))
 
 
 def _cuda_entry(entry: str, origin: str) -> Optional[_Physical]:
@@ -283,10 +273,7 @@ def _cuda_entry(entry: str, origin: str) -> Optional[_Physical]:
 
 
 def _physical(
-    device: str,
-    gpu_id: int,
-    env: Mapping[str, str],
-    count: int,
+    device: str, gpu_id: int, env: Mapping[str, str], count: int
 ) -> _Physical:
     var = "CUDA_VISIBLE_DEVICES" if device == "cuda" else "ZE_AFFINITY_MASK"
     value = env.get(var)

@@ -31,7 +31,6 @@ def true_program() -> str:
 
 
 def cpu_option(*, cpus: Iterable[int], whole_nodes: Optional[Sequence[int]]) -> str:
-    """``--cpunodebind`` when the CPUs are exactly some nodes', else --physcpubind."""
     if whole_nodes:
         return f"--cpunodebind={format_cpulist(whole_nodes)}"
     return f"--physcpubind={format_cpulist(cpus)}"
@@ -55,17 +54,13 @@ class ProbeResult:
 
 @dataclass(frozen=True)
 class LadderOutcome:
-    """The strongest memory policy numactl accepted with the CPU option, and why;
-    ``ok`` is False when even the CPU option alone was refused."""
-
-    mem_policy: str
+    mem_policy: str  # the strongest numactl accepted with the CPU option
     args: tuple[str, ...]
     reasons: tuple[str, ...]
-    ok: bool
+    ok: bool  # False when even the CPU option alone was refused
 
 
 def run_numactl(argv: Sequence[str]) -> ProbeResult:
-    """Run ``argv`` (numactl, options, a program); numactl's reason if it refuses."""
     try:
         done = subprocess.run(
             list(argv),
@@ -119,8 +114,7 @@ class NumactlProber:
         mem_nodes: Iterable[int],
         preferred_node: Optional[int],
     ) -> LadderOutcome:
-        """Try bind, then preferred, then CPUs only, from ``mem_policy`` down; stop at
-        the first the kernel accepts."""
+        """Bind, preferred, CPUs only, from ``mem_policy`` down: the first accepted."""
         nodes = sorted(mem_nodes)
         start = _LADDER.index(mem_policy) if mem_policy in _LADDER else 2
         refused: list[tuple[str, str]] = []  # (options, numactl's reason)
@@ -167,7 +161,6 @@ _probers: dict[str, NumactlProber] = {}
 
 
 def default_prober() -> Optional[NumactlProber]:
-    """This process's prober of the numactl on PATH; None when it is not installed."""
     path = find_numactl()
     if path is None:
         return None
