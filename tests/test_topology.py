@@ -284,10 +284,10 @@ def test_process_affinity_from_a_status_file(tmp_path):
     path = fakesys.write_proc_status(
         tmp_path / "status", cpus={0, 1, 2, 3, 8, 10, 11}, mems={1, 3}
     )
-    affinity = read_process_affinity(path, source="snapshot")
+    affinity = read_process_affinity(path)
     assert affinity.cpus == {0, 1, 2, 3, 8, 10, 11}
     assert affinity.mems == {1, 3}
-    assert affinity.source == "snapshot"
+    assert affinity.source == "this process"
 
 
 def test_process_affinity_errors(tmp_path):
@@ -297,7 +297,9 @@ def test_process_affinity_errors(tmp_path):
         read_process_affinity(tmp_path / "missing")
     status = tmp_path / "status"
     status.write_text("Name:\tx\nCpus_allowed_list:\t0-3\n")
-    with pytest.raises(PlacementError, match=f"{status}: has no Mems_allowed_list line"):
+    with pytest.raises(
+        PlacementError, match=f"{status}: has no Mems_allowed_list line"
+    ):
         read_process_affinity(status)
     status.write_text("Cpus_allowed_list:\t0-x\nMems_allowed_list:\t0\n")
     with pytest.raises(PlacementError, match="Cpus_allowed_list"):

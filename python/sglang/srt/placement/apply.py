@@ -42,8 +42,6 @@ def handle_bind_failure(
 
 @dataclass(frozen=True)
 class BindOutcome:
-    """What ``bind_in_process`` applied to one rank; ``notes``: what it could not."""
-
     label: str
     cpus: frozenset[int]  # empty when the affinity was left alone
     threads: int

@@ -52,10 +52,8 @@ def _parse_part(part: str) -> range:
     match = _PART_RE.fullmatch(part)
     if match is None:
         raise ValueError("expected N, N-M or N-M:STRIDE in ASCII digits")
-    lo_text, hi_text, stride_text = match.groups()
-    lo = _cpu_number(lo_text)
-    hi = lo if hi_text is None else _cpu_number(hi_text)
-    stride = 1 if stride_text is None else _cpu_number(stride_text)
+    lo, hi, stride = match.groups()
+    lo, hi, stride = map(_cpu_number, (lo, hi or lo, stride or "1"))
     if stride == 0 or hi < lo:
         raise ValueError("a range must ascend, with a positive stride")
     return range(lo, hi + 1, stride)

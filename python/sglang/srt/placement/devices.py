@@ -67,8 +67,7 @@ def parse_gpus_option(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
 
 
 class AcceleratorRuntime(Protocol):
-    """A driver's answers: the PCI address of a physical device index (PCI bus
-    order), or of a ``GPU-``/``MIG-`` UUID or unique UUID prefix."""
+    """PCI addresses by physical index (PCI bus order) or UUID (or unique prefix)."""
 
     name: str
 
@@ -164,12 +163,9 @@ def identify_accelerators(
     gpus: Union[str, Sequence[str], None] = None,
     runtime: Optional[AcceleratorRuntime] = None,
 ) -> tuple[Accelerator, ...]:
-    """One Accelerator per logical device index, in order.
-
-    ``gpus`` (``--gpus``) names found outright; otherwise the visibility
-    variable's entry, else the index names the physical device, whose
-    address ``runtime`` gives, else sysfs order. ``env`` is the rank's own.
-    """
+    """``--gpus`` names them outright; else the visibility variable's entry, else the
+    index, names the physical device, whose address ``runtime`` gives, else sysfs
+    order. ``env`` is the rank's own."""
     if device == "cpu":
         return ()
     if device not in _GPUS:
@@ -227,14 +223,13 @@ def identify_accelerators(
 
         missed = ""
         if runtime is not None and index is None:
-            pci = runtime.pci_by_uuid(text)
-            if pci is not None:
-                return made(pci, f"{runtime.name}: {text} ({origin})")
-            return made(
-                None,
-                f"unknown: {runtime.name} knows no device {text} ({origin}); an "
-                "abbreviated UUID must match exactly one GPU",
-            )
+            pci, found = runtime.pci_by_uuid(text), f"{text} ({origin})"
+            unknown = "; an abbreviated UUID must match exactly one GPU"
+            if pci is None:
+                return made(
+                    None, f"unknown: {runtime.name} knows no device {found}{unknown}"
+                )
+            return made(pci, f"{runtime.name}: {found}")
         if runtime is not None:
             pci = runtime.pci_by_index(index)
             if pci is not None:

@@ -82,8 +82,7 @@ def run_numactl(argv: Sequence[str]) -> ProbeResult:
 
 
 class NumactlProber:
-    """Runs ``numactl <options> true`` at most once per option set; ``run`` stands in
-    for numactl in tests and benchmarks."""
+    """Runs ``numactl <options> true`` at most once per option set."""
 
     def __init__(
         self,
