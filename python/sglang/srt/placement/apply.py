@@ -83,14 +83,11 @@ def bind_in_process(
         why = "; ".join(placement.reasons) or "placement strategy is none"
         notes.append(f"not bound: {why}")
     else:
-        lib = None
-        if placement.mem_policy != MemPolicy.NONE:
-            lib = libnuma or load_libnuma()
-            if lib is None:
-                degrade(
-                    "memory policy not set: libnuma.so.1 is not available "
-                    "(install libnuma1)"
-                )
+        wants_memory = placement.mem_policy != MemPolicy.NONE
+        lib = (libnuma or load_libnuma()) if wants_memory else None
+        if wants_memory and lib is None:
+            missing = "libnuma.so.1 is not available (install libnuma1)"
+            degrade(f"memory policy not set: {missing}")
         if placement.cpus:
             threads, refusal = set_all_threads_affinity(
                 placement.cpus, tasks_dir=tasks_dir, setaffinity=setaffinity

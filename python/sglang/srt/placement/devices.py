@@ -6,6 +6,7 @@ torch, whose CUDA initialisation in a launcher breaks the children it forks late
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import re
@@ -28,7 +29,6 @@ _PCI_RE = re.compile(r"(?:([0-9a-f]{4,8}):)?([0-9a-f]{2}):([01][0-9a-f])\.([0-7]
 _INDEX_RE = re.compile(r"[+-]?[0-9]{1,18}")
 _ZE_ENTRY_RE = re.compile(r"([0-9]{1,9})(?:\.[0-9]{1,9})?")
 _PCI_ID_ORDER = "ZE_ENABLE_PCI_ID_DEVICE_ORDER"
-_BUS_ORDER = "PCI_BUS_ID"
 
 
 def canonical_pci_address(text: str) -> Optional[str]:
@@ -42,7 +42,6 @@ def canonical_pci_address(text: str) -> Optional[str]:
 
 
 def parse_gpus_option(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
-    """The ``--gpus`` value as canonical PCI addresses, in device-index order."""
     raw = value if isinstance(value, str) else ",".join(map(str, value))
     if not raw.strip():
         raise SettingError(
@@ -77,8 +76,7 @@ class AcceleratorRuntime(Protocol):
 
 
 class NvmlRuntime:
-    """NVML numbers devices in PCI bus order, ignoring CUDA_VISIBLE_DEVICES: its
-    indices are physical. ``module`` stands in for ``pynvml`` in tests."""
+    """NVML's indices are physical (PCI bus order), CUDA_VISIBLE_DEVICES aside."""
 
     name = "nvml"
 
@@ -137,7 +135,6 @@ def default_runtime(device: str) -> Optional[AcceleratorRuntime]:
 def accelerator_pci_devices(
     topology: HostTopology, *, device: str
 ) -> tuple[PciDevice, ...]:
-    """The GPUs of ``device``'s vendor that sysfs lists, in PCI bus order."""
     ids, bare = _GPUS.get(device, ()), lambda v: v.lower().removeprefix("0x")
     # sysfs writes "0x10de"; a snapshot or --gpus-built tree may not.
     found = [
@@ -208,7 +205,7 @@ def identify_accelerators(
         else:
             value = f"{_PCI_ID_ORDER}={value}"
         order = f"Level Zero order (PCI bus order, {value})"
-    elif len(listed) != 1 and env.get("CUDA_DEVICE_ORDER", "").strip() != _BUS_ORDER:
+    elif len(listed) != 1 and env.get("CUDA_DEVICE_ORDER", "").strip() != "PCI_BUS_ID":
         note = (
             "; NVML and sysfs count GPUs in PCI bus order but CUDA_DEVICE_ORDER is not "
             "PCI_BUS_ID, so CUDA's fastest-first order may differ (set "
@@ -217,10 +214,7 @@ def identify_accelerators(
 
     def locate(gpu_id: int) -> Accelerator:
         text, index, origin = _physical(device, gpu_id, env, len(listed))
-
-        def made(pci: Optional[str], source: str) -> Accelerator:
-            return Accelerator(gpu_id, text, pci, source)
-
+        made = functools.partial(Accelerator, gpu_id, text)  # (pci, source)
         missed = ""
         if runtime is not None and index is None:
             pci, found = runtime.pci_by_uuid(text), f"{text} ({origin})"
@@ -283,16 +277,12 @@ def _physical(
         # Level Zero's mask filters, it does not permute ("3,1" shows 1 and 3, as 0
         # and 1); card.tile shows its card; no index, or a card not listed, is skipped.
         word, value = "device", value.strip()
-        cards = [_ZE_ENTRY_RE.fullmatch(part.strip()) for part in value.split(",")]
-        numbers = [card and int(card[1]) for card in cards]
-        entries = sorted(
-            {card for card in numbers if card is not None and card < count}
-        )
-        skipped = [
-            repr(p.strip())
-            for p, c in zip(value.split(","), numbers)
-            if c not in entries
+        parts = [part.strip() for part in value.split(",")]
+        numbers = [
+            int(m[1]) if (m := _ZE_ENTRY_RE.fullmatch(p)) else None for p in parts
         ]
+        entries = sorted({n for n in numbers if n is not None and n < count})
+        skipped = [repr(p) for p, n in zip(parts, numbers) if n not in entries]
         note = f"; entries {', '.join(skipped)} skipped" if skipped else ""
     if gpu_id >= len(entries):
         shows = f"makes {len(entries)} {word}(s) visible{note}"

@@ -80,10 +80,9 @@ class LibNuma:
     def migrate_pages(
         self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]
     ) -> int:
-        """``pid`` 0 is this process; returns how many pages stayed."""
         src, dst = _mask(from_nodes), _mask(to_nodes)
         result = self.cdll.migrate_pages(pid, _MAXNODE, src, dst)
-        return _check(result, "migrate_pages", _nodes(dst))
+        return _check(result, "migrate_pages", _nodes(dst))  # pages that stayed
 
 
 @functools.lru_cache(maxsize=None)

@@ -68,7 +68,6 @@ def run_numactl(argv: Sequence[str]) -> ProbeResult:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             timeout=PROBE_TIMEOUT_S,
-            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return ProbeResult(ok=False, message=f"{argv[0]} could not be run: {exc}")
@@ -88,9 +87,11 @@ class NumactlProber:
         self,
         *,
         numactl_path: str,
+        true_path: Optional[str] = None,
         run: Callable[[Sequence[str]], ProbeResult] = run_numactl,
     ) -> None:
         self.numactl_path = numactl_path
+        self.true_path = true_path or true_program()
         self._run = run
         self._results: dict[tuple[str, ...], ProbeResult] = {}
         self._lock = threading.Lock()
@@ -101,7 +102,7 @@ class NumactlProber:
         with self._lock:
             if key not in self._results:
                 self.probe_count += 1
-                argv = [self.numactl_path, *key, true_program()]
+                argv = [self.numactl_path, *key, self.true_path]
                 self._results[key] = self._run(argv)
             return self._results[key]
 

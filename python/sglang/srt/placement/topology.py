@@ -74,8 +74,7 @@ def _check_regular(mode: int, path: str, fix: str) -> None:
 def read_topology(
     root: str | os.PathLike = LIVE_SYSFS, *, setting: str = ROOT_SETTING
 ) -> HostTopology:
-    """An incomplete or corrupt tree raises an error naming the file and the fix, which
-    names ``setting`` (what chose ``root``)."""
+    """Errors name the file, and a fix naming ``setting``, what chose ``root``."""
     return _read(root, setting=setting).topology
 
 
@@ -103,7 +102,6 @@ def _stamp(root: str, rel: str) -> bytes:
 def read_process_affinity(
     status_path: str | os.PathLike = "/proc/self/status",
 ) -> ProcessAffinity:
-    """The CPUs and memory nodes a process may use: its cpuset, numactl or taskset."""
     path = os.fspath(status_path)
     fix = "pass the status file of a running process, such as /proc/self/status"
     text = read_file(path, fix=fix).decode("ascii", errors="replace")

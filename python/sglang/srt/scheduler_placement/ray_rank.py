@@ -45,9 +45,7 @@ def bind_scheduler_actor(
     """None under SGLANG_NUMA_BIND_V2=0, where ``configure_scheduler_process`` binds."""
     if not settings.bind_v2():
         return None
-    rank = RankIdentity(
-        dp_rank=dp_rank or 0, pp_rank=pp_rank, tp_rank=tp_rank, gpu_id=gpu_id
-    )
+    rank = RankIdentity(dp_rank or 0, pp_rank, tp_rank, gpu_id)
     placement = actor_placement(server_args, rank=rank, assigned_gpus=assigned_gpus)
     enforce_failure_policy(placement, who=rank.label)
     return placement, bind_in_process(placement)
