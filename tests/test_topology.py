@@ -297,9 +297,7 @@ def test_process_affinity_errors(tmp_path):
         read_process_affinity(tmp_path / "missing")
     status = tmp_path / "status"
     status.write_text("Name:\tx\nCpus_allowed_list:\t0-3\n")
-    with pytest.raises(
-        PlacementError, match=f"{status}: has no Mems_allowed_list line"
-    ):
+    with pytest.raises(PlacementError, match=f"{status}: has no Mems_allowed_list line"):
         read_process_affinity(status)
     status.write_text("Cpus_allowed_list:\t0-x\nMems_allowed_list:\t0\n")
     with pytest.raises(PlacementError, match="Cpus_allowed_list"):
