@@ -111,7 +111,7 @@ def test_binds_every_thread_sets_membind_and_migrates():
     assert fake.called("migrate_pages") == [(0, frozenset({0}), frozenset({1}))]
     assert outcome.pages_not_migrated == 7
     assert fake.pages == {0: 7, 1: 513}
-    assert not outcome.degraded
+    assert not outcome.notes
     assert outcome.summary.startswith("DP0 PP0 TP1: ")
     assert "bind on node(s) 1" in outcome.summary and "7 not moved" in outcome.summary
 
@@ -121,7 +121,7 @@ def test_membind_rejected_degrades_to_preferred_and_says_so():
     outcome = bind_in_process(placement(), libnuma=fake)
     assert (outcome.mem_policy, outcome.mem_nodes) == ("preferred", {1})
     assert (fake.policy, fake.policy_nodes) == ("preferred", {1})
-    assert outcome.degraded
+    assert outcome.notes
     assert "membind to node 1 rejected" in outcome.notes[0]
     assert "falling back to preferred node 1" in outcome.notes[0]
     assert fake.called("migrate_pages") == [(0, frozenset({0}), frozenset({1}))]
@@ -153,7 +153,7 @@ def test_mem_policy_none_leaves_memory_alone():
     )
     assert fake.calls == []
     assert outcome.cpus == TARGET_CPUS and outcome.mem_policy == "none"
-    assert outcome.pages_not_migrated is None and not outcome.degraded
+    assert outcome.pages_not_migrated is None and not outcome.notes
 
 
 def test_migration_can_be_skipped():
@@ -226,7 +226,7 @@ def test_threads_that_exit_during_the_walk_are_skipped(tmp_path):
         setaffinity=setaffinity,
     )
     assert seen == [101, 102, 103]
-    assert outcome.threads == 2 and outcome.cpus == TARGET_CPUS and not outcome.degraded
+    assert outcome.threads == 2 and outcome.cpus == TARGET_CPUS and not outcome.notes
 
 
 def test_threads_started_during_the_walk_are_bound_too(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
 import shutil
@@ -168,6 +170,23 @@ def test_crafted_tree_without_numa_maps_counts_nothing(tmp_path):
         proc_root=str(tmp_path), mempolicy=lambda: ("default", frozenset())
     )
     assert obs.cpus == {0} and obs.local_page_ratio([0]) is None
+
+
+def test_a_host_without_libnuma_reads_back_policy_unknown(tmp_path, monkeypatch):
+    from sglang.srt.placement import libnuma
+
+    absent = functools.partial(libnuma.load_libnuma, name="libnuma-absent.so.9")
+    monkeypatch.setattr(libnuma, "load_libnuma", absent)
+    with pytest.raises(OSError) as raised:
+        libnuma.read_mempolicy()
+    assert raised.value.errno == errno.ENOSYS
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "status").write_text(
+        "Cpus_allowed_list:\t0-1\nMems_allowed_list:\t0\n"
+    )
+    obs = observe_self(proc_root=str(tmp_path))
+    assert (obs.cpus, obs.policy, obs.policy_nodes) == ({0, 1}, "unknown", set())
+    assert ObservedBinding.from_dict(obs.to_dict()) == obs
 
 
 def test_a_status_without_the_cpu_list_is_an_error_naming_the_file(tmp_path):

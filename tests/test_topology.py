@@ -283,10 +283,10 @@ def test_process_affinity_from_a_status_file(tmp_path):
     path = fakesys.write_proc_status(
         tmp_path / "status", cpus={0, 1, 2, 3, 8, 10, 11}, mems={1, 3}
     )
-    affinity = read_process_affinity(path, source="snapshot")
+    affinity = read_process_affinity(path)
     assert affinity.cpus == {0, 1, 2, 3, 8, 10, 11}
     assert affinity.mems == {1, 3}
-    assert affinity.source == "snapshot"
+    assert affinity.source == "this process"
 
 
 def test_process_affinity_errors(tmp_path):

@@ -33,9 +33,8 @@ _CRASH_HINT = (
 def handle_bind_failure(
     message: str, *, log: logging.Logger = logger, fatal_hint: str = ""
 ) -> None:
-    """The one failure policy, upstream's: a rank less bound than intended is a
-    warning naming it, or under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 an error raised
-    before the rank runs, so strictness never yields a silently slower rank."""
+    """Upstream's: a warning, or under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 an error
+    raised before the rank runs, so strictness never yields a silently slower rank."""
     log.warning(message)
     if settings.bind_failure_is_fatal():
         raise PlacementError(message + fatal_hint)
@@ -43,19 +42,13 @@ def handle_bind_failure(
 
 @dataclass(frozen=True)
 class BindOutcome:
-    """What ``bind_in_process`` applied to one rank; ``notes``: what it could not."""
-
     label: str
     cpus: frozenset[int]  # empty when the affinity was left alone
     threads: int
     mem_policy: str  # "bind", "preferred" or "none"
     mem_nodes: frozenset[int]
     pages_not_migrated: Optional[int]  # None when no migration was attempted
-    notes: tuple[str, ...] = ()
-
-    @property
-    def degraded(self) -> bool:
-        return bool(self.notes)
+    notes: tuple[str, ...] = ()  # empty when nothing was lost
 
     @property
     def summary(self) -> str:
@@ -76,10 +69,9 @@ def bind_in_process(
     setaffinity: Callable[[int, Iterable[int]], None] = os.sched_setaffinity,
     migrate: bool = True,
 ) -> BindOutcome:
-    """Bind this process to ``placement``, degrading like numactl's ladder (bind,
-    preferred, CPUs only); each lost step is a note, or a PlacementError under the
-    crash setting. ``libnuma``, ``tasks_dir`` and ``setaffinity`` stand in for the
-    host in tests; ``migrate=False`` lets a benchmark measure what migration buys."""
+    """Degrades like numactl's ladder (bind, preferred, CPUs only); each lost step is
+    a note, or a PlacementError under the crash setting. ``migrate=False`` lets a
+    benchmark measure what migration buys."""
     notes: list[str] = []
     cpus, threads, policy, nodes, not_moved = frozenset(), 0, "none", frozenset(), None
 
@@ -91,14 +83,11 @@ def bind_in_process(
         why = "; ".join(placement.reasons) or "placement strategy is none"
         notes.append(f"not bound: {why}")
     else:
-        lib = None
-        if placement.mem_policy != MemPolicy.NONE:
-            lib = libnuma or load_libnuma()
-            if lib is None:
-                degrade(
-                    "memory policy not set: libnuma.so.1 is not available "
-                    "(install libnuma1)"
-                )
+        wants_memory = placement.mem_policy != MemPolicy.NONE
+        lib = (libnuma or load_libnuma()) if wants_memory else None
+        if wants_memory and lib is None:
+            missing = "libnuma.so.1 is not available (install libnuma1)"
+            degrade(f"memory policy not set: {missing}")
         if placement.cpus:
             threads, refusal = set_all_threads_affinity(
                 placement.cpus, tasks_dir=tasks_dir, setaffinity=setaffinity
@@ -131,9 +120,8 @@ def set_all_threads_affinity(
     tasks_dir: str = "/proc/self/task",
     setaffinity: Callable[[int, Iterable[int]], None] = os.sched_setaffinity,
 ) -> tuple[int, Optional[str]]:
-    """Move every thread to ``cpus``: (threads moved, the refusal that stopped it).
-    A thread started by one not yet moved keeps the old CPUs, so the threads are
-    listed again until a pass finds none new; threads that exit are skipped."""
+    """(threads moved, the refusal that stopped it). A thread started by one not yet
+    moved keeps the old CPUs, so the threads are listed again until none is new."""
     tried: set[int] = set()
     moved = 0
     for _ in range(_MAX_THREAD_PASSES):
@@ -158,19 +146,16 @@ def _set_memory_policy(
     nodes, preferred = placement.mem_nodes, placement.numa_node
     if preferred is None:
         preferred = min(nodes, default=None)
-    if placement.mem_policy == MemPolicy.BIND:
+    if placement.mem_policy == MemPolicy.BIND and nodes:  # ours always name nodes
         try:
             lib.set_membind(nodes)
             return "bind", nodes
         except OSError as exc:
             where = ("node " if len(nodes) == 1 else "nodes ") + format_cpulist(nodes)
-            fallback = f": falling back to preferred node {preferred}"
             degrade(
-                f"membind to {where} rejected by the kernel ({_err(exc)})"
-                + ("" if preferred is None else fallback)
+                f"membind to {where} rejected by the kernel ({_err(exc)}): falling "
+                f"back to preferred node {preferred}"
             )
-            if preferred is None:
-                return "none", frozenset()
     if preferred is None:
         degrade("memory policy not set: the placement names no NUMA node")
         return "none", frozenset()

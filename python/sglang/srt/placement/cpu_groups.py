@@ -1,9 +1,6 @@
-"""SGLANG_CPU_OMP_THREADS_BIND: the CPUs of a CPU-device rank, read alike by bootstrap's
-thread binding, the rank's spawn and ``plan``.
-
-The index is the ``gpu_id`` sglang hands the rank; under sglang-router each worker is
-an engine whose ids count across the whole setting, so the groups bound the index.
-"""
+"""SGLANG_CPU_OMP_THREADS_BIND, read alike by bootstrap's thread binding, the spawn and
+``plan``. The index is the rank's ``gpu_id``; under sglang-router each worker is an
+engine whose ids count across the whole setting, so the groups bound the index."""
 
 from __future__ import annotations
 
@@ -23,7 +20,6 @@ def rank_cpus(
     topology: HostTopology,
     affinity: Optional[ProcessAffinity] = None,
 ) -> frozenset[int]:
-    """With ``all`` the (allowed) CPUs of node ``index``, else group ``index``."""
     text = spec.strip()
     if text == "all":
         nodes = topology.cpu_nodes
@@ -95,7 +91,6 @@ def _cpus(part: str) -> frozenset[int]:
 
 
 def _example(topology: HostTopology, index: int) -> str:
-    """A setting of ``index + 1`` disjoint groups over this host's online CPUs."""
     count = index + 1
     cpus = sorted(topology.online_cpus) or [0]
     per = max(len(cpus) // count, 1)

@@ -14,7 +14,6 @@ _PART_RE = re.compile(rf"{_NUMBER}(?:-{_NUMBER})?(?::{_NUMBER})?")
 
 
 def elide(text: str, limit: int) -> str:
-    """``text`` cut in the middle past ``limit`` characters, saying how much was cut."""
     if len(text) <= limit:
         return text
     half = limit // 2
@@ -28,11 +27,8 @@ def shown(value: object, *, limit: int = 120, quote: bool = True) -> str:
 
 
 def parse_cpulist(text: str, *, what: str = "cpulist") -> frozenset[int]:
-    """A cpulist such as ``"0-3,8,10-11:2"``; "" is the empty set.
-
-    ``what`` names the text's source in the error; the bare reason is its
-    ``__cause__``. Every number is bounded before any range is built.
-    """
+    """``"0-3,8,10-11:2"``; "" is the empty set. ``what`` names the source in the error
+    (the bare reason is its ``__cause__``); every number is bounded before a range."""
     stripped = text.strip()
     if len(stripped) > MAX_CPULIST_CHARS:
         raise ValueError(
@@ -56,10 +52,8 @@ def _parse_part(part: str) -> range:
     match = _PART_RE.fullmatch(part)
     if match is None:
         raise ValueError("expected N, N-M or N-M:STRIDE in ASCII digits")
-    lo_text, hi_text, stride_text = match.groups()
-    lo = _cpu_number(lo_text)
-    hi = lo if hi_text is None else _cpu_number(hi_text)
-    stride = 1 if stride_text is None else _cpu_number(stride_text)
+    lo, hi, stride = match.groups()
+    lo, hi, stride = map(_cpu_number, (lo, hi or lo, stride or "1"))
     if stride == 0 or hi < lo:
         raise ValueError("a range must ascend, with a positive stride")
     return range(lo, hi + 1, stride)

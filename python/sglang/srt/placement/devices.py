@@ -6,6 +6,8 @@ torch, whose CUDA initialisation in a launcher breaks the children it forks late
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import re
 from typing import Any, Mapping, NamedTuple, Optional, Protocol, Sequence, Union
@@ -27,7 +29,6 @@ _PCI_RE = re.compile(r"(?:([0-9a-f]{4,8}):)?([0-9a-f]{2}):([01][0-9a-f])\.([0-7]
 _INDEX_RE = re.compile(r"[+-]?[0-9]{1,18}")
 _ZE_ENTRY_RE = re.compile(r"([0-9]{1,9})(?:\.[0-9]{1,9})?")
 _PCI_ID_ORDER = "ZE_ENABLE_PCI_ID_DEVICE_ORDER"
-_BUS_ORDER = "PCI_BUS_ID"
 
 
 def canonical_pci_address(text: str) -> Optional[str]:
@@ -41,7 +42,6 @@ def canonical_pci_address(text: str) -> Optional[str]:
 
 
 def parse_gpus_option(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
-    """The ``--gpus`` value as canonical PCI addresses, in device-index order."""
     raw = value if isinstance(value, str) else ",".join(map(str, value))
     if not raw.strip():
         raise SettingError(
@@ -66,8 +66,7 @@ def parse_gpus_option(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
 
 
 class AcceleratorRuntime(Protocol):
-    """A driver's answers: the PCI address of a physical device index (PCI bus
-    order), or of a ``GPU-``/``MIG-`` UUID or unique UUID prefix."""
+    """PCI addresses by physical index (PCI bus order) or UUID (or unique prefix)."""
 
     name: str
 
@@ -77,8 +76,7 @@ class AcceleratorRuntime(Protocol):
 
 
 class NvmlRuntime:
-    """NVML numbers devices in PCI bus order, ignoring CUDA_VISIBLE_DEVICES: its
-    indices are physical. ``module`` stands in for ``pynvml`` in tests."""
+    """NVML's indices are physical (PCI bus order), CUDA_VISIBLE_DEVICES aside."""
 
     name = "nvml"
 
@@ -96,8 +94,7 @@ class NvmlRuntime:
             self._open = False
             self._ask("nvmlShutdown")
 
-    def _ask(self, call: str, *args: Any) -> Any:
-        """NVML's answer, or None where it has none (or is asked about None)."""
+    def _ask(self, call: str, *args: Any) -> Any:  # None: no answer, or asked of None
         try:
             return None if None in args else getattr(self._nvml, call)(*args)
         except self._error as exc:
@@ -138,20 +135,14 @@ def default_runtime(device: str) -> Optional[AcceleratorRuntime]:
 def accelerator_pci_devices(
     topology: HostTopology, *, device: str
 ) -> tuple[PciDevice, ...]:
-    """The GPUs of ``device``'s vendor that sysfs lists, in PCI bus order."""
-    ids = _GPUS.get(device, ())
+    ids, bare = _GPUS.get(device, ()), lambda v: v.lower().removeprefix("0x")
+    # sysfs writes "0x10de"; a snapshot or --gpus-built tree may not.
     found = [
         d
         for d in topology.pci_devices
-        if (_hex(d.vendor), _hex(d.pci_class)[:4]) in ids
+        if (bare(d.vendor), bare(d.pci_class)[:4]) in ids
     ]
     return tuple(sorted(found, key=lambda d: (int(d.address[:-8], 16), d.address)))
-
-
-def _hex(value: str) -> str:
-    # sysfs writes "0x10de"; a snapshot or --gpus-built tree may not.
-    text = value.strip().lower()
-    return text[2:] if text.startswith("0x") else text
 
 
 class _Physical(NamedTuple):
@@ -169,12 +160,9 @@ def identify_accelerators(
     gpus: Union[str, Sequence[str], None] = None,
     runtime: Optional[AcceleratorRuntime] = None,
 ) -> tuple[Accelerator, ...]:
-    """One Accelerator per logical device index, in order.
-
-    ``gpus`` (``--gpus``) names found outright; otherwise the visibility
-    variable's entry, else the index names the physical device, whose
-    address ``runtime`` gives, else sysfs order. ``env`` is the rank's own.
-    """
+    """``--gpus`` names them outright; else the visibility variable's entry, else the
+    index, names the physical device, whose address ``runtime`` gives, else sysfs
+    order. ``env`` is the rank's own."""
     if device == "cpu":
         return ()
     if device not in _GPUS:
@@ -217,7 +205,7 @@ def identify_accelerators(
         else:
             value = f"{_PCI_ID_ORDER}={value}"
         order = f"Level Zero order (PCI bus order, {value})"
-    elif len(listed) != 1 and env.get("CUDA_DEVICE_ORDER", "").strip() != _BUS_ORDER:
+    elif len(listed) != 1 and env.get("CUDA_DEVICE_ORDER", "").strip() != "PCI_BUS_ID":
         note = (
             "; NVML and sysfs count GPUs in PCI bus order but CUDA_DEVICE_ORDER is not "
             "PCI_BUS_ID, so CUDA's fastest-first order may differ (set "
@@ -226,20 +214,16 @@ def identify_accelerators(
 
     def locate(gpu_id: int) -> Accelerator:
         text, index, origin = _physical(device, gpu_id, env, len(listed))
-
-        def made(pci: Optional[str], source: str) -> Accelerator:
-            return Accelerator(gpu_id, text, pci, source)
-
+        made = functools.partial(Accelerator, gpu_id, text)  # (pci, source)
         missed = ""
         if runtime is not None and index is None:
-            pci = runtime.pci_by_uuid(text)
-            if pci is not None:
-                return made(pci, f"{runtime.name}: {text} ({origin})")
-            return made(
-                None,
-                f"unknown: {runtime.name} knows no device {text} ({origin}); an "
-                "abbreviated UUID must match exactly one GPU",
-            )
+            pci, found = runtime.pci_by_uuid(text), f"{text} ({origin})"
+            unknown = "; an abbreviated UUID must match exactly one GPU"
+            if pci is None:
+                return made(
+                    None, f"unknown: {runtime.name} knows no device {found}{unknown}"
+                )
+            return made(pci, f"{runtime.name}: {found}")
         if runtime is not None:
             pci = runtime.pci_by_index(index)
             if pci is not None:
@@ -265,13 +249,8 @@ def identify_accelerators(
 def parse_cuda_visible_devices(text: str) -> tuple[str, ...]:
     """The entries of ``CUDA_VISIBLE_DEVICES`` that CUDA honours: it stops at the
     first invalid one (``"0,2,-1,1"`` shows 0 and 2)."""
-    entries = []
-    for part in text.split(","):
-        found = _cuda_entry(part.strip(), "")
-        if found is None:
-            break
-        entries.append(found.text)
-    return tuple(entries)
+    found = (_cuda_entry(part.strip(), "") for part in text.split(","))
+    return tuple(e.text for e in itertools.takewhile(lambda e: e is not None, found))
 
 
 def _cuda_entry(entry: str, origin: str) -> Optional[_Physical]:
@@ -283,10 +262,7 @@ def _cuda_entry(entry: str, origin: str) -> Optional[_Physical]:
 
 
 def _physical(
-    device: str,
-    gpu_id: int,
-    env: Mapping[str, str],
-    count: int,
+    device: str, gpu_id: int, env: Mapping[str, str], count: int
 ) -> _Physical:
     var = "CUDA_VISIBLE_DEVICES" if device == "cuda" else "ZE_AFFINITY_MASK"
     value = env.get(var)
@@ -301,16 +277,12 @@ def _physical(
         # Level Zero's mask filters, it does not permute ("3,1" shows 1 and 3, as 0
         # and 1); card.tile shows its card; no index, or a card not listed, is skipped.
         word, value = "device", value.strip()
-        cards = [_ZE_ENTRY_RE.fullmatch(part.strip()) for part in value.split(",")]
-        numbers = [card and int(card[1]) for card in cards]
-        entries = sorted(
-            {card for card in numbers if card is not None and card < count}
-        )
-        skipped = [
-            repr(p.strip())
-            for p, c in zip(value.split(","), numbers)
-            if c not in entries
+        parts = [part.strip() for part in value.split(",")]
+        numbers = [
+            int(m[1]) if (m := _ZE_ENTRY_RE.fullmatch(p)) else None for p in parts
         ]
+        entries = sorted({n for n in numbers if n is not None and n < count})
+        skipped = [repr(p) for p, n in zip(parts, numbers) if n not in entries]
         note = f"; entries {', '.join(skipped)} skipped" if skipped else ""
     if gpu_id >= len(entries):
         shows = f"makes {len(entries)} {word}(s) visible{note}"

@@ -1,9 +1,6 @@
-"""libnuma.so.1 through ctypes: the one loader, and the calls placement makes.
-
-``numa_set_membind`` and ``numa_set_preferred`` return void and only print a
-refusal; libnuma's ``set_mempolicy`` wrapper, given the same arguments, lets the
-kernel's answer reach us as an ``OSError``.
-"""
+"""libnuma.so.1 through ctypes. ``numa_set_membind`` and ``numa_set_preferred`` return
+void and only print a refusal; libnuma's ``set_mempolicy`` wrapper, given the same
+arguments, lets the kernel's answer reach us as an ``OSError``."""
 
 from __future__ import annotations
 
@@ -64,13 +61,10 @@ def _check(result: int, call: str, nodes: Iterable[int]) -> int:
 
 
 class LibNuma:
-    """The libnuma calls placement makes, Python types in and out."""
-
     def __init__(self, cdll: ctypes.CDLL) -> None:
         self.cdll = cdll
 
     def configured_nodes(self) -> frozenset[int]:
-        """Node ids on this host (libnuma's ``numa_nodes_ptr``); they may be sparse."""
         mask = ctypes.POINTER(_Bitmask).in_dll(self.cdll, "numa_nodes_ptr").contents
         return _nodes(mask.maskp[: -(-mask.size // _ULONG_BITS)])
 
@@ -86,16 +80,14 @@ class LibNuma:
     def migrate_pages(
         self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]
     ) -> int:
-        """Moves the pages of ``pid`` (0: this process); returns how many stayed."""
         src, dst = _mask(from_nodes), _mask(to_nodes)
         result = self.cdll.migrate_pages(pid, _MAXNODE, src, dst)
-        return _check(result, "migrate_pages", _nodes(dst))
+        return _check(result, "migrate_pages", _nodes(dst))  # pages that stayed
 
 
 @functools.lru_cache(maxsize=None)
 def load_libnuma(*, name: str = "libnuma.so.1") -> Optional[LibNuma]:
-    """This process's libnuma, or None (logged once) when it is missing or the kernel
-    refuses NUMA calls; ``name`` lets tests ask for a library that is absent."""
+    """None (logged once) when it is missing or the kernel refuses NUMA calls."""
     try:
         cdll = ctypes.CDLL(name, use_errno=True)
     except OSError as exc:
@@ -108,7 +100,6 @@ def load_libnuma(*, name: str = "libnuma.so.1") -> Optional[LibNuma]:
 
 
 def read_mempolicy() -> tuple[str, frozenset[int]]:
-    """The calling thread's memory policy and its nodes, from get_mempolicy(2)."""
     lib = load_libnuma()
     if lib is None:
         raise OSError(errno.ENOSYS, "get_mempolicy: libnuma or NUMA is unavailable")

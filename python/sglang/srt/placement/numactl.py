@@ -31,7 +31,6 @@ def true_program() -> str:
 
 
 def cpu_option(*, cpus: Iterable[int], whole_nodes: Optional[Sequence[int]]) -> str:
-    """``--cpunodebind`` when the CPUs are exactly some nodes', else --physcpubind."""
     if whole_nodes:
         return f"--cpunodebind={format_cpulist(whole_nodes)}"
     return f"--physcpubind={format_cpulist(cpus)}"
@@ -55,17 +54,13 @@ class ProbeResult:
 
 @dataclass(frozen=True)
 class LadderOutcome:
-    """The strongest memory policy numactl accepted with the CPU option, and why;
-    ``ok`` is False when even the CPU option alone was refused."""
-
-    mem_policy: str
+    mem_policy: str  # the strongest numactl accepted with the CPU option
     args: tuple[str, ...]
     reasons: tuple[str, ...]
-    ok: bool
+    ok: bool  # False when even the CPU option alone was refused
 
 
 def run_numactl(argv: Sequence[str]) -> ProbeResult:
-    """Run ``argv`` (numactl, options, a program); numactl's reason if it refuses."""
     try:
         done = subprocess.run(
             list(argv),
@@ -73,7 +68,6 @@ def run_numactl(argv: Sequence[str]) -> ProbeResult:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             timeout=PROBE_TIMEOUT_S,
-            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return ProbeResult(ok=False, message=f"{argv[0]} could not be run: {exc}")
@@ -87,16 +81,17 @@ def run_numactl(argv: Sequence[str]) -> ProbeResult:
 
 
 class NumactlProber:
-    """Runs ``numactl <options> true`` at most once per option set; ``run`` stands in
-    for numactl in tests and benchmarks."""
+    """Runs ``numactl <options> true`` at most once per option set."""
 
     def __init__(
         self,
         *,
         numactl_path: str,
+        true_path: Optional[str] = None,
         run: Callable[[Sequence[str]], ProbeResult] = run_numactl,
     ) -> None:
         self.numactl_path = numactl_path
+        self.true_path = true_path or true_program()
         self._run = run
         self._results: dict[tuple[str, ...], ProbeResult] = {}
         self._lock = threading.Lock()
@@ -107,7 +102,7 @@ class NumactlProber:
         with self._lock:
             if key not in self._results:
                 self.probe_count += 1
-                argv = [self.numactl_path, *key, true_program()]
+                argv = [self.numactl_path, *key, self.true_path]
                 self._results[key] = self._run(argv)
             return self._results[key]
 
@@ -119,8 +114,7 @@ class NumactlProber:
         mem_nodes: Iterable[int],
         preferred_node: Optional[int],
     ) -> LadderOutcome:
-        """Try bind, then preferred, then CPUs only, from ``mem_policy`` down; stop at
-        the first the kernel accepts."""
+        """Bind, preferred, CPUs only, from ``mem_policy`` down: the first accepted."""
         nodes = sorted(mem_nodes)
         start = _LADDER.index(mem_policy) if mem_policy in _LADDER else 2
         refused: list[tuple[str, str]] = []  # (options, numactl's reason)
@@ -167,7 +161,6 @@ _probers: dict[str, NumactlProber] = {}
 
 
 def default_prober() -> Optional[NumactlProber]:
-    """This process's prober of the numactl on PATH; None when it is not installed."""
     path = find_numactl()
     if path is None:
         return None

@@ -1,10 +1,7 @@
-"""Host facts (NUMA nodes, online CPUs, PCI devices) read from a sysfs root.
-
-The root is the live /sys, a snapshot made by ``capture`` (planning for another host)
-or a fake tree in tests. Node ids may be sparse and a node may lack CPUs or memory. A
-kernel without NUMA is one node 0 whose memory is its online memory blocks; without
-those too, sysconf's figure, for the live /sys only (a snapshot's marker carries it).
-"""
+"""Host facts read from a sysfs root: the live /sys, a ``capture`` snapshot or a fake.
+Node ids may be sparse; a node may lack CPUs or memory. A kernel without NUMA is one
+node 0 whose memory is its online memory blocks, else sysconf's (the live /sys only;
+a snapshot's marker carries it)."""
 
 from __future__ import annotations
 
@@ -35,10 +32,7 @@ CPU_ONLINE = "devices/system/cpu/online"
 NODE_DIR = "devices/system/node"
 MEMORY_DIR = "devices/system/memory"
 PCI_DIR = "bus/pci/devices"
-PCI_FIELDS = ("vendor", "device", "class")
-
-MAX_FILE_BYTES = 64 * 1024
-"""A sysfs attribute holds at most a page (4 KiB), a snapshot marker far less."""
+MAX_FILE_BYTES = 64 * 1024  # a sysfs attribute holds a page (4 KiB), a marker less
 
 _PCI_ADDRESS_RE = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 _INTEGER = {10: r"[+-]?[0-9]{1,20}", 16: r"[0-9a-fA-F]{1,16}"}
@@ -46,11 +40,8 @@ _KINDS = dict(p="a FIFO", c="a character device", b="a block device", d="a direc
 
 
 def read_file(path: str, *, fix: str) -> bytes:
-    """``path`` if it is a regular file (after links) of at most MAX_FILE_BYTES.
-
-    A FIFO, a device or a larger file is refused unread: checked before an
-    O_NONBLOCK open (so a FIFO swapped in cannot block it) and after.
-    """
+    """A FIFO, a device or a larger file is refused unread: checked before an
+    O_NONBLOCK open (so a FIFO swapped in cannot block it) and after."""
     try:
         _check_regular(os.stat(path).st_mode, path, fix)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
@@ -83,8 +74,7 @@ def _check_regular(mode: int, path: str, fix: str) -> None:
 def read_topology(
     root: str | os.PathLike = LIVE_SYSFS, *, setting: str = ROOT_SETTING
 ) -> HostTopology:
-    """The topology under ``root``; an incomplete or corrupt tree raises an error naming
-    the file and the fix, which names ``setting`` (what chose ``root``)."""
+    """Errors name the file, and a fix naming ``setting``, what chose ``root``."""
     return _read(root, setting=setting).topology
 
 
@@ -92,8 +82,8 @@ _cached: dict[str, tuple[tuple[bytes, ...], HostTopology]] = {}
 
 
 def read_topology_cached(root: str | os.PathLike = LIVE_SYSFS) -> HostTopology:
-    """``read_topology(root)``, read again only when the online CPUs or nodes changed:
-    sglang spawns its ranks one by one, each placed from the same facts."""
+    """Read again only when the online CPUs or nodes changed: sglang spawns its ranks
+    one by one, each placed from the same facts."""
     path = os.path.abspath(os.fspath(root))
     stamp = tuple(_stamp(path, rel) for rel in (CPU_ONLINE, f"{NODE_DIR}/online"))
     hit = _cached.get(path)
@@ -111,10 +101,7 @@ def _stamp(root: str, rel: str) -> bytes:
 
 def read_process_affinity(
     status_path: str | os.PathLike = "/proc/self/status",
-    *,
-    source: str = "this process",
 ) -> ProcessAffinity:
-    """The CPUs and memory nodes a process may use: its cpuset, numactl or taskset."""
     path = os.fspath(status_path)
     fix = "pass the status file of a running process, such as /proc/self/status"
     text = read_file(path, fix=fix).decode("ascii", errors="replace")
@@ -127,21 +114,17 @@ def read_process_affinity(
             found.append(parse_cpulist(match[1], what=f"{path} {key}"))
         except ValueError as exc:
             raise PlacementError(f"{exc}; {fix}") from None
-    return ProcessAffinity(cpus=found[0], mems=found[1], source=source)
+    return ProcessAffinity(cpus=found[0], mems=found[1], source="this process")
 
 
 @dataclass(frozen=True)
 class TopologyRead:
-    """A topology and the text of each file it came from, for a capture."""
-
     topology: HostTopology
-    files: dict[str, str]
+    files: dict[str, str]  # the text of each file read, for a capture
     memory_kb_from_sysconf: Optional[int] = None
 
 
 class _Reader:
-    """Reads files below one root, keeping their text; each error names its file."""
-
     def __init__(self, root: str, setting: str) -> None:
         self.root = root
         self.files: dict[str, str] = {}
@@ -332,6 +315,7 @@ def _read_pci(reader: _Reader) -> tuple[PciDevice, ...]:
         node = -1
         if os.path.exists(reader.path(f"{rel}/numa_node")):
             node = reader.integer(f"{rel}/numa_node")
-        fields = (reader.read(f"{rel}/{key}").strip().lower() for key in PCI_FIELDS)
+        keys = ("vendor", "device", "class")
+        fields = (reader.read(f"{rel}/{key}").strip().lower() for key in keys)
         devices.append(PciDevice(name.lower(), node if node >= 0 else None, *fields))
     return tuple(sorted(devices, key=lambda dev: dev.address))

@@ -116,7 +116,10 @@ def observe_self(
     except FileNotFoundError:
         # Kernels built without CONFIG_NUMA have no numa_maps: nothing to count.
         resident, anon = {}, {}
-    policy, policy_nodes = (mempolicy or read_mempolicy)()
+    try:
+        policy, policy_nodes = (mempolicy or read_mempolicy)()
+    except OSError:  # no libnuma.so.1, or a kernel without NUMA: nothing reads it
+        policy, policy_nodes = "unknown", frozenset()
     return ObservedBinding(
         cpus=allowed.cpus,
         mems=allowed.mems,

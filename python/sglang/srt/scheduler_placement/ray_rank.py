@@ -1,9 +1,6 @@
-"""The bind a Ray scheduler actor runs on itself, on its own host, before its
-``Scheduler`` exists: Ray cannot start an actor under numactl.
-
-Ray's ``CUDA_VISIBLE_DEVICES`` shows the actor one GPU as index 0, so the GPU is
-placed by Ray's id, the device as the host numbers it.
-"""
+"""The bind a Ray scheduler actor runs on itself before its ``Scheduler`` exists: Ray
+cannot start an actor under numactl. Ray's ``CUDA_VISIBLE_DEVICES`` shows the actor
+one GPU as index 0, so the GPU is placed by Ray's id, as the host numbers it."""
 
 from __future__ import annotations
 
@@ -45,13 +42,10 @@ def bind_scheduler_actor(
     pp_rank: int,
     dp_rank: Optional[int],
 ) -> Optional[tuple[ProcessPlacement, BindOutcome]]:
-    """Place and bind the calling actor's process, under the one failure policy; None
-    under SGLANG_NUMA_BIND_V2=0, where ``configure_scheduler_process`` binds."""
+    """None under SGLANG_NUMA_BIND_V2=0, where ``configure_scheduler_process`` binds."""
     if not settings.bind_v2():
         return None
-    rank = RankIdentity(
-        dp_rank=dp_rank or 0, pp_rank=pp_rank, tp_rank=tp_rank, gpu_id=gpu_id
-    )
+    rank = RankIdentity(dp_rank or 0, pp_rank, tp_rank, gpu_id)
     placement = actor_placement(server_args, rank=rank, assigned_gpus=assigned_gpus)
     enforce_failure_policy(placement, who=rank.label)
     return placement, bind_in_process(placement)

@@ -1,9 +1,7 @@
-"""What ``numa_utils.configure_subprocess(server_args, gpu_id)`` does: place the rank,
-apply the failure policy before anything starts, and start an exec placement's child
-under numactl through a thread-local layer on ``multiprocessing.util.spawnv_passfds``
-(upstream's swapped spawn executable, a script in /tmp, races between threads and
-breaks on a noexec /tmp; no file is written here). A daemon thread reports, naming
-the rank, why numactl refused to start a child."""
+"""``numa_utils.configure_subprocess``: an exec placement's child starts under numactl
+through a thread-local layer on ``multiprocessing.util.spawnv_passfds`` (upstream's
+swapped spawn executable, a script in /tmp, races between threads and breaks on a
+noexec /tmp)."""
 
 from __future__ import annotations
 
@@ -42,7 +40,6 @@ _FORK_FLAG = "--multiprocessing-fork"
 
 
 def enforce_failure_policy(placement: ProcessPlacement, *, who: str) -> None:
-    """The failure policy, for a rank planned less bound than intended."""
     reasons = "; ".join(placement.reasons)
     if placement.warning:
         weaker = f"bound less tightly than planned: {reasons}"
@@ -53,7 +50,6 @@ def enforce_failure_policy(placement: ProcessPlacement, *, who: str) -> None:
 
 @contextlib.contextmanager
 def placed_spawn(server_args: "ServerArgs", gpu_id: int) -> Iterator[None]:
-    """The body of ``configure_subprocess``."""
     if not settings.bind_v2():
         yield  # legacy V1: the child binds itself (configure_scheduler_process)
         return
@@ -99,8 +95,8 @@ def placed_spawn(server_args: "ServerArgs", gpu_id: int) -> Iterator[None]:
 
 
 def is_spawned_child(args: Sequence[Any]) -> bool:
-    """Whether ``args`` has the structure (not merely a substring: a forkserver's has
-    its sys.path) of a spawn child's command line, or a frozen executable's."""
+    """By structure, not substring (a forkserver's has its sys.path): a spawn child's
+    command line, or a frozen executable's."""
     words = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args]
     if len(words) >= 4 and words[-1] == _FORK_FLAG and words[-3] == "-c":
         return _SPAWN_PROGRAM.fullmatch(words[-2]) is not None
@@ -146,7 +142,6 @@ def _layer(below: Callable[..., int]) -> Callable[..., int]:
 
 
 def hook_reachable() -> bool:
-    """Whether a spawn reaches one of our layers (following ``__wrapped__`` links)."""
     current = multiprocessing.util.spawnv_passfds
     for _ in range(32):
         if current is None or getattr(current, "_sglang_spawn_layer", False):
@@ -159,10 +154,9 @@ def hook_reachable() -> bool:
 def spawn_with_prefix(
     prefix: Sequence[str], *, after_spawn: Optional[Callable[[int], None]] = None
 ) -> Iterator[SpawnPrefixUse]:
-    """Start each spawn child this thread creates in the block as ``prefix + argv``
-    (the inner block's prefix wins). Other libraries may wrap ``spawnv_passfds`` and
-    later put back what they saved: each block puts a layer in front when a spawn
-    would not reach one, and a layer inside another passes the call down."""
+    """Each spawn child this thread starts in the block runs as ``prefix + argv``
+    (the inner block's wins). Other libraries may wrap ``spawnv_passfds`` and put back
+    what they saved: a block adds a layer when a spawn would not reach one."""
     if not prefix:
         raise ValueError("spawn_with_prefix needs the program to exec first")
     with _install_lock:
@@ -179,7 +173,6 @@ def spawn_with_prefix(
 
 
 def armed_prefix() -> Optional[tuple[str, ...]]:
-    """The prefix this thread would give a spawn child now (None when unarmed)."""
     return None if _state.use is None else _state.use.prefix
 
 
@@ -191,8 +184,7 @@ class _ExecWatch:
         self.forget()
         os.register_at_fork(after_in_child=self.forget)
 
-    def forget(self) -> None:
-        """A new process, or a forked child (it has none of its parent's threads)."""
+    def forget(self) -> None:  # a forked child has none of its parent's threads
         self._lock = threading.Lock()
         self._queue: Optional[queue.SimpleQueue] = None
 
@@ -225,9 +217,8 @@ _exec_watch = _ExecWatch()
 
 
 def _watch_over(pid: int, prefix: list[str], who: str, deadline: float) -> bool:
-    """Whether ``pid`` left numactl: it runs another program, it died as numactl
-    (reported here), or the deadline passed. The child is not reaped: its launcher
-    waits for it and reports its death; this says why it died."""
+    """Whether ``pid`` left numactl, died as numactl (reported here, not reaped: its
+    launcher reports the death, this says why) or ran past the deadline."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = [os.fsdecode(part) for part in f.read().split(b"\0") if part]
