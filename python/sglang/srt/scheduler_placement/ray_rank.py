@@ -5,7 +5,7 @@ one GPU as index 0, so the GPU is placed by Ray's id, as the host numbers it."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.apply import BindOutcome, bind_in_process
@@ -19,12 +19,12 @@ if TYPE_CHECKING:
 
 
 def actor_placement(
-    server_args: "ServerArgs", *, rank: RankIdentity, assigned_gpus: Sequence[Any]
+    server_args: "ServerArgs", *, rank: RankIdentity, assigned_gpus: Sequence[str]
 ) -> ProcessPlacement:
     """Where the actor of ``rank`` runs on this host; ``rank.gpu_id`` is Ray's id."""
     view = placement_view(server_args)
     policy = PlacementPolicy.from_env(view, launcher="ray", exec_supported=False)
-    env: Any = os.environ
+    env: Mapping[str, str] = os.environ
     if assigned_gpus:  # without Ray's one-GPU view, the id names the host's device
         hidden = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
         env = {k: v for k, v in env.items() if k not in hidden}
@@ -37,7 +37,7 @@ def bind_scheduler_actor(
     server_args: "ServerArgs",
     *,
     gpu_id: int,
-    assigned_gpus: Sequence[Any],
+    assigned_gpus: Sequence[str],
     tp_rank: int,
     pp_rank: int,
     dp_rank: Optional[int],
