@@ -88,8 +88,8 @@ def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
         raise ShmCollectiveError(f"{what}: {shown}; expected {_TCP_FORMS}") from None
     if ":" in address.host and not rest.startswith("["):
         raise ShmCollectiveError(
-            f"{what}: host {quoted(address.host)} has ':' but no brackets; write an IPv6 "
-            f"address as 'tcp://[ipv6]:port'"
+            f"{what}: host {quoted(address.host)} has ':' but no brackets; write an "
+            "IPv6 address as 'tcp://[ipv6]:port'"
         )
     return address.host, parse_port(rest.rpartition(":")[2], what=what)
 
@@ -137,7 +137,7 @@ class ShmNamespace:
         pp_rank: int = 0,
         environ: Optional[Mapping[str, str]] = None,
     ) -> "ShmNamespace":
-        """The namespace of the engine whose ``torch.distributed`` init method is ``method``.
+        """The namespace of the engine whose torch.distributed init method is ``method``.
 
         ``tcp://host:port`` and ``tcp://[ipv6]:port`` give ``(host, port)``; ``env://``
         reads (never writes) ``MASTER_ADDR``/``MASTER_PORT`` from ``environ``, as torch
