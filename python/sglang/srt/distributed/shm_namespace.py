@@ -137,7 +137,7 @@ class ShmNamespace:
         pp_rank: int = 0,
         environ: Optional[Mapping[str, str]] = None,
     ) -> "ShmNamespace":
-        """The namespace of the engine whose torch.distributed init method is ``method``.
+        """The namespace of the engine whose init method is ``method``.
 
         ``tcp://host:port`` and ``tcp://[ipv6]:port`` give ``(host, port)``; ``env://``
         reads (never writes) ``MASTER_ADDR``/``MASTER_PORT`` from ``environ``, as torch
