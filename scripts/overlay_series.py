@@ -354,7 +354,8 @@ SERIES: Tuple[Patch, ...] = (
         "numa_utils: find a CUDA GPU's node through its PCI address",
         "_query_numa_node_for_gpu names the node of the device's PCI address, found "
         "through CUDA_VISIBLE_DEVICES (indices, GPU- and MIG- UUIDs; NVML optional); "
-        "XPU keeps upstream's path for one more patch.",
+        "placement's device identity knows CUDA only, and XPU keeps upstream's path, "
+        "for one more patch.",
         "get_numa_node_if_available finds GPUs named by UUID in CUDA_VISIBLE_DEVICES "
         "and answers from the PCI numa_node, without NVML's memory-affinity mask.",
         files=(PT + "test_devices.py",),
@@ -368,7 +369,7 @@ SERIES: Tuple[Patch, ...] = (
         "numa-utils-xpu",
         "numa_utils: an XPU's node in Level Zero's order",
         "_query_numa_node_for_gpu answers XPU devices through placement's device "
-        "identity: ZE_AFFINITY_MASK filters (card.tile names its card), Level Zero "
+        "identity, which learns Level Zero: ZE_AFFINITY_MASK filters (card.tile names its card), Level Zero "
         "numbers integrated GPUs last unless ZE_ENABLE_PCI_ID_DEVICE_ORDER is set; "
         "upstream's XPU helpers go.",
         "An XPU rank under ZE_AFFINITY_MASK or with an integrated GPU present is "
@@ -441,7 +442,7 @@ SERIES: Tuple[Patch, ...] = (
         "numactl with the placement of that GPU id (CPU-device ranks too), through a "
         "thread-local wrapper of the spawn that prefixes the child's command line "
         "only; numactl's probe ladder (--membind, --preferred, CPU only) picks the "
-        "options; init_threads_binding reads the setting as placement does.",
+        "options. Upstream's script in /tmp and swapped spawn executable go.",
         "CPU-device ranks start under numactl (SGLANG_NUMA_BIND_V2=0 restores "
         "upstream); a rank less bound than intended gets one WARNING, or an error "
         "before any child starts under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.",
