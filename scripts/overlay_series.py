@@ -171,7 +171,77 @@ NUMA_BIND = Partial(
     remove=NUMA_XPU.remove,
     imports=NUMA_XPU.imports,
 )
+NUMA_CPU = Partial(  # init_threads_binding where the final module has it
+    NUMA,
+    replace=NUMA_BIND.replace + ("_log_cpu_only_binding",),
+    add_before={
+        **NUMA_BIND.add_before,
+        "_log_cpu_only_binding": ("init_threads_binding",),
+    },
+    remove=NUMA_BIND.remove + ("init_threads_binding",),
+    imports=NUMA_BIND.imports,
+)
 NUMA_TESTS = UT + "test_numa_utils.py"
+DEVICES = P + "devices.py"
+#: devices.py for CUDA alone, until XPU identity joins it.
+_DEVICES_CUDA = (
+    (
+        '    "xpu": {("8086", kind) for kind in ("0300", "0380", "1200")},\n',
+        "",
+    ),
+    (
+        """expected cuda, xpu "
+            "or cpu.""",
+        "expected cuda or cpu.",
+    ),
+    (
+        """    vendor, order, note, flat = "NVIDIA", "PCI bus order", "", ""
+    if device == "xpu":
+        vendor, value = "Intel", env.get(_PCI_ID_ORDER, "").strip()
+        flat = "; in Level Zero's FLAT hierarchy each tile of a card counts as a device"
+        if value in ("", "0"):
+            # Level Zero numbers integrated GPUs (domain 0, bus 0) last: a runtime
+            # that leaves them out numbers the others the same.
+            listed = tuple(sorted(listed, key=lambda d: d.address[:8] == "0000:00:"))
+            value = "integrated GPUs last"
+        else:
+            value = f"{_PCI_ID_ORDER}={value}"
+        order = f"Level Zero order (PCI bus order, {value})"
+    elif len(listed) != 1""",
+        """    vendor, order, note = "NVIDIA", "PCI bus order", ""
+    if len(listed) != 1""",
+    ),
+    (
+        '({origin}){flat}",',
+        '({origin})",',
+    ),
+    (
+        """    else:
+        # Level Zero's mask filters, it does not permute ("3,1" shows 1 and 3, as 0
+        # and 1); card.tile shows its card; no index, or a card not listed, is skipped.
+        word, value = "device", value.strip()
+        parts = [part.strip() for part in value.split(",")]
+        numbers = [
+            int(m[1]) if (m := _ZE_ENTRY_RE.fullmatch(p)) else None for p in parts
+        ]
+        entries = sorted({n for n in numbers if n is not None and n < count})
+        skipped = [repr(p) for p, n in zip(parts, numbers) if n not in entries]
+        note = f"; entries {', '.join(skipped)} skipped" if skipped else ""
+""",
+        "",
+    ),
+    (
+        """    if device == "cuda":
+        return _cuda_entry(entries[gpu_id], f"{var}={value!r} entry {gpu_id}")
+    card = entries[gpu_id]
+    listing = ",".join(map(str, entries))
+    origin = f"shows devices {listing} in index order, device {gpu_id} is {card}"
+    return _Physical(str(card), card, f"{var}={value!r} {origin}{note}")
+""",
+        """    return _cuda_entry(entries[gpu_id], f"{var}={value!r} entry {gpu_id}")
+""",
+    ),
+)
 
 #: The command line before verify and capture join it.
 _VERIFY_CLI = (
@@ -201,6 +271,44 @@ _CAPTURE_CLI = (
     ('"plan": cmd_plan, "capture": cmd_capture}', '"plan": cmd_plan}'),
 )
 MAIN = T + "__main__.py"
+SPAWN = G + "spawn.py"
+
+#: The spawn before it watches each child leave numactl and checks the block.
+_SPAWN_UNWATCHED = (
+    (
+        """    executable = os.fsdecode(multiprocessing.spawn.get_executable())
+    logger.info(f"{who}: the scheduler starts under {' '.join(prefix)}")
+    watch = functools.partial(_exec_watch.submit, prefix=prefix, who=who)
+    with spawn_with_prefix(prefix, after_spawn=watch) as use:
+        yield
+    problems = []
+""",
+        """    logger.info(f"{who}: the scheduler starts under {' '.join(prefix)}")
+    with spawn_with_prefix(prefix):
+        yield
+""",
+    ),
+    (
+        """    after = os.fsdecode(multiprocessing.spawn.get_executable())
+    if after != executable:
+        problems.append(
+            f"the multiprocessing spawn executable changed from {executable} to "
+            f"{after} while the block ran (another library called "
+            "multiprocessing.set_executable); children may run another interpreter"
+        )
+    if use.applied == 0:
+        problems.append(
+            "no process was started with the spawn start method inside the block, so "
+            f"{' '.join(prefix)} was not applied (use multiprocessing.get_context"
+            "('spawn'); a library that replaced multiprocessing.util.spawnv_passfds "
+            "meanwhile, hiding sglang's layer, has the same effect)"
+        )
+    if problems:
+        handle_bind_failure(f"{who}: " + "; ".join(problems), log=logger)
+""",
+        "",
+    ),
+)
 
 SERIES: Tuple[Patch, ...] = (
     Patch(
@@ -233,19 +341,27 @@ SERIES: Tuple[Patch, ...] = (
         "SGLANG_SYSFS_ROOT points numa_utils at a captured topology, and a node "
         "without CPUs or memory no longer counts towards a NUMA host.",
         files=(PY + "srt/environ.py", PT + "test_topology.py"),
-        partial=(NUMA_NODES, Partial(NUMA_TESTS, keep=("TestIsNumaAvailable",))),
+        partial=(
+            NUMA_NODES,
+            Partial(
+                NUMA_TESTS,
+                keep=("TestIsNumaAvailable", "TestIsNumaAvailableSysfsRoot"),
+            ),
+        ),
     ),
     Patch(
         "numa-utils-discovery",
         "numa_utils: find a CUDA GPU's node through its PCI address",
         "_query_numa_node_for_gpu names the node of the device's PCI address, found "
         "through CUDA_VISIBLE_DEVICES (indices, GPU- and MIG- UUIDs; NVML optional); "
-        "XPU keeps upstream's path for one more patch.",
+        "placement's device identity knows CUDA only, and XPU keeps upstream's path, "
+        "for one more patch.",
         "get_numa_node_if_available finds GPUs named by UUID in CUDA_VISIBLE_DEVICES "
         "and answers from the PCI numa_node, without NVML's memory-affinity mask.",
-        files=(PT + "test_placement_settings.py", PT + "test_devices.py"),
+        files=(PT + "test_devices.py",),
         partial=(
             NUMA_DISCOVERY,
+            Partial(DEVICES, keep=("identify_accelerators",), swap=_DEVICES_CUDA),
             Partial(NUMA_TESTS, keep=("TestQueryNumaNodeForGpu",)),
         ),
     ),
@@ -253,13 +369,20 @@ SERIES: Tuple[Patch, ...] = (
         "numa-utils-xpu",
         "numa_utils: an XPU's node in Level Zero's order",
         "_query_numa_node_for_gpu answers XPU devices through placement's device "
-        "identity: ZE_AFFINITY_MASK filters (card.tile names its card), Level Zero "
+        "identity, which learns Level Zero: ZE_AFFINITY_MASK filters (card.tile names its card), Level Zero "
         "numbers integrated GPUs last unless ZE_ENABLE_PCI_ID_DEVICE_ORDER is set; "
         "upstream's XPU helpers go.",
         "An XPU rank under ZE_AFFINITY_MASK or with an integrated GPU present is "
         "bound to the node of the device Level Zero gives it, read from sysfs.",
         files=(UT + "test_numa_utils_xpu.py",),
-        partial=(NUMA_XPU,),
+        partial=(
+            NUMA_XPU,
+            Partial(DEVICES, keep=("identify_accelerators",)),
+            Partial(
+                NUMA_TESTS,
+                keep=("TestGraceBlackwellNumaTopology", "TestB200NumaTopology"),
+            ),
+        ),
     ),
     Patch(
         "numa-bind-to-node",
@@ -269,7 +392,16 @@ SERIES: Tuple[Patch, ...] = (
         "numa_bind_to_node (the legacy V1 path, the diffusion worker) moves every "
         "thread of the process, not only the calling one.",
         files=(PT + "test_bind_in_process.py",),
-        partial=(NUMA_BIND,),
+        partial=(
+            NUMA_BIND,
+            Partial(
+                NUMA_TESTS,
+                keep=(
+                    "TestGetNumaNodeIfAvailable",
+                    "TestNumaBindIntersectionInProcess",
+                ),
+            ),
+        ),
     ),
     Patch(
         "ray-actors",
@@ -284,8 +416,24 @@ SERIES: Tuple[Patch, ...] = (
             G + "ray_rank.py",
             PY + "srt/ray/scheduler_actor.py",
             RT + "test_scheduler_actor.py",
+            PT + "test_numactl_ladder.py",
         ),
+        partial=(Partial(NUMA_TESTS, keep=("TestStripMemoryArgs",)),),
         fixes="ray",
+    ),
+    Patch(
+        "cpu-omp-threads",
+        "numa_utils: a CPU-device rank's OpenMP CPUs read as placement reads them",
+        "init_threads_binding takes SGLANG_CPU_OMP_THREADS_BIND through placement's "
+        "settings and CPU groups: 'all' gives the rank one CPU per physical core of "
+        "its node, a cpulist group is taken as written; the group count bounds the "
+        "rank index (a router's one-rank worker counts across the setting).",
+        "A SGLANG_CPU_OMP_THREADS_BIND that cannot work (too few groups, a bad "
+        "cpulist, CPUs offline or outside the affinity) is an error naming the "
+        "setting, the value and the fix, not an assert; groups sharing CPUs get a "
+        "WARNING.",
+        files=(PT + "test_placement_settings.py",),
+        partial=(NUMA_CPU, Partial(NUMA_TESTS, keep=("TestInitThreadsBinding",))),
     ),
     Patch(
         "configure-subprocess",
@@ -294,17 +442,35 @@ SERIES: Tuple[Patch, ...] = (
         "numactl with the placement of that GPU id (CPU-device ranks too), through a "
         "thread-local wrapper of the spawn that prefixes the child's command line "
         "only; numactl's probe ladder (--membind, --preferred, CPU only) picks the "
-        "options; init_threads_binding reads the setting as placement does.",
+        "options. Upstream's script in /tmp and swapped spawn executable go.",
         "CPU-device ranks start under numactl (SGLANG_NUMA_BIND_V2=0 restores "
         "upstream); a rank less bound than intended gets one WARNING, or an error "
         "before any child starts under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.",
-        files=(
-            NUMA,
-            G + "spawn.py",
-            NUMA_TESTS,
-            PT + "test_spawn_hook.py",
-            PT + "test_numactl_ladder.py",
+        files=(NUMA, PT + "test_spawn_hook.py"),
+        partial=(
+            Partial(SPAWN, keep=("placed_spawn",), swap=_SPAWN_UNWATCHED),
+            Partial(
+                NUMA_TESTS,
+                keep=(
+                    "TestNumaBindIntersection",
+                    "TestProbeNumactlArgs",
+                    "TestConfigureSubprocessProbeFailure",
+                ),
+            ),
         ),
+    ),
+    Patch(
+        "spawn-reports",
+        "scheduler_placement: a placed spawn's failures reported by rank",
+        "A watcher thread sees each placed child leave numactl; one that dies as "
+        "numactl is reported with numactl's own reason, asked again with the same "
+        "options. configure_subprocess also reports a block that spawned nothing "
+        "under the prefix, or whose spawn executable another library swapped.",
+        "A scheduler that numactl refuses to start (a cpuset that shrank since the "
+        "probe) gets an ERROR naming the rank and numactl's message, instead of a "
+        "bare exit status 1; a launch path that bypassed the spawn hook gets a "
+        "WARNING.",
+        files=(SPAWN, NUMA_TESTS),
     ),
     Patch(
         "tools-plan",
@@ -320,7 +486,7 @@ SERIES: Tuple[Patch, ...] = (
             P + "settings.py",
             P + "policy.py",
             P + "topology.py",
-            P + "devices.py",
+            DEVICES,
             P + "libnuma.py",
             P + "apply.py",
             P + "numactl.py",

@@ -161,8 +161,8 @@ def test_each_patch_has_a_header_an_operator_notice_and_its_tests(checkout_serie
 #: size goals (they are being cut down); ``overlay.py --series`` refuses the
 #: series until they hold, naming the patch and its largest files.
 KNOWN_OVER_BUDGET = (
-    "numa-utils-discovery 1029, ray-actors 1293, configure-subprocess 1275 changed "
-    "lines; Ray actors fixed at 4344 changed lines"
+    "ray-actors 1276 changed lines, the only patch over 800 (its placement core "
+    "cannot be cut without changing it); Ray actors fixed at 4431 changed lines"
 )
 
 

@@ -14,6 +14,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 import unittest
 from contextlib import ExitStack
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from sglang.srt.utils.numa_utils import (
     _query_numa_node_for_gpu,
     configure_subprocess,
     get_numa_node_if_available,
+    init_threads_binding,
     numa_bind_to_node,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -493,21 +495,13 @@ def _server_args(numa_node):
 
 class TestNumaBindIntersection(_HostCase):
     """Tests for constraint-aware NUMA binding (node CPUs intersected with the
-    process's allowed CPUs).
+    process's allowed CPUs) of a spawned scheduler.
 
     0.5.23's _numactl_cpu_mem_args(node, gpu_id) is gone: configure_subprocess
     now places the GPU id and arms the spawn with the numactl options, and the
     allowed CPUs are this process's own (Cpus_allowed_list), so the tree's node
     CPUs are laid out around them.
     """
-
-    def test_node_cpus_come_from_sysfs_without_libnuma(self):
-        # 0.5.23 asked libnuma (no libnuma: no CPUs); node CPUs now come from sysfs.
-        self.sysfs({0: set(range(72)), 1: set(range(72, 144)), 2: set()})
-        with patch("sglang.srt.utils.numa_utils.get_libnuma", return_value=None):
-            self.assertEqual(_node_cpus(0), set(range(72)))
-            self.assertEqual(_node_cpus(2), set())
-            self.assertEqual(_node_cpus(7), set())
 
     def placed_options(self):
         """The numactl options configure_subprocess arms for GPU 0 on node 0."""
@@ -562,6 +556,19 @@ class TestNumaBindIntersection(_HostCase):
         with self.assertRaises(RuntimeError):
             with configure_subprocess(_server_args([0, 1]), 0):
                 self.fail("contextmanager must not yield when crash-on-failure is set")
+
+
+class TestNumaBindIntersectionInProcess(_HostCase):
+    """The same intersection for numa_bind_to_node, which binds the calling process
+    (split from 0.5.23's TestNumaBindIntersection)."""
+
+    def test_node_cpus_come_from_sysfs_without_libnuma(self):
+        # 0.5.23 asked libnuma (no libnuma: no CPUs); node CPUs now come from sysfs.
+        self.sysfs({0: set(range(72)), 1: set(range(72, 144)), 2: set()})
+        with patch("sglang.srt.utils.numa_utils.get_libnuma", return_value=None):
+            self.assertEqual(_node_cpus(0), set(range(72)))
+            self.assertEqual(_node_cpus(2), set())
+            self.assertEqual(_node_cpus(7), set())
 
     def bind(self, allowed, *, node=0, mempolicy=True):
         """numa_bind_to_node(node) on 2 x 72 CPUs, with a memory-only node 2."""
@@ -633,6 +640,36 @@ class TestNumaBindIntersection(_HostCase):
     def test_handle_failure_warns_when_disabled(self):
         with self.assertLogs(NUMA_UTILS_LOGGER, level="WARNING"):
             _handle_numa_bind_failure(0, {72, 73})
+
+
+class TestInitThreadsBinding(_HostCase):
+    """New: a CPU-device rank's OpenMP CPUs, read from SGLANG_CPU_OMP_THREADS_BIND
+    as placement reads it; a setting that cannot work is an error naming it
+    (0.5.23 asserted)."""
+
+    def test_all_gives_each_rank_one_cpu_per_core_of_its_node(self):
+        self.sysfs({0: self.allowed, 1: self.beyond(2)})
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "all"
+        with self.assertLogs(NUMA_UTILS_LOGGER, level="INFO") as cm:
+            cpus = init_threads_binding(numa_index=0, world_size=1)
+        self.assertEqual(cpus, ",".join(map(str, sorted(self.allowed))))
+        self.assertIn("only 1 numa nodes are used", "\n".join(cm.output))
+        with self.assertRaisesRegex(ValueError, "rank index 2 has none"):
+            init_threads_binding(numa_index=2, world_size=3)
+
+    def test_groups_are_taken_as_written_and_bound_by_their_count(self):
+        cpu = min(self.allowed)
+        self.sysfs({0: self.allowed, 1: self.beyond(2)})
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = f"{cpu}|{cpu}"
+        with self.assertLogs(NUMA_UTILS_LOGGER, level="WARNING") as cm:
+            # A router's worker is a one-rank engine whose index counts across groups.
+            self.assertEqual(init_threads_binding(numa_index=1, world_size=1), str(cpu))
+        self.assertTrue(any("shares CPU(s)" in m for m in cm.output), cm.output)
+        with self.assertRaisesRegex(ValueError, "has 2 group"):
+            init_threads_binding(numa_index=2, world_size=3)
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = f"{cpu}|x"
+        with self.assertRaisesRegex(ValueError, "not a cpulist"):
+            init_threads_binding(numa_index=1, world_size=2)
 
 
 class TestProbeNumactlArgs(_HostCase):
@@ -824,6 +861,51 @@ class TestConfigureSubprocessProbeFailure(_HostCase):
         self.assertIn("could not apply NUMA binding", str(cm.exception))
         self.assertIn("Invalid argument", str(cm.exception))
         self.assert_nothing_installed()
+
+
+class TestConfigureSubprocessReportsByRank(_HostCase):
+    """New: what goes wrong after the probes is reported by rank. A numactl that
+    refuses the child's own start (the cpuset shrank since the probe) gets an ERROR
+    with numactl's reason; a block that spawned nothing gets a WARNING."""
+
+    def setUp(self):
+        super().setUp()
+        path = self.numactl()
+        self.refuse = os.path.join(self.bindir, "refuse")
+        with open(path) as f:
+            script = f.read()
+        check = f"[ -e '{self.refuse}' ] && {{ echo '{CPU_REFUSED}' >&2; exit 1; }}\n"
+        with open(path, "w") as f:
+            f.write(script.replace("#!/bin/sh\n", "#!/bin/sh\n" + check, 1))
+        self.sysfs({0: self.allowed, 1: self.beyond(2)})
+        os.environ["SGLANG_CRASH_ON_NUMA_BIND_FAILURE"] = "0"
+
+    def test_a_child_numactl_refuses_is_reported_with_numactls_reason(self):
+        proc = multiprocessing.get_context("spawn").Process(target=os.getpid)
+        with self.assertLogs(SPAWN_LOGGER, level="ERROR") as cm:
+            with configure_subprocess(_server_args([0, 1]), 0):
+                open(self.refuse, "w").close()  # after the probes, before the start
+                proc.start()
+            deadline = time.monotonic() + 30
+            while not cm.records and time.monotonic() < deadline:
+                time.sleep(0.01)  # the report comes from a watcher thread
+        proc.join(30)
+        self.assertEqual(proc.exitcode, 1)
+        [line] = cm.output
+        self.assertIn("GPU 0: numactl refused to start the scheduler process", line)
+        self.assertIn(CPU_REFUSED, line)
+
+    def test_a_block_that_spawns_nothing_is_reported(self):
+        with self.assertLogs(SPAWN_LOGGER, level="WARNING") as cm:
+            with configure_subprocess(_server_args([0, 1]), 0):
+                self.assertIsNotNone(armed_prefix())
+        self.assertTrue(
+            any(
+                "no process was started with the spawn start method" in m
+                for m in cm.output
+            ),
+            cm.output,
+        )
 
 
 if __name__ == "__main__":
