@@ -1,7 +1,7 @@
-"""Operator tools on top of placement: ``python -m sglang.srt.placement_tools plan|verify|capture``.
+"""Operator tools over placement (plan, verify, capture); nothing below imports them.
 
-Nothing below imports this package. ``PlanArgs`` holds the engine settings the tools take:
-placement reads them by name, as from sglang's ``ServerArgs``, which costs seconds to import.
+``PlanArgs`` stands in for sglang's ``ServerArgs`` (seconds to import): placement reads
+the same field names from either.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable, List, Optional
 from sglang.srt.placement.cpulist import shown
 
 MAX_RANKS = 65536
-"""The most ranks one engine may have (tp x pp x dp), and so each size flag's ceiling."""
+"""The most ranks one engine may have (tp x pp x dp): each size flag's ceiling."""
 MAX_GPU_ID = 4095
 MAX_NUMA_NODE = 1023
 """Linux's MAX_NUMNODES at its largest (CONFIG_NODES_SHIFT=10), less one."""
@@ -30,13 +30,13 @@ FLAGS = {
     "gpu_id_step": (("--gpu-id-step",), 1, MAX_GPU_ID),
     "numa_node": (("--numa-node",), 0, MAX_NUMA_NODE),
 }
-"""sglang's names of each integer field (messages use the second of several), and its range."""
+"""Each integer field's sglang flags (messages name the second, if any) and range."""
 
 _INT = re.compile(r"[+-]?[0-9]+")
 
 
 class UsageError(ValueError):
-    """Bad input (a flag, a setting, a file, the capture destination): one line, exit status 2."""
+    """Bad input (flag, setting, file, capture destination): one line, exit status 2."""
 
 
 def _range_problem(dest: str, value: object, text: str = "") -> Optional[str]:
@@ -45,11 +45,14 @@ def _range_problem(dest: str, value: object, text: str = "") -> Optional[str]:
         return None
     flag = names[min(1, len(names) - 1)]
     kind = "a positive" if lowest else "a non-negative"
-    return f"{flag}={text or repr(value)} is not valid: it must be {kind} integer up to {highest}, e.g. {flag} {lowest}."
+    return (
+        f"{flag}={text or repr(value)} is not valid: it must be {kind} integer up to "
+        f"{highest}, e.g. {flag} {lowest}."
+    )
 
 
 def int_arg(dest: str) -> Callable[[str], int]:
-    """An argparse ``type=``: ASCII decimal digits (no ``٣``, ``1_0`` or ``0x10``) in the field's range."""
+    """argparse ``type=``: ASCII digits (no ``٣``, ``1_0`` or ``0x10``), in range."""
 
     def parse(text: str) -> int:
         word = text.strip()
@@ -85,13 +88,17 @@ class PlanArgs:
         tp, pp, dp, nnodes = self.tp_size, self.pp_size, self.dp_size, self.nnodes
         for problem in (
             tp * pp * dp > MAX_RANKS
-            and f"--tp-size={tp} x --pp-size={pp} x --dp-size={dp} = {tp * pp * dp} ranks is above the limit of {MAX_RANKS} ranks per engine",
+            and f"--tp-size={tp} x --pp-size={pp} x --dp-size={dp} = {tp * pp * dp} "
+            f"ranks is above the limit of {MAX_RANKS} ranks per engine",
             self.node_rank >= nnodes
-            and f"--node-rank={self.node_rank} is not valid with --nnodes={nnodes}: node ranks run from 0 to {nnodes - 1}.",
+            and f"--node-rank={self.node_rank} is not valid with --nnodes={nnodes}: "
+            f"node ranks run from 0 to {nnodes - 1}.",
             (tp * pp) % nnodes != 0
-            and f"--tp-size={tp} x --pp-size={pp} = {tp * pp} ranks cannot be split evenly over --nnodes={nnodes}: make it a multiple of the node count.",
+            and f"--tp-size={tp} x --pp-size={pp} = {tp * pp} ranks cannot be split "
+            f"evenly over --nnodes={nnodes}: make it a multiple of the node count.",
             self.device not in DEVICES
-            and f"--device={self.device!r} is not supported here: choose one of {', '.join(DEVICES)}.",
+            and f"--device={self.device!r} is not supported here: "
+            f"choose one of {', '.join(DEVICES)}.",
         ):
             if problem:
                 raise UsageError(problem)
@@ -99,18 +106,20 @@ class PlanArgs:
         if numa is not None:
             if not isinstance(numa, (list, tuple)) or not numa:
                 raise UsageError(
-                    f"--numa-node={numa!r} is not valid: give one NUMA node id per GPU, e.g. --numa-node 0 0 1 1."
+                    f"--numa-node={numa!r} is not valid: give one NUMA node id per "
+                    "GPU, e.g. --numa-node 0 0 1 1."
                 )
             bad = [node for node in numa if _range_problem("numa_node", node)]
             if bad:
                 raise UsageError(
-                    f"--numa-node contains {bad[0]!r}: NUMA node ids are integers from 0 to {MAX_NUMA_NODE}, e.g. --numa-node 0 0 1 1."
+                    f"--numa-node contains {bad[0]!r}: NUMA node ids are integers "
+                    f"from 0 to {MAX_NUMA_NODE}, e.g. --numa-node 0 0 1 1."
                 )
             self.numa_node = list(numa)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """sglang's own flags for the fields; those not given keep PlanArgs' defaults."""
+        """sglang's own flags for the fields; one not given keeps its default."""
         for dest, (names, _, _) in FLAGS.items():
             options = dict(
                 type=int_arg(dest), nargs="+" if dest == "numa_node" else None

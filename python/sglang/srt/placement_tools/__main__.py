@@ -1,4 +1,4 @@
-"""python -m sglang.srt.placement_tools plan | verify | capture: show, check and snapshot rank placement."""
+"""plan | verify | capture: show, check and snapshot where sglang's ranks run."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ BAD_INPUT = (
     MemoryError,
     RecursionError,
 )
-"""Bad input of any kind (a flag, a setting, a file; MemoryError and RecursionError for what
-no bound foresaw) is one line and exit status 2."""
+"""Bad input of any kind, even what no bound foresaw: one line, exit status 2."""
 PLAN_JSON_KEYS = (
-    "dp_rank pp_rank tp_rank gpu_id pci numa_node cpus mem_policy strategy reasons numactl_args mem_nodes"
+    "dp_rank pp_rank tp_rank gpu_id pci numa_node cpus mem_policy strategy reasons "
+    "numactl_args mem_nodes"
 ).split()
 
 _FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
@@ -44,12 +44,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _seconds(text: str) -> float:
-    """--timeout: a finite number of seconds (no nan, inf or 1e400), above 0 and at most a day."""
+    """--timeout: finite seconds (no nan, inf or 1e400), above 0, at most a day."""
     word = text.strip()
     value = float(word) if _FLOAT.fullmatch(word) else math.nan
     if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
         raise argparse.ArgumentTypeError(
-            f"--timeout={shown(word, quote=False)} is not valid: it must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}"
+            f"--timeout={shown(word, quote=False)} is not valid: it must be a number "
+            f"of seconds above 0 and at most {MAX_TIMEOUT_S:g}"
         )
     return value
 
@@ -93,26 +94,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _gpus(text: str, *, topology, root: str, server_args: PlanArgs) -> tuple[str, ...]:
-    """--gpus as PCI addresses: a typo or a missing address is bad input here, not a rank the
-    plan shows unbound."""
+    """A typo or a missing address is bad input, not a rank the plan shows unbound."""
     from sglang.srt.placement.devices import parse_gpus_option
     from sglang.srt.placement.ranks import local_ranks
 
     parts = text.split(",")
     if len(parts) > MAX_GPU_ID + 1 or not all(part.strip() for part in parts):
         raise UsageError(
-            f"--gpus={shown(text)} is not valid: give up to {MAX_GPU_ID + 1} PCI addresses separated by commas, e.g. --gpus 0000:17:00.0,0000:65:00.0"
+            f"--gpus={shown(text)} is not valid: give up to {MAX_GPU_ID + 1} PCI "
+            "addresses separated by commas, e.g. --gpus 0000:17:00.0,0000:65:00.0"
         )
     gpus = parse_gpus_option(parts)
     for address in gpus:
         if topology.pci_device(address) is None:
             raise UsageError(
-                f"--gpus: {address} is not among the {len(topology.pci_devices)} PCI devices read from {root}; check the address with `lspci -D`"
+                f"--gpus: {address} is not among the {len(topology.pci_devices)} PCI "
+                f"devices read from {root}; check the address with `lspci -D`"
             )
     ids = [rank.gpu_id for rank in local_ranks(server_args) if rank.gpu_id is not None]
     if ids and max(ids) >= len(gpus):
         raise UsageError(
-            f"--gpus lists {len(gpus)} address(es) but a rank uses GPU id {max(ids)}: list one PCI address per device index 0..{max(ids)}"
+            f"--gpus lists {len(gpus)} address(es) but a rank uses GPU id {max(ids)}: "
+            f"list one PCI address per device index 0..{max(ids)}"
         )
     return gpus
 
@@ -127,7 +130,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     root = args.sysfs_root or settings.sysfs_root()
     if args.sysfs_root is None and not os.path.isdir(root):
         raise UsageError(
-            f"SGLANG_SYSFS_ROOT={shown(root)} is not a directory: unset it, or set it to /sys or to a snapshot made with `{PROG} capture DIR`"
+            f"SGLANG_SYSFS_ROOT={shown(root)} is not a directory: unset it, or set it "
+            f"to /sys or to a snapshot made with `{PROG} capture DIR`"
         )
     snapshot = os.path.realpath(root) != "/sys"
     topology = read_topology(
@@ -145,8 +149,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         unknown = cpus - topology.online_cpus
         if not cpus or unknown:
             raise UsageError(
-                f"--allowed-cpus={shown(args.allowed_cpus)} names CPU(s) {format_cpulist(unknown) or 'none'} "
-                f"that are not online in {root} (online: {format_cpulist(topology.online_cpus)})"
+                f"--allowed-cpus={shown(args.allowed_cpus)} names CPU(s) "
+                f"{format_cpulist(unknown) or 'none'} that are not online in {root} "
+                f"(online: {format_cpulist(topology.online_cpus)})"
             )
         affinity = ProcessAffinity(cpus, affinity.mems, "--allowed-cpus")
     gpus = None
@@ -170,7 +175,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     failing = [p.label for p in placements if p.warning]
     if failing and settings.bind_failure_is_fatal():
         print(
-            f"SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1: the launch stops at {', '.join(failing)} (each is less bound than intended)"
+            "SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1: the launch stops at "
+            f"{', '.join(failing)} (each is less bound than intended)"
         )
     return 0
 
@@ -180,20 +186,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     server_args = PlanArgs.from_cli_args(args)
     launchers = ("mp", "ray") if args.launcher == "both" else (args.launcher,)
-    # verify drives sglang's own launch path, which takes its settings from the environment.
+    # verify drives sglang's own launch path, which reads its settings from the env.
     for flag in ("--sysfs-root", "--allowed-cpus", "--gpus"):
         if getattr(args, flag[2:].replace("-", "_")) is not None:
             raise UsageError(
-                f"{flag} is a planning input that sglang's launch path does not take, so verify cannot check it; "
-                f"drop {flag} (use `plan {flag} ...` to see that plan; a Ray node plans from the SGLANG_SYSFS_ROOT of its raylet)"
+                f"{flag} is a planning input that sglang's launch path does not take, "
+                f"so verify cannot check it; drop {flag} (use `plan {flag} ...` to see "
+                "that plan; a Ray node plans from the SGLANG_SYSFS_ROOT of its raylet)"
             )
     if "mp" in launchers and os.path.realpath(settings.sysfs_root()) != "/sys":
         raise UsageError(
-            f"SGLANG_SYSFS_ROOT={settings.sysfs_root()} is not this host's /sys, but verify starts the ranks "
-            "here and reads their real binding back; unset it (use `plan` to see another host's plan)"
+            f"SGLANG_SYSFS_ROOT={settings.sysfs_root()} is not this host's /sys, but "
+            "verify starts the ranks here and reads their real binding back; unset it "
+            "(use `plan` to see another host's plan)"
         )
     if args.numa_affinity_mode is not None:
-        # The flag stands for the setting sglang reads; this process's spawns and plan both see it.
+        # The flag stands for the setting sglang reads, here and in the spawned ranks.
         os.environ["SGLANG_NUMA_AFFINITY_MODE"] = args.numa_affinity_mode
     rows: list[dict] = []
     if "mp" in launchers:
@@ -213,8 +221,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _ray_cluster(server_args: PlanArgs) -> Iterator[None]:
-    """The Ray cluster this process is connected to, else the one RAY_ADDRESS names, else a new
-    local one; afterwards disconnect from a joined cluster and stop one started here."""
+    """The connected Ray cluster, else RAY_ADDRESS's, else a new local one."""
     try:
         import ray
     except ImportError:
@@ -227,10 +234,8 @@ def _ray_cluster(server_args: PlanArgs) -> Iterator[None]:
     # sglang's actors read the engine's settings where they run: hand them to the
     # job's workers, as an operator hands them to RayEngine's.
     env = {k: os.environ[k] for k in settings.ENGINE_POLICY_VARS if k in os.environ}
-    runtime_env = {"env_vars": env} if env else None
-    options = dict(
-        runtime_env=runtime_env, configure_logging=False, log_to_driver=False
-    )
+    options = dict(configure_logging=False, log_to_driver=False)
+    options["runtime_env"] = {"env_vars": env} if env else None
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if not address:
         from sglang.srt.placement.ranks import local_ranks
@@ -256,16 +261,17 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
     count = capture_sysfs(args.dir, root=args.sysfs_root)
     print(
-        f"copied {count} files from {args.sysfs_root} to {args.dir}; plan with: {PROG} plan --sysfs-root {args.dir}"
+        f"copied {count} files from {args.sysfs_root} to {args.dir}; "
+        f"plan with: {PROG} plan --sysfs-root {args.dir}"
     )
     return 0
 
 
 def one_line(exc: BaseException) -> str:
-    """``exc`` as one printable line: control characters escaped, a very long text cut in the middle."""
+    """``exc`` as one printable line: control characters escaped, a long text elided."""
     text = str(exc)
     if not isinstance(exc, (PlacementError, ValueError)) or not text:
-        # MemoryError, RecursionError, OverflowError, OSError: the type says what the text alone may not.
+        # MemoryError, OverflowError, OSError...: the type says what the text may not.
         text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     text = "".join(ch if ch.isprintable() else shown(ch, quote=False) for ch in text)
     return elide(text, MAX_MESSAGE_CHARS)
@@ -283,8 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run[command](args)
     except BAD_INPUT as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
-        # A rank that verify could not check, or that sglang's launch path refuses to start
-        # (SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1), fails the check: status 1.
+        # A rank verify could not check, or sglang refuses to start, fails: status 1.
         return 1 if command == "verify" and isinstance(exc, PlacementError) else 2
 
 

@@ -1,5 +1,4 @@
-"""Copy the sysfs files placement reads into a small directory, to plan for that host elsewhere:
-``read_topology(DIR)`` then gives the topology ``read_topology("/sys")`` gave there."""
+"""A host's sysfs files that placement reads, copied so as to plan for it elsewhere."""
 
 from __future__ import annotations
 
@@ -22,10 +21,9 @@ _CREATE_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEX
 
 
 def capture_sysfs(dest: str | os.PathLike, *, root: str | os.PathLike = "/sys") -> int:
-    """Copy exactly the files ``read_topology(root)`` reads, and a marker, into ``dest`` (new,
-    or an empty directory of this user's alone); return how many. Everything is created
-    through descriptors of ``dest`` (opened once, never through a link), so a link planted
-    meanwhile is refused, not followed; on failure, what was created is removed."""
+    """Copy the files ``read_topology(root)`` reads, and a marker, into ``dest``; return
+    how many. Created through descriptors of ``dest`` only, so a link planted meanwhile
+    is refused, not followed; on failure, what was created is removed."""
     out = _Destination(os.path.abspath(os.fspath(dest)))
     try:
         out.open()
@@ -47,7 +45,8 @@ def capture_sysfs(dest: str | os.PathLike, *, root: str | os.PathLike = "/sys") 
         out.remove_created()
         if isinstance(exc, OSError):
             raise UsageError(
-                f"{out.path}: cannot write the snapshot ({exc.strerror or exc}); nothing was left behind"
+                f"{out.path}: cannot write the snapshot ({exc.strerror or exc}); "
+                "nothing was left behind"
             ) from None
         raise
     finally:
@@ -59,8 +58,7 @@ def capture_sysfs(dest: str | os.PathLike, *, root: str | os.PathLike = "/sys") 
 
 
 class _Destination:
-    """The snapshot directory, held open: creates what is below it through descriptors
-    only, and removes what it created through the same descriptors."""
+    """The snapshot directory, held open; all below it is made through descriptors."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -73,11 +71,12 @@ class _Destination:
         parent, name = os.path.split(self.path)
         fix = "choose a new directory for the snapshot"
         try:
-            # The parent may be reached through links (the user named it); the destination itself may not.
+            # The parent may be reached through links (the user named it); dest not.
             self.parent_fd = os.open(parent, _OPEN_DIR & ~os.O_NOFOLLOW)
         except OSError:
             raise UsageError(
-                f"{self.path}: its parent {parent} does not exist or is not a directory; create it first or choose another place"
+                f"{self.path}: its parent {parent} does not exist or is not a "
+                "directory; create it first or choose another place"
             ) from None
         try:
             try:
@@ -91,20 +90,23 @@ class _Destination:
                 raise UsageError(f"{self.path}: exists and is not a directory; {fix}")
             raise UsageError(f"{self.path}: cannot be used ({exc.strerror}); {fix}")
         st = os.fstat(fd)
-        # Created here or not, the directory written into must be this user's alone: into a
-        # directory that another user owns or may write to, links could be planted meanwhile.
+        # Created here or not, it must be this user's alone: into a directory that
+        # another user owns or may write to, links could be planted meanwhile.
         mine = "a capture writes only into a directory of its own"
         if st.st_uid != os.geteuid():
             raise UsageError(
-                f"{self.path}: belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); {mine}: {fix}"
+                f"{self.path}: belongs to uid {st.st_uid}, not to this user "
+                f"(uid {os.geteuid()}); {mine}: {fix}"
             )
         if stat.S_IMODE(st.st_mode) & 0o022:
             raise UsageError(
-                f"{self.path}: may be written by other users (mode {stat.S_IMODE(st.st_mode):o}); {mine}: {fix}"
+                f"{self.path}: may be written by other users "
+                f"(mode {stat.S_IMODE(st.st_mode):o}); {mine}: {fix}"
             )
         if not self.created_top and os.listdir(fd):
             raise UsageError(
-                f"{self.path}: is not empty; choose a new or empty directory for the snapshot (a capture never overwrites files)"
+                f"{self.path}: is not empty; choose a new or empty directory for the "
+                "snapshot (a capture never overwrites files)"
             )
 
     def _dir_fd(self, rel_dir: str) -> int:
@@ -122,7 +124,7 @@ class _Destination:
         return self.fds[rel_dir]
 
     def write_new(self, rel: str, text: str) -> None:
-        """Create ``rel`` holding ``text`` (O_EXCL: never follow or overwrite a file)."""
+        """Create ``rel`` holding ``text`` (O_EXCL: never follows or overwrites)."""
         parent_rel, name = posixpath.split(rel)
         fd = os.open(name, _CREATE_FILE, 0o644, dir_fd=self._dir_fd(parent_rel))
         self.created.append((rel, False))

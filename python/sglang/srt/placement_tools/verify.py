@@ -1,11 +1,5 @@
-"""verify: start probe ranks through sglang's own launch path; each reads its binding back.
-
-The read-back (``observe_self``) never imports torch: it runs in plain interpreters in
-test VMs. ``--launcher mp`` starts every probe as ``Engine._launch_scheduler_processes``
-starts a scheduler (a spawn ``Process`` started inside ``configure_subprocess(server_args,
-gpu_id)``, under ``maybe_reindex_device_id``), optionally from one thread per dp rank as
-the data-parallel controller does; only the probe differs from a real rank.
-"""
+"""verify: probe ranks started through sglang's own launch path read their binding back;
+``observe_self`` never imports torch, so it also runs in plain interpreters."""
 
 from __future__ import annotations
 
@@ -37,7 +31,7 @@ _NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
 class ObservedBinding:
     cpus: frozenset[int]
     mems: frozenset[int]
-    """Nodes the process may allocate from at all (its cpuset's ``Mems_allowed_list``)."""
+    """Nodes the process may allocate from at all (``Mems_allowed_list``)."""
     policy: str
     """As get_mempolicy names it: "default", "bind", "preferred", "interleave", ..."""
     policy_nodes: frozenset[int]
@@ -48,7 +42,7 @@ class ObservedBinding:
     def local_page_ratio(
         self, nodes: Iterable[int], *, anon_only: bool = False
     ) -> Optional[float]:
-        """Share of resident memory on ``nodes``; None when nothing is resident, or no node given."""
+        """Share of resident memory on ``nodes``; None if nothing or no node counts."""
         counts = self.anon_kb if anon_only else self.resident_kb
         total = sum(kb for _, kb in counts)
         wanted = frozenset(nodes)
@@ -106,8 +100,7 @@ def observe_self(
     proc_root: str = "/proc",
     mempolicy: Optional[Callable[[], "tuple[str, frozenset[int]]"]] = None,
 ) -> ObservedBinding:
-    """This process's binding as the kernel sees it; tests replace ``proc_root`` and
-    ``mempolicy`` (the get_mempolicy reader)."""
+    """This process's binding as the kernel sees it (tests replace both readers)."""
     base = os.path.join(proc_root, "self")
     allowed = read_process_affinity(os.path.join(base, "status"))
     try:
@@ -151,12 +144,13 @@ def compare_binding(
             want_nodes = frozenset([placement.numa_node])
     if not want_nodes <= observed.mems:
         diffs.append(
-            f"mems allowed {_fmt(observed.mems)} observed, must include {_fmt(want_nodes)} (a cpuset or an outer numactl restricts this process)"
+            f"mems allowed {_fmt(observed.mems)} observed, must include "
+            f"{_fmt(want_nodes)} (a cpuset or an outer numactl restricts this process)"
         )
     if observed.policy not in want_policies or observed.policy_nodes != want_nodes:
-        diffs.append(
-            f"memory policy {_policy_text(observed.policy, observed.policy_nodes)} observed, {_policy_text(placement.mem_policy, want_nodes)} planned"
-        )
+        seen = _policy_text(observed.policy, observed.policy_nodes)
+        planned = _policy_text(placement.mem_policy, want_nodes)
+        diffs.append(f"memory policy {seen} observed, {planned} planned")
     return diffs
 
 
@@ -168,15 +162,13 @@ def _policy_text(policy: str, nodes: frozenset[int]) -> str:
     return f"{policy} on node(s) {format_cpulist(nodes)}" if nodes else policy
 
 
-# Share of a rank's own (anonymous) resident memory that must sit on its bound node(s).
-# exec binds before the first allocation; in-process migrates what was touched before binding,
-# and a few pages (e.g. pinned by the kernel or shared) may stay behind.
+# Share of a rank's own (anonymous) resident memory that must sit on its bound node(s):
+# in-process migrates what was touched before binding, and a few pages may stay behind.
 MIN_LOCAL_PAGE_RATIO = {"exec": 0.99, "in-process": 0.95}
 
 
 def probe_main(writer: Any) -> None:
-    """A probe rank's target (top level, so a spawned child can import it). A failure ends
-    it with its traceback on stderr, and the launcher sees it exit before reporting."""
+    """A probe rank's target; a failure shows as an exit before reporting."""
     writer.send({"pid": os.getpid(), "observed": observe_self().to_dict()})
 
 
@@ -194,17 +186,19 @@ def differences(
     *,
     unbound_cpus: frozenset[int],
 ) -> list[str]:
-    """Every way a rank's binding differs from its placement: an unbound rank must have been
-    left alone; a bound one must also keep most of its own memory on its node(s)."""
+    """An unbound rank must have been left alone; a bound one must also keep most of
+    its own memory on its node(s)."""
     if placement.strategy == Strategy.NONE:
         found = []
         if observed.cpus != unbound_cpus:
             found.append(
-                f"cpus {format_cpulist(observed.cpus)} observed, the launcher's {format_cpulist(unbound_cpus)} expected for an unbound rank"
+                f"cpus {format_cpulist(observed.cpus)} observed, the launcher's "
+                f"{format_cpulist(unbound_cpus)} expected for an unbound rank"
             )
         if observed.policy != "default":
             found.append(
-                f"memory policy {observed.policy} observed, default expected for an unbound rank"
+                f"memory policy {observed.policy} observed, "
+                "default expected for an unbound rank"
             )
         return found
     found = compare_binding(placement, observed)
@@ -214,8 +208,9 @@ def differences(
     bind = placement.mem_policy == MemPolicy.BIND
     if minimum and bind and ratio is not None and ratio < minimum:
         found.append(
-            f"{ratio:.1%} of the rank's resident anonymous memory is on node(s) {format_cpulist(nodes)}, "
-            f"at least {minimum:.0%} expected for strategy {placement.strategy}"
+            f"{ratio:.1%} of the rank's resident anonymous memory is on node(s) "
+            f"{format_cpulist(nodes)}, at least {minimum:.0%} expected for strategy "
+            f"{placement.strategy}"
         )
     return found
 
@@ -223,7 +218,7 @@ def differences(
 def verify_row(
     placement: ProcessPlacement, report: dict, *, launcher: str, unbound_cpus: frozenset
 ) -> dict:
-    """One output row: the plan's fields, what the rank observed, and whether they agree."""
+    """The plan's fields, what the rank observed, and whether they agree."""
     observed = ObservedBinding.from_dict(report["observed"])
     nodes = _target_nodes(placement)
     found = differences(placement, observed, unbound_cpus=unbound_cpus)
@@ -244,7 +239,7 @@ def verify_row(
 
 @contextlib.contextmanager
 def _reindexed(gpu_id: int, *, device: str) -> Iterator[int]:
-    """sglang's ``maybe_reindex_device_id`` for CUDA ranks (it narrows CUDA_VISIBLE_DEVICES when asked)."""
+    """sglang's ``maybe_reindex_device_id`` for CUDA ranks, as the engine applies it."""
     if device != "cuda" or not settings.one_visible_device_per_process():
         yield gpu_id
         return
@@ -261,11 +256,8 @@ def run_mp_probes(
     dp_threads: bool = False,
     configure: Any = None,
 ) -> list[tuple[RankIdentity, dict]]:
-    """Start one probe per local rank as sglang's engine (or, with ``dp_threads``, its
-    data-parallel controller) spawns schedulers; return (rank, report) pairs in launch order.
-    Every probe ends, or is killed, within ``timeout_s``. ``configure`` replaces
-    ``numa_utils.configure_subprocess`` (tests that show verify notices a bypass).
-    """
+    """(rank, report) per local rank, spawned as sglang's engine (or its data-parallel
+    controller) spawns schedulers; tests of a bypass replace ``configure``."""
     from sglang.srt.placement.ranks import local_ranks
 
     if configure is None:
@@ -326,25 +318,25 @@ def _collect(
     deadline = time.monotonic() + timeout_s
     reports = []
     for rank, proc, reader in started:
-        # The launcher holds no writer: a probe that exits is EOF, which poll() returns for.
+        # The launcher holds no writer: a probe that exits is EOF, which poll() sees.
         if not reader.poll(max(0.0, deadline - time.monotonic())):
             raise PlacementError(
-                f"{rank.label}: no report within {timeout_s:g} s (see the rank's output above)"
+                f"{rank.label}: no report within {timeout_s:g} s "
+                "(see the rank's output above)"
             )
         try:
             reports.append((rank, reader.recv()))
         except EOFError:
             proc.join(timeout=1)
             raise PlacementError(
-                f"{rank.label}: the probe rank exited with status {proc.exitcode} before reporting (see its output above)"
+                f"{rank.label}: the probe rank exited with status {proc.exitcode} "
+                "before reporting (see its output above)"
             ) from None
     return reports
 
 
 def verify_mp(server_args: Any, **probe_args: Any) -> list[dict]:
-    """One row per local rank, its probe started by ``run_mp_probes(server_args,
-    **probe_args)``: what ``plan`` says sglang's spawn does, against what the rank observed.
-    """
+    """A row per local rank: what ``plan`` says sglang's spawn does, and what it did."""
     from sglang.srt.placement.plan import plan_engine
 
     placements = {p.label: p for p in plan_engine(server_args, launcher="mp")}
@@ -357,8 +349,7 @@ def verify_mp(server_args: Any, **probe_args: Any) -> list[dict]:
 
 
 def format_verify_rows(rows: Sequence[dict]) -> str:
-    """One line per rank, in the spirit of Slurm's --cpu-bind=verbose: planned against
-    observed, then OK or why not."""
+    """One line per rank, as Slurm's --cpu-bind=verbose: plan, observed, OK or why."""
     lines = []
     for row in rows:
         gpu = "" if row.get("gpu_id") is None else f" gpu_id {row['gpu_id']}"
@@ -366,10 +357,12 @@ def format_verify_rows(rows: Sequence[dict]) -> str:
         node = row.get("numa_node")
         ratio = row.get("local_page_ratio")
         head = (
-            f"[DP{row['dp_rank']} PP{row['pp_rank']} TP{row['tp_rank']}] {row['launcher']}{gpu}{pci} "
+            f"[DP{row['dp_rank']} PP{row['pp_rank']} TP{row['tp_rank']}] "
+            f"{row['launcher']}{gpu}{pci} "
             f"node {'-' if node is None else node} via {row['strategy']}: "
-            f"cpus {row['observed_cpus']} (plan {row['cpus'] or 'unbound'}), mems {row['observed_mems']}, "
-            f"policy {row['observed_policy']} (plan {row['mem_policy']}:{row['mem_nodes'] or '-'}), "
+            f"cpus {row['observed_cpus']} (plan {row['cpus'] or 'unbound'}), "
+            f"mems {row['observed_mems']}, policy {row['observed_policy']} "
+            f"(plan {row['mem_policy']}:{row['mem_nodes'] or '-'}), "
             f"local pages {'n/a' if ratio is None else f'{ratio:.1%}'}"
         )
         why = "; ".join(row["differences"])

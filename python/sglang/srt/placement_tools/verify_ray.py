@@ -1,10 +1,5 @@
-"""verify --launcher ray: probe ranks started as sglang 0.5.23's RayEngine starts schedulers.
-
-One bundle of a node's GPUs per node, rank 0 in the driver node's bundle, every rank
-created by sglang's own ``ray.engine._create_scheduler_actor`` with the per-node GPU index
-RayEngine passes. Only the actor class differs: ``ProbeActor`` runs sglang's actor's bind
-(``bind_scheduler_actor``), then reports what its process observes instead of loading a model.
-"""
+"""verify --launcher ray: probe ranks started as sglang 0.5.23's RayEngine starts them,
+through its own ``_create_scheduler_actor``; only the actor class differs (no model)."""
 
 from __future__ import annotations
 
@@ -37,8 +32,7 @@ _EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(\w+(?:Error|Exception)): (.*)$")
 
 
 class PlacementProbe:
-    """A scheduler rank without a model: built as sglang's ``SchedulerActor`` is, up to
-    its ``Scheduler``, then reporting what its process observes."""
+    """A scheduler rank without a model, built as sglang's ``SchedulerActor`` is."""
 
     def __init__(
         self,
@@ -92,8 +86,7 @@ ProbeActor = ray.remote(PlacementProbe)
 
 @contextlib.contextmanager
 def probe_as_scheduler_actor(engine: Any) -> Iterator[None]:
-    """Within the block ``engine._create_scheduler_actor`` creates ``ProbeActor``s: its
-    module-global ``SchedulerActor`` name is swapped, and restored after."""
+    """``engine._create_scheduler_actor`` creates ``ProbeActor``s within the block."""
     real = engine.SchedulerActor
     engine.SchedulerActor = ProbeActor
     try:
@@ -105,9 +98,8 @@ def probe_as_scheduler_actor(engine: Any) -> Iterator[None]:
 def ray_engine_ranks(
     server_args: Any, bundle_for_node: Sequence[int]
 ) -> list[tuple[RankIdentity, int]]:
-    """(rank with the gpu_id RayEngine passes, bundle index) for every rank, in RayEngine's
-    launch order: one dp rank after another, each with the same per-node GPU indices
-    (Ray picks which GPU of the bundle each actor gets)."""
+    """(rank with the gpu_id RayEngine passes, bundle index) in RayEngine's launch
+    order; Ray picks which GPU of the bundle each actor gets."""
     sizes = dict(tp_size=server_args.tp_size, pp_size=server_args.pp_size)
     out = []
     for dp_rank, (node_rank, bundle) in itertools.product(
@@ -123,16 +115,16 @@ def ray_engine_ranks(
 
 
 def _engine_bundle_order(pg: Any, nnodes: int) -> tuple[list[int], str]:
-    """RayEngine's ``_find_engine_bundle``: the driver node's bundle first, then the others
-    (each bundle's node read from Ray's tables, where RayEngine asks a task)."""
+    """RayEngine's ``_find_engine_bundle``: the driver node's bundle first."""
     node_of = placement_group_table(pg)["bundles_to_node_id"]
     address = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     bundle_ips = [address.get(node_of[i]) for i in range(nnodes)]
     engine_ip = ray.util.get_node_ip_address()
     if engine_ip not in bundle_ips:
         raise PlacementError(
-            f"Engine node {engine_ip} not found in any placement group bundle {bundle_ips}: "
-            "rank 0 runs on the driver's node, so run verify on a node of the cluster"
+            f"Engine node {engine_ip} not found in any placement group bundle "
+            f"{bundle_ips}: rank 0 runs on the driver's node, so run verify on a node "
+            "of the cluster"
         )
     first = bundle_ips.index(engine_ip)
     return [first] + [i for i in range(nnodes) if i != first], engine_ip
@@ -142,7 +134,10 @@ def _row(rank: RankIdentity, report: dict, *, expected_actor: str) -> dict:
     if report["placement"] is not None:
         placement = ProcessPlacement.from_dict(report["placement"])
     else:
-        why = "SGLANG_NUMA_BIND_V2=0: the legacy bind runs in sglang's configure_scheduler_process, which the probe does not run"
+        why = (
+            "SGLANG_NUMA_BIND_V2=0: the legacy bind runs in sglang's "
+            "configure_scheduler_process, which the probe does not run"
+        )
         placement = ProcessPlacement.unbound(
             rank, reasons=[why], launcher="ray", failure=False
         )
@@ -161,20 +156,19 @@ def _row(rank: RankIdentity, report: dict, *, expected_actor: str) -> dict:
         )
     if report["actor"] != expected_actor:
         row["differences"].append(
-            f"the actor is named {report['actor']!r}, not {expected_actor!r}: it was not created by sglang's _create_scheduler_actor"
+            f"the actor is named {report['actor']!r}, not {expected_actor!r}: it was "
+            "not created by sglang's _create_scheduler_actor"
         )
     row["ok"] = not row["differences"]
     return row
 
 
 def verify_ray(server_args: Any, *, timeout_s: float) -> list[dict]:
-    """One row per rank of the engine, each started as RayEngine starts it on the connected
-    Ray cluster, comparing what the rank observes with the placement it bound itself to.
-    Everything it starts is stopped on every exit."""
+    """One row per rank as RayEngine starts it: observed against what it bound to."""
     import sglang.srt.ray.engine as engine
 
     deadline = time.monotonic() + timeout_s
-    # The placement group RayEngine reserves when it has none (tp x pp splits over nnodes).
+    # The placement group RayEngine reserves when it has none.
     total_gpus = server_args.dp_size * server_args.tp_size * server_args.pp_size
     nnodes = server_args.nnodes
     bundles = [{"CPU": 1, "GPU": total_gpus // nnodes}] * nnodes
@@ -184,9 +178,10 @@ def verify_ray(server_args: Any, *, timeout_s: float) -> list[dict]:
     try:
         if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
             raise PlacementError(
-                f"the placement group RayEngine reserves ({bundles}, {strategy}) was not ready within {timeout_s:g} s; "
-                f"the cluster has {ray.cluster_resources()}: RayEngine asks one GPU per rank, for --device cpu too "
-                "(declare GPUs with `ray start --num-gpus N`)"
+                f"the placement group RayEngine reserves ({bundles}, {strategy}) was "
+                f"not ready within {timeout_s:g} s; the cluster has "
+                f"{ray.cluster_resources()}: RayEngine asks one GPU per rank, for "
+                "--device cpu too (declare GPUs with `ray start --num-gpus N`)"
             )
         order, rank0_ip = _engine_bundle_order(pg, nnodes)
         with probe_as_scheduler_actor(engine):
@@ -200,7 +195,7 @@ def verify_ray(server_args: Any, *, timeout_s: float) -> list[dict]:
                     tp_rank=rank.tp_rank,
                     pp_rank=rank.pp_rank,
                     dp_rank=rank.dp_rank,
-                    # The probe builds no process group: any address of rank 0's node will do.
+                    # The probe makes no process group: any address of rank 0's node.
                     dist_init_addr=f"{rank0_ip}:0",
                     rank0_node_ip=rank0_ip,
                 )
@@ -217,7 +212,8 @@ def verify_ray(server_args: Any, *, timeout_s: float) -> list[dict]:
                 report = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
                 raise PlacementError(
-                    f"{rank.label}: no report within {timeout_s:g} s (see the raylet's worker logs)"
+                    f"{rank.label}: no report within {timeout_s:g} s "
+                    "(see the raylet's worker logs)"
                 ) from None
             except ray.exceptions.RayError as exc:
                 # What the actor raised: the last "Type: message" line of Ray's text.
