@@ -36,6 +36,7 @@ def parse_cpulist(text: str, *, what: str = "cpulist") -> frozenset[int]:
             f"of CPUs below {MAX_CPUS} needs at most {MAX_CPULIST_CHARS}"
         )
     present = bytearray(MAX_CPUS)  # many overlapping ranges cost nothing: C marks them
+    top = 0  # reading back only up to the highest CPU keeps a short list cheap
     for part in stripped.split(",") if stripped else ():
         try:
             cpus = _parse_part(part.strip())
@@ -45,7 +46,8 @@ def parse_cpulist(text: str, *, what: str = "cpulist") -> frozenset[int]:
                 f"number or range; expected a list such as '0-3,8' ({exc})"
             ) from exc
         present[cpus.start : cpus.stop : cpus.step] = b"\x01" * len(cpus)
-    return frozenset(itertools.compress(range(MAX_CPUS), present))
+        top = max(top, cpus.stop)
+    return frozenset(itertools.compress(range(top), present[:top]))
 
 
 def _parse_part(part: str) -> range:

@@ -165,4 +165,6 @@ def default_prober() -> Optional[NumactlProber]:
     if path is None:
         return None
     # setdefault is atomic: threads asking at once share one prober and its cache.
-    return _probers.setdefault(path, NumactlProber(numactl_path=path))
+    return _probers.get(path) or _probers.setdefault(
+        path, NumactlProber(numactl_path=path)
+    )
