@@ -310,6 +310,145 @@ _SPAWN_UNWATCHED = (
     ),
 )
 
+RESOLVE = P + "resolve.py"
+PLAN = P + "plan.py"
+
+#: resolve for the Ray actor alone: its GPU's node, bound in-process (Ray never execs
+#: numactl). The affinity modes' shares and numactl's ladder join it next.
+_RESOLVE_NODE_IN_PROCESS = (
+    (
+        "Then how (exec, in-process,\nV1): numactl is asked once per option set, on "
+        "the rank's own host.",
+        "Then how (in-process,\nV1).",
+    ),
+    (
+        """class HostCapabilities:  # what can apply a binding (a snapshot's numactl: a stand-in)
+    numactl: Optional[NumactlProber]
+    libnuma: bool
+
+    @classmethod
+    def live(cls) -> "HostCapabilities":
+        from sglang.srt.placement.libnuma import load_libnuma
+        from sglang.srt.placement.numactl import default_prober
+
+        return cls(numactl=default_prober(), libnuma=load_libnuma() is not None)
+
+    @classmethod
+    def snapshot(cls, root: str) -> "HostCapabilities":
+        return cls(numactl=AssumedNumactl(root=root), libnuma=True)
+""",
+        """class HostCapabilities:  # what can apply a binding
+    libnuma: bool
+
+    @classmethod
+    def live(cls) -> "HostCapabilities":
+        from sglang.srt.placement.libnuma import load_libnuma
+
+        return cls(libnuma=load_libnuma() is not None)
+""",
+    ),
+    (
+        """    if policy.affinity_mode == "socket":
+        packages = {c.package_id for c in topology.cpus if c.node_id == node.node_id}
+        held = {c.node_id for c in topology.cpus if c.package_id in packages} - {None}
+        node_ids = sorted(held) or [node.node_id]
+        nodes = [n for n in map(topology.node, node_ids) if n is not None]
+        reasons.append(
+            f"socket mode: package {format_cpulist(packages)} holds node(s) "
+            f"{format_cpulist(node_ids)}"
+        )
+""",
+        "",
+    ),
+    (
+        """    if policy.affinity_mode not in SHARING_MODES:
+        return Choice((node.node_id, cpus, nodes, whole), tuple(reasons))
+    share = _share(cpus, node.node_id, found and found.pci, facts, policy)
+    if share.value != cpus or not share.warning:
+        whole = None  # a mode's share is a CPU list, even a node's only GPU's
+    where = (node.node_id, share.value, nodes, whole)
+    return Choice(where, (*reasons, *share.reasons), share.warning)
+""",
+        "    return Choice((node.node_id, cpus, nodes, whole), tuple(reasons))\n",
+    ),
+    (
+        """    numactl = facts.capabilities.numactl
+    if policy.exec_supported and numactl is not None:
+        outcome = numactl.ladder(
+            cpu_args=(cpu_option(cpus=cpus, whole_nodes=whole),),
+            mem_policy=wanted,
+            mem_nodes=mem_nodes,
+            preferred_node=node_id if mem_nodes else None,
+        )
+        if outcome.ok:
+            got = MemPolicy(outcome.mem_policy)
+            reasons.extend(outcome.reasons)
+            reasons.append(f"exec under numactl {' '.join(outcome.args)}")
+            return placed(Strategy.EXEC, got, outcome.args, got != wanted)
+        refusal = f": {outcome.reasons[0]}" if outcome.reasons else ""
+        reasons.append(
+            f"numactl could not apply NUMA binding for node {node_id} (e.g. "
+            "set_mempolicy/sched_setaffinity blocked by seccomp, or cpuset rejects the "
+            f"policy){refusal}"
+        )
+    elif policy.exec_supported:
+        reasons.append("numactl is not installed")
+    else:
+        reasons.append(
+            f"the {policy.launcher} launcher cannot start this rank under numactl"
+        )
+""",
+        """    reasons.append(
+        f"the {policy.launcher} launcher cannot start this rank under numactl"
+    )
+""",
+    ),
+    (
+        "and how: exec\n    under the strongest numactl form the kernel accepts, else "
+        "in-process (libnuma),\n    or the legacy V1 bind",
+        "and how:\n    in-process (libnuma), or the legacy V1 bind",
+    ),
+)
+#: place_gpu_id for a Ray actor, which names its rank and never has the CPU device's
+#: groups: sglang's rank arithmetic and the CPU groups come with the CPU ranks.
+_PLAN_LABELLED_GPU = (
+    (
+        """    if rank is None:
+        ranks = [r for r in local_ranks(server_args) if r.gpu_id == gpu_id]
+        rank = ranks[0] if ranks else RankIdentity(0, 0, 0, gpu_id)
+""",
+        """    if rank is None:
+        rank = RankIdentity(0, 0, 0, gpu_id)
+""",
+    ),
+    (
+        "(default: the local rank sglang's arithmetic gives\n    ``gpu_id``); for the "
+        "CPU device ``gpu_id`` is the rank's ``numa_index``.",
+        "(default: rank 0 with\n    that ``gpu_id``).",
+    ),
+    (
+        """    topology, spec = facts.topology, policy.cpu_threads_bind
+    if policy.device == "cpu":
+        cpus = rank_cpus(spec, index=gpu_id, topology=topology, affinity=facts.affinity)
+        placement = resolve(accelerator=None, cpu_rank_set=cpus)
+        return _noted(placement, shared_cpus(spec, index=gpu_id))
+""",
+        "    topology = facts.topology\n",
+    ),
+    ("places only cuda, xpu and cpu ranks", "places only cuda and xpu ranks"),
+    (
+        """    elif not listed and policy.affinity_mode == "node" and len(topology.cpu_nodes) < 2:
+        why = (
+            "this host has one NUMA node with CPUs: node binding cannot help "
+            "(exclusive and core-complex modes still share it out between its GPUs)"
+        )
+""",
+        """    elif not listed and len(topology.cpu_nodes) < 2:
+        why = "this host has one NUMA node with CPUs: node binding cannot help"
+""",
+    ),
+)
+
 SERIES: Tuple[Patch, ...] = (
     Patch(
         "shm-segments",
@@ -409,17 +548,40 @@ SERIES: Tuple[Patch, ...] = (
         "Each SchedulerActor places the GPU Ray gave it, by Ray's id (never index 0 "
         "of its one-GPU CUDA_VISIBLE_DEVICES), on its own host, and binds in-process "
         "before its Scheduler exists: every thread, the memory policy, the pages "
-        "touched so far. _create_scheduler_actor stays as upstream wrote it.",
+        "touched so far. _create_scheduler_actor stays as upstream wrote it. resolve "
+        "binds a GPU rank to its node in-process only (Ray never execs numactl), and "
+        "the actor names its own rank.",
         "Ray scheduler actors on nodes with several GPUs are bound to their own GPU's "
-        "node, every thread (they were unbound, or bound to the wrong node).",
-        files=(
-            G + "ray_rank.py",
-            PY + "srt/ray/scheduler_actor.py",
-            RT + "test_scheduler_actor.py",
-            PT + "test_numactl_ladder.py",
+        "node, every thread (they were unbound, or bound to the wrong node); every "
+        "SGLANG_NUMA_AFFINITY_MODE binds them to the whole node until the next patch.",
+        files=(G + "ray_rank.py", PY + "srt/ray/scheduler_actor.py"),
+        partial=(
+            Partial(
+                RESOLVE, keep=("resolve_placement",), swap=_RESOLVE_NODE_IN_PROCESS
+            ),
+            Partial(PLAN, keep=("place_gpu_id",), swap=_PLAN_LABELLED_GPU),
+            Partial(RT + "test_scheduler_actor.py", keep=("TestRayActorPlacement",)),
         ),
-        partial=(Partial(NUMA_TESTS, keep=("TestStripMemoryArgs",)),),
         fixes="ray",
+    ),
+    Patch(
+        "affinity-modes",
+        "placement: exclusive, core-complex and socket modes, and numactl's ladder",
+        "SGLANG_NUMA_AFFINITY_MODE shares a node out between its GPUs: exclusive "
+        "gives each GPU a contiguous slice of the node's whole cores, core-complex "
+        "one L3 group, socket every node of the GPU's package; each rank computes "
+        "its own GPU's share alone from sysfs, by its index among the node's GPUs "
+        "in PCI order. resolve learns the exec path too: numactl's probe ladder "
+        "(--membind, --preferred, CPU only), each option set probed once, which "
+        "configure_subprocess uses two patches later.",
+        "Under SGLANG_NUMA_AFFINITY_MODE=exclusive, core-complex or socket a Ray "
+        "scheduler actor is bound to its GPU's share of the node (or its whole "
+        "socket), not the whole node as in node mode.",
+        files=(RT + "test_scheduler_actor.py", PT + "test_numactl_ladder.py"),
+        partial=(
+            Partial(RESOLVE, keep=("resolve_placement",)),
+            Partial(NUMA_TESTS, keep=("TestStripMemoryArgs",)),
+        ),
     ),
     Patch(
         "cpu-omp-threads",
@@ -427,13 +589,19 @@ SERIES: Tuple[Patch, ...] = (
         "init_threads_binding takes SGLANG_CPU_OMP_THREADS_BIND through placement's "
         "settings and CPU groups: 'all' gives the rank one CPU per physical core of "
         "its node, a cpulist group is taken as written; the group count bounds the "
-        "rank index (a router's one-rank worker counts across the setting).",
+        "rank index (a router's one-rank worker counts across the setting). "
+        "place_gpu_id places a CPU-device rank by its group, and names a rank it is "
+        "not given by sglang's rank arithmetic.",
         "A SGLANG_CPU_OMP_THREADS_BIND that cannot work (too few groups, a bad "
         "cpulist, CPUs offline or outside the affinity) is an error naming the "
         "setting, the value and the fix, not an assert; groups sharing CPUs get a "
         "WARNING.",
         files=(PT + "test_placement_settings.py",),
-        partial=(NUMA_CPU, Partial(NUMA_TESTS, keep=("TestInitThreadsBinding",))),
+        partial=(
+            NUMA_CPU,
+            Partial(NUMA_TESTS, keep=("TestInitThreadsBinding",)),
+            Partial(PLAN, keep=("place_gpu_id",)),
+        ),
     ),
     Patch(
         "configure-subprocess",

@@ -157,18 +157,15 @@ def test_each_patch_has_a_header_an_operator_notice_and_its_tests(checkout_serie
     assert len(fixes) == len(overlay_series.BUGS), summary
 
 
-#: Today's core modules are too large and too tightly coupled for the series'
-#: size goals (they are being cut down); ``overlay.py --series`` refuses the
-#: series until they hold, naming the patch and its largest files.
+#: Today's core modules are too large and too tightly coupled for the Ray fix to
+#: land within its budget: what comes before it (the numa_utils patches it builds
+#: on) holds more than 1,500 changed lines.
 KNOWN_OVER_BUDGET = (
-    "ray-actors 1276 changed lines, the only patch over 800 (its placement core "
-    "cannot be cut without changing it); Ray actors fixed at 4431 changed lines"
+    "the Ray actors' fix (patch 6, ray-actors) lands at 3888 changed lines, after "
+    "the numa_utils patches it builds on"
 )
 
 
-@pytest.mark.xfail(
-    strict=True, reason=f"known, until the core shrinks: {KNOWN_OVER_BUDGET}"
-)
 def test_every_patch_changes_at_most_800_lines(checkout_series):
     _, _, names, built, _ = checkout_series
     over = {n: lines for n, (_, _, lines) in zip(names, built) if lines > 800}
@@ -189,9 +186,15 @@ def test_both_known_bugs_are_fixed_within_the_first_1500_changed_lines(
     assert late == {}
 
 
-def test_the_cli_refuses_the_series_while_a_patch_is_over_800_lines(tmp_path):
+def test_the_cli_writes_the_series_in_patches_of_at_most_800_lines(tmp_path):
     done = run(sys.executable, OVERLAY, "--series", tmp_path / "out", PRISTINE)
-    assert done.returncode == 2 and "more than 800: split it" in done.stderr
+    assert done.returncode == 0, done.stderr
+    names = (tmp_path / "out" / "series").read_text().split()
+    lines = [
+        int(re.search(r" (\d+) lines ", line)[1])
+        for line in done.stdout.splitlines()[: len(names)]
+    ]
+    assert len(names) == len(overlay_series.SERIES) and max(lines) <= 800
 
 
 def test_each_patch_applies_and_its_own_tests_pass_right_after_it(

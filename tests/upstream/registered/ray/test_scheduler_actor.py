@@ -15,7 +15,7 @@ import unittest
 from types import SimpleNamespace
 from unittest.mock import patch
 
-from sglang.srt.placement.types import RankIdentity
+from sglang.srt.placement.types import ProcessAffinity, RankIdentity
 from sglang.srt.scheduler_placement.ray_rank import actor_placement
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -106,6 +106,51 @@ class TestRayActorPlacement(unittest.TestCase):
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertEqual(done.stdout.split()[0], "1")
         self.assertEqual(done.stdout.strip().split(" ", 1)[1], str(sorted(self.node1)))
+
+
+class TestRayActorAffinityModes(unittest.TestCase):
+    """Each actor computes its own GPU's share of the node alone, from sysfs: four
+    cores per node (no SMT) between the node's two GPUs, in PCI order."""
+
+    def setUp(self):
+        self.root = tempfile.mkdtemp(prefix="ray_actor_modes_test_")
+        self.addCleanup(shutil.rmtree, self.root, ignore_errors=True)
+        write_host(self.root, (set(range(4)), set(range(4, 8))))
+        # The tree's CPUs, not this host's, are the ones the process may use.
+        every = ProcessAffinity(
+            cpus=frozenset(range(8)), mems=frozenset({0, 1}), source="test"
+        )
+        affinity = patch(
+            "sglang.srt.placement.topology.read_process_affinity", return_value=every
+        )
+        affinity.start()
+        self.addCleanup(affinity.stop)
+
+    def place(self, gpu_id, mode):
+        environ = {
+            "SGLANG_SYSFS_ROOT": self.root,
+            "SGLANG_NUMA_AFFINITY_MODE": mode,
+            "CUDA_VISIBLE_DEVICES": str(gpu_id),
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        }
+        with patch.dict(os.environ, environ):
+            return actor_placement(
+                SimpleNamespace(device="cuda", tp_size=4),
+                rank=RankIdentity(0, 0, gpu_id, gpu_id),
+                assigned_gpus=[str(gpu_id)],
+            )
+
+    def test_exclusive_gives_each_actor_its_gpus_half_of_the_node(self):
+        shares = [self.place(gpu_id, "exclusive") for gpu_id in range(4)]
+        self.assertEqual(
+            [sorted(p.cpus) for p in shares], [[0, 1], [2, 3], [4, 5], [6, 7]]
+        )
+        self.assertEqual([p.mem_nodes for p in shares], [{0}, {0}, {1}, {1}])
+        self.assertFalse(any(p.warning for p in shares))
+        self.assertIn("GPU 2 of 2 on node 1", "; ".join(shares[3].reasons))
+
+    def test_node_mode_binds_the_whole_node(self):
+        self.assertEqual(self.place(3, "node").cpus, frozenset(range(4, 8)))
 
 
 if __name__ == "__main__":
