@@ -63,6 +63,9 @@ def actor_argv(monkeypatch, gpu: int) -> list[str]:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(gpu))
     rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=gpu, gpu_id=gpu)
     p = actor_placement(args(tp_size=4), rank=rank, assigned_gpus=[str(gpu)])
+    # The actor places by Ray's id without touching its own view: torch and sglang's
+    # readers in the actor (model_runner, bootstrap's logs) still see Ray's one GPU.
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == str(gpu)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert p.strategy == "in-process" and not p.warning, p
     (node,) = p.mem_nodes

@@ -1,4 +1,5 @@
-"""Bootstrap's CPU path hands the kernel a segment namespace per engine and pipeline stage, and unlinks it.
+"""Bootstrap's CPU path hands the kernel a segment namespace per engine and pipeline
+stage, and unlinks it.
 
 The CPU build of sgl_kernel is not installed here: its ``initialize`` op is
 registered with torch.library under the same name and schema, and records the

@@ -1,4 +1,5 @@
-"""Each engine's CPU shared-memory segments are named by its own init address, never by MASTER_ADDR/PORT."""
+"""Each engine's CPU shared-memory segments are named by its own init address, never
+by MASTER_ADDR/PORT."""
 
 import unittest
 

@@ -1,4 +1,4 @@
-"""A running process binds itself: every thread's CPUs, not only the calling thread's."""
+"""A running process binds itself: every thread's CPUs, not only the calling one's."""
 
 import os
 import threading

@@ -1,4 +1,5 @@
-"""numactl's probe ladder: --membind, then --preferred, then CPU only, each option set probed once."""
+"""numactl's probe ladder: --membind, then --preferred, then CPU only, each option set
+probed once."""
 
 import unittest
 

@@ -1,4 +1,4 @@
-"""Placement's settings are read through envs and refused, by name, when they cannot be used."""
+"""Placement's settings are read through envs and refused, by name, when unusable."""
 
 import os
 import unittest

@@ -1,4 +1,5 @@
-"""A spawned scheduler starts under a prefix (numactl) on its command line, and only a spawned child does."""
+"""A spawned scheduler starts under a prefix (numactl) on its command line, and only a
+spawned child does."""
 
 import multiprocessing
 import multiprocessing.spawn

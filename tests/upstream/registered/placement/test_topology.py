@@ -1,4 +1,5 @@
-"""The host's NUMA nodes, CPUs and PCI devices, read from a sysfs tree (SGLANG_SYSFS_ROOT)."""
+"""The host's NUMA nodes, CPUs and PCI devices, read from a sysfs tree
+(SGLANG_SYSFS_ROOT)."""
 
 import os
 import shutil
@@ -21,7 +22,8 @@ def write_tree(root, files):
 
 
 def two_nodes():
-    """Nodes 0 and 2 (ids may be sparse) of two CPUs each, and a GPU whose node the kernel does not know."""
+    """Nodes 0 and 2 (ids may be sparse) of two CPUs each, and a GPU whose node the
+    kernel does not know."""
     files = {"devices/system/cpu/online": "0-3"}
     for cpu in range(4):
         base = f"devices/system/cpu/cpu{cpu}/topology"

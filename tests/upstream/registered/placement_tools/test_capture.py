@@ -1,4 +1,5 @@
-"""capture copies what placement reads of a host, so that plan can run on another host from it."""
+"""capture copies what placement reads of a host, so that plan can run on another host
+from it."""
 
 import os
 import shutil

@@ -1,4 +1,5 @@
-"""python -m sglang.srt.placement_tools plan: where each rank of this host will run, and bad input named."""
+"""python -m sglang.srt.placement_tools plan: where each rank of this host will run,
+and bad input named."""
 
 import contextlib
 import io

@@ -1,4 +1,5 @@
-"""verify compares what a rank observed of its binding with its placement, line by line."""
+"""verify compares what a rank observed of its binding with its placement, line by
+line."""
 
 import dataclasses
 import unittest

@@ -1,4 +1,5 @@
-"""A Ray scheduler actor places the GPU Ray gave it, by Ray's id, and binds every thread there.
+"""A Ray scheduler actor places the GPU Ray gave it, by Ray's id, and binds every
+thread there.
 
 Ray hands each actor one GPU under its own ``CUDA_VISIBLE_DEVICES``, where index
 0 names whichever GPU Ray picked; the host's topology comes from a sysfs tree
@@ -25,7 +26,8 @@ GPUS = ("0000:17:00.0", "0000:18:00.0", "0000:b1:00.0", "0000:b2:00.0")
 
 
 def write_host(root, node_cpus):
-    """Nodes 0 and 1 with the CPUs given (this process's own); GPUs 0 and 1 on node 0, 2 and 3 on node 1."""
+    """Nodes 0 and 1 with the CPUs given (this process's own); GPUs 0 and 1 on node 0,
+    2 and 3 on node 1."""
     cpus = sorted(c for group in node_cpus for c in group)
     files = {"devices/system/cpu/online": ",".join(map(str, cpus))}
     for cpu in cpus:

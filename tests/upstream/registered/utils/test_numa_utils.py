@@ -484,7 +484,8 @@ class TestB200NumaTopology(unittest.TestCase):
         self.assertEqual(
             len(numa_nodes),
             1,
-            f"Expected all visible 4-GPU B200 devices on one NUMA node, got {numa_nodes}",
+            "Expected all visible 4-GPU B200 devices on one NUMA node, "
+            f"got {numa_nodes}",
         )
 
 
