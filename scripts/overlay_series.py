@@ -32,13 +32,23 @@ from typing import (
     FrozenSet,
     Iterable,
     List,
+    NamedTuple,
     Optional,
     Sequence,
     Set,
     Tuple,
+    Union,
 )
 
 MAX_CHANGED_LINES = 800
+
+
+class Span(NamedTuple):
+    """The text from ``first`` through the next ``last``: a swap names a block by its
+    ends rather than repeating the module's code."""
+
+    first: str
+    last: str
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,7 @@ class Partial:
     remove: Tuple[str, ...] = ()
     imports: Tuple[str, ...] = ()
     """``from X import ...`` lines: each replaces upstream's import from X, or is added where isort puts it."""
-    swap: Tuple[Tuple[str, str], ...] = ()
+    swap: Tuple[Tuple[Union[str, Span], str], ...] = ()
     """(old, new) texts, each old found once: in the final new file before it is cut
     to ``keep`` (a command line without its later subcommands), or in the edited
     upstream module (a dispatch kept for a path a later patch replaces)."""
@@ -195,19 +205,10 @@ _DEVICES_CUDA = (
         "expected cuda or cpu.",
     ),
     (
-        """    vendor, order, note, flat = "NVIDIA", "PCI bus order", "", ""
-    if device == "xpu":
-        vendor, value = "Intel", env.get(_PCI_ID_ORDER, "").strip()
-        flat = "; in Level Zero's FLAT hierarchy each tile of a card counts as a device"
-        if value in ("", "0"):
-            # Level Zero numbers integrated GPUs (domain 0, bus 0) last: a runtime
-            # that leaves them out numbers the others the same.
-            listed = tuple(sorted(listed, key=lambda d: d.address[:8] == "0000:00:"))
-            value = "integrated GPUs last"
-        else:
-            value = f"{_PCI_ID_ORDER}={value}"
-        order = f"Level Zero order (PCI bus order, {value})"
-    elif len(listed) != 1""",
+        Span(
+            '    vendor, order, note, flat = "NVIDIA", "PCI bus order", "", ""\n',
+            "    elif len(listed) != 1",
+        ),
         """    vendor, order, note = "NVIDIA", "PCI bus order", ""
     if len(listed) != 1""",
     ),
@@ -216,28 +217,17 @@ _DEVICES_CUDA = (
         '({origin})",',
     ),
     (
-        """    else:
-        # Level Zero's mask filters, it does not permute ("3,1" shows 1 and 3, as 0
-        # and 1); card.tile shows its card; no index, or a card not listed, is skipped.
-        word, value = "device", value.strip()
-        parts = [part.strip() for part in value.split(",")]
-        numbers = [
-            int(m[1]) if (m := _ZE_ENTRY_RE.fullmatch(p)) else None for p in parts
-        ]
-        entries = sorted({n for n in numbers if n is not None and n < count})
-        skipped = [repr(p) for p, n in zip(parts, numbers) if n not in entries]
-        note = f"; entries {', '.join(skipped)} skipped" if skipped else ""
-""",
+        Span(
+            "    else:\n        # Level Zero's mask filters",
+            """ skipped" if skipped else ""\n""",
+        ),
         "",
     ),
     (
-        """    if device == "cuda":
-        return _cuda_entry(entries[gpu_id], f"{var}={value!r} entry {gpu_id}")
-    card = entries[gpu_id]
-    listing = ",".join(map(str, entries))
-    origin = f"shows devices {listing} in index order, device {gpu_id} is {card}"
-    return _Physical(str(card), card, f"{var}={value!r} {origin}{note}")
-""",
+        Span(
+            '    if device == "cuda":\n        return _cuda_entry(',
+            '{origin}{note}")\n',
+        ),
         """    return _cuda_entry(entries[gpu_id], f"{var}={value!r} entry {gpu_id}")
 """,
     ),
@@ -276,36 +266,17 @@ SPAWN = G + "spawn.py"
 #: The spawn before it watches each child leave numactl and checks the block.
 _SPAWN_UNWATCHED = (
     (
-        """    executable = os.fsdecode(multiprocessing.spawn.get_executable())
-    logger.info(f"{who}: the scheduler starts under {' '.join(prefix)}")
-    watch = functools.partial(_exec_watch.submit, prefix=prefix, who=who)
-    with spawn_with_prefix(prefix, after_spawn=watch) as use:
-        yield
-    problems = []
-""",
+        Span("    executable = os.fsdecode(", "    problems = []\n"),
         """    logger.info(f"{who}: the scheduler starts under {' '.join(prefix)}")
     with spawn_with_prefix(prefix):
         yield
 """,
     ),
     (
-        """    after = os.fsdecode(multiprocessing.spawn.get_executable())
-    if after != executable:
-        problems.append(
-            f"the multiprocessing spawn executable changed from {executable} to "
-            f"{after} while the block ran (another library called "
-            "multiprocessing.set_executable); children may run another interpreter"
-        )
-    if use.applied == 0:
-        problems.append(
-            "no process was started with the spawn start method inside the block, so "
-            f"{' '.join(prefix)} was not applied (use multiprocessing.get_context"
-            "('spawn'); a library that replaced multiprocessing.util.spawnv_passfds "
-            "meanwhile, hiding sglang's layer, has the same effect)"
-        )
-    if problems:
-        handle_bind_failure(f"{who}: " + "; ".join(problems), log=logger)
-""",
+        Span(
+            "    after = os.fsdecode(",
+            '"; ".join(problems), log=logger)\n',
+        ),
         "",
     ),
 )
@@ -322,21 +293,10 @@ _RESOLVE_NODE_IN_PROCESS = (
         "Then how (in-process,\nV1).",
     ),
     (
-        """class HostCapabilities:  # what can apply a binding (a snapshot's numactl: a stand-in)
-    numactl: Optional[NumactlProber]
-    libnuma: bool
-
-    @classmethod
-    def live(cls) -> "HostCapabilities":
-        from sglang.srt.placement.libnuma import load_libnuma
-        from sglang.srt.placement.numactl import default_prober
-
-        return cls(numactl=default_prober(), libnuma=load_libnuma() is not None)
-
-    @classmethod
-    def snapshot(cls, root: str) -> "HostCapabilities":
-        return cls(numactl=AssumedNumactl(root=root), libnuma=True)
-""",
+        Span(
+            "class HostCapabilities:  # what can apply a binding",
+            "AssumedNumactl(root=root), libnuma=True)\n",
+        ),
         """class HostCapabilities:  # what can apply a binding
     libnuma: bool
 
@@ -348,56 +308,24 @@ _RESOLVE_NODE_IN_PROCESS = (
 """,
     ),
     (
-        """    if policy.affinity_mode == "socket":
-        packages = {c.package_id for c in topology.cpus if c.node_id == node.node_id}
-        held = {c.node_id for c in topology.cpus if c.package_id in packages} - {None}
-        node_ids = sorted(held) or [node.node_id]
-        nodes = [n for n in map(topology.node, node_ids) if n is not None]
-        reasons.append(
-            f"socket mode: package {format_cpulist(packages)} holds node(s) "
-            f"{format_cpulist(node_ids)}"
-        )
-""",
+        Span(
+            '    if policy.affinity_mode == "socket":\n',
+            '{format_cpulist(node_ids)}"\n        )\n',
+        ),
         "",
     ),
     (
-        """    if policy.affinity_mode not in SHARING_MODES:
-        return Choice((node.node_id, cpus, nodes, whole), tuple(reasons))
-    share = _share(cpus, node.node_id, found and found.pci, facts, policy)
-    if share.value != cpus or not share.warning:
-        whole = None  # a mode's share is a CPU list, even a node's only GPU's
-    where = (node.node_id, share.value, nodes, whole)
-    return Choice(where, (*reasons, *share.reasons), share.warning)
-""",
+        Span(
+            "    if policy.affinity_mode not in SHARING_MODES:\n",
+            "*share.reasons), share.warning)\n",
+        ),
         "    return Choice((node.node_id, cpus, nodes, whole), tuple(reasons))\n",
     ),
     (
-        """    numactl = facts.capabilities.numactl
-    if policy.exec_supported and numactl is not None:
-        outcome = numactl.ladder(
-            cpu_args=(cpu_option(cpus=cpus, whole_nodes=whole),),
-            mem_policy=wanted,
-            mem_nodes=mem_nodes,
-            preferred_node=node_id if mem_nodes else None,
-        )
-        if outcome.ok:
-            got = MemPolicy(outcome.mem_policy)
-            reasons.extend(outcome.reasons)
-            reasons.append(f"exec under numactl {' '.join(outcome.args)}")
-            return placed(Strategy.EXEC, got, outcome.args, got != wanted)
-        refusal = f": {outcome.reasons[0]}" if outcome.reasons else ""
-        reasons.append(
-            f"numactl could not apply NUMA binding for node {node_id} (e.g. "
-            "set_mempolicy/sched_setaffinity blocked by seccomp, or cpuset rejects the "
-            f"policy){refusal}"
-        )
-    elif policy.exec_supported:
-        reasons.append("numactl is not installed")
-    else:
-        reasons.append(
-            f"the {policy.launcher} launcher cannot start this rank under numactl"
-        )
-""",
+        Span(
+            "    numactl = facts.capabilities.numactl\n",
+            'cannot start this rank under numactl"\n        )\n',
+        ),
         """    reasons.append(
         f"the {policy.launcher} launcher cannot start this rank under numactl"
     )
@@ -427,22 +355,18 @@ _PLAN_LABELLED_GPU = (
         "(default: rank 0 with\n    that ``gpu_id``).",
     ),
     (
-        """    topology, spec = facts.topology, policy.cpu_threads_bind
-    if policy.device == "cpu":
-        cpus = rank_cpus(spec, index=gpu_id, topology=topology, affinity=facts.affinity)
-        placement = resolve(accelerator=None, cpu_rank_set=cpus)
-        return _noted(placement, shared_cpus(spec, index=gpu_id))
-""",
+        Span(
+            "    topology, spec = facts.topology, policy.cpu_threads_bind\n",
+            "shared_cpus(spec, index=gpu_id))\n",
+        ),
         "    topology = facts.topology\n",
     ),
     ("places only cuda, xpu and cpu ranks", "places only cuda and xpu ranks"),
     (
-        """    elif not listed and policy.affinity_mode == "node" and len(topology.cpu_nodes) < 2:
-        why = (
-            "this host has one NUMA node with CPUs: node binding cannot help "
-            "(exclusive and core-complex modes still share it out between its GPUs)"
-        )
-""",
+        Span(
+            '    elif not listed and policy.affinity_mode == "node"',
+            'share it out between its GPUs)"\n        )\n',
+        ),
         """    elif not listed and len(topology.cpu_nodes) < 2:
         why = "this host has one NUMA node with CPUs: node binding cannot help"
 """,
@@ -849,16 +773,31 @@ def _spans(source: str) -> Dict[str, Tuple[int, int]]:
 
 
 def swapped(
-    text: str, swaps: Iterable[Tuple[str, str]], refuse: Callable, where: str
+    text: str,
+    swaps: Iterable[Tuple[Union[str, Span], str]],
+    refuse: Callable,
+    where: str,
 ) -> str:
-    """``text`` with each (old, new) of ``swaps`` done; an old not found exactly once is refused."""
+    """``text`` with each (old, new) of ``swaps`` done; an old (a text, or a Span's
+    first text) not found exactly once, or a Span without its last text, is refused."""
     for old, new in swaps:
-        if text.count(old) != 1:
+        first = old.first if isinstance(old, Span) else old
+        if text.count(first) != 1:
             raise refuse(
-                f"{where} swaps a text found {text.count(old)} times, not once "
-                f"(fix or drop the swap): {old.strip()[:80]!r}"
+                f"{where} swaps a text found {text.count(first)} times, not once "
+                f"(fix or drop the swap): {first.strip()[:80]!r}"
             )
-        text = text.replace(old, new)
+        start = text.index(first)
+        end = start + len(first)
+        if isinstance(old, Span):
+            stop = text.find(old.last, end)
+            if stop < 0:
+                raise refuse(
+                    f"{where} swaps a span whose end is not after its start (fix "
+                    f"or drop the swap): {old.last.strip()[:80]!r}"
+                )
+            end = stop + len(old.last)
+        text = text[:start] + new + text[end:]
     return text
 
 

@@ -161,7 +161,7 @@ def test_each_patch_has_a_header_an_operator_notice_and_its_tests(checkout_serie
 #: land within its budget: what comes before it (the numa_utils patches it builds
 #: on) holds more than 1,500 changed lines.
 RAY_FIX_LATE = (
-    "the Ray actors' fix (patch 6, ray-actors) lands at 3888 changed lines, after "
+    "the Ray actors' fix (patch 6, ray-actors) lands at 3895 changed lines, after "
     "the numa_utils patches it builds on"
 )
 
@@ -442,3 +442,16 @@ def test_an_import_of_a_name_the_final_module_lacks_is_refused(changes):
         "read_topology from python/sglang/srt/placement/topology.py, which its final "
         "content does not define"
     ) in found
+
+
+def test_a_span_swap_replaces_the_block_between_its_ends_or_is_refused():
+    text = "a\nfirst\nmiddle\nlast\nz\nlast\n"
+    span = overlay_series.Span("first\n", "last\n")
+    done = overlay_series.swapped(text, [(span, "new\n")], overlay.Refusal, "p")
+    assert done == "a\nnew\nz\nlast\n"  # through the first end after the start
+    with pytest.raises(overlay.Refusal, match="end is not after its start"):
+        overlay_series.swapped(
+            text, [(overlay_series.Span("z\n", "first"), "")], overlay.Refusal, "p"
+        )
+    with pytest.raises(overlay.Refusal, match="found 2 times"):
+        overlay_series.swapped(text, [("last\n", "")], overlay.Refusal, "p")
