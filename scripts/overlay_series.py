@@ -373,6 +373,128 @@ _PLAN_LABELLED_GPU = (
     ),
 )
 
+RAY_RANK = G + "ray_rank.py"
+TYPES = P + "types.py"
+TOPOLOGY = P + "topology.py"
+#: Only the reader of a sysfs file, and of a process's affinity, before the host's.
+_TOPOLOGY_FILES = (
+    (
+        Span('"""Host facts read from a sysfs root', 'marker carries it)."""'),
+        '"""Host facts read from a sysfs root: the live /sys or a fake."""',
+    ),
+)
+#: A placement before the tools write it out and read it back.
+_TYPES_UNREAD = ((Span("    def to_dict(self)", "**given)\n"), ""),)
+RAY_TESTS = RT + "test_scheduler_actor.py"
+
+#: The actor's own bind, before placement decides for every rank: its GPU's node
+#: from sysfs (Ray's id in PCI bus order), or the --numa-node list.
+_RAY_ALONE = (
+    (
+        Span("import os\n", "env=env, rank=rank\n    )\n"),
+        r'''import functools
+import os
+import re
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from sglang.srt.placement import settings
+from sglang.srt.placement.apply import (
+    BindOutcome,
+    bind_in_process,
+    enforce_failure_policy,
+)
+from sglang.srt.placement.cpulist import parse_cpulist
+from sglang.srt.placement.topology import read_file, read_process_affinity
+from sglang.srt.placement.types import (
+    MemPolicy,
+    PlacementError,
+    ProcessPlacement,
+    RankIdentity,
+    Strategy,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
+
+_NODES, _PCI = "devices/system/node", "bus/pci/devices"
+_PCI_ADDRESS = r"[0-9a-f]{4,8}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]"
+_NVIDIA_GPUS = {("0x10de", "0x0300"), ("0x10de", "0x0302")}  # display, 3D: no audio
+
+
+def _read(rel: str, pattern: str = ".*") -> str:
+    path = os.path.join(settings.sysfs_root(), rel)
+    fix = "set SGLANG_SYSFS_ROOT to a sysfs tree such as /sys"
+    text = read_file(path, fix=fix).decode("ascii", "replace").strip().lower()
+    if re.fullmatch(pattern, text) is None:
+        raise PlacementError(f"{path}: {text[:40]!r} is not what sysfs writes; {fix}")
+    return text
+
+
+def _listed(rel: str, pattern: str) -> list[str]:
+    path = os.path.join(settings.sysfs_root(), rel)
+    names = os.listdir(path) if os.path.isdir(path) else ()  # no NUMA: no nodes
+    found = [name for name in names if re.fullmatch(pattern, name)]
+    return sorted(found, key=lambda name: (len(name), name))  # PCI bus order
+
+
+def actor_placement(
+    server_args: "ServerArgs", *, rank: RankIdentity, assigned_gpus: Sequence[str]
+) -> ProcessPlacement:
+    """Its GPU's node: Ray's id counts the host's NVIDIA GPUs in PCI bus order, as
+    sysfs lists them (CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
+    unbound = functools.partial(ProcessPlacement.unbound, rank, launcher="ray")
+    gpu_id, listed, pci = rank.gpu_id, getattr(server_args, "numa_node", None), None
+    nodes = {
+        int(name[4:]): parse_cpulist(_read(f"{_NODES}/{name}/cpulist"))
+        for name in _listed(_NODES, "node[0-9]{1,9}")
+    }
+    if listed is not None and gpu_id >= len(listed):
+        raise settings.SettingError(
+            f"--numa-node has {len(listed)} entries but {rank.label} uses GPU "
+            f"{gpu_id}: give one node per GPU id"
+        )
+    if listed is None and not settings.auto_numa_bind():
+        why = "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
+        return unbound(reasons=[why], failure=False)
+    if listed is None and sum(map(bool, nodes.values())) < 2:
+        why = "this host has one NUMA node with CPUs: node binding cannot help"
+        return unbound(reasons=[why], failure=False)
+    if listed is not None:
+        node, reason = listed[gpu_id], f"node {listed[gpu_id]} from --numa-node"
+    else:
+        gpus = [
+            address
+            for address in _listed(_PCI, _PCI_ADDRESS)
+            if (_read(f"{_PCI}/{address}/vendor"), _read(f"{_PCI}/{address}/class")[:6])
+            in _NVIDIA_GPUS
+        ]
+        if not assigned_gpus or gpu_id >= len(gpus):
+            why = f"GPU {gpu_id} is not Ray's, or not among sysfs's {len(gpus)} GPUs"
+            return unbound(reasons=[why], failure=True)
+        pci = gpus[gpu_id]
+        node = int(_read(f"{_PCI}/{pci}/numa_node", "-?[0-9]{1,9}"))
+        reason = f"GPU {gpu_id} is {pci} in PCI bus order, on node {node}"
+    affinity = read_process_affinity()
+    cpus = nodes.get(node, frozenset()) & affinity.cpus
+    if not cpus:  # -1: the kernel does not know the device's node
+        why = f"{reason}, which has no CPU this process may use"
+        return unbound(reasons=[why], failure=True, pci=pci)
+    mems = frozenset([node]) & affinity.mems
+    return ProcessPlacement(
+        rank=rank,
+        pci=pci,
+        numa_node=node,
+        cpus=cpus,
+        mem_nodes=mems,
+        mem_policy=MemPolicy.BIND if mems else MemPolicy.NONE,
+        strategy=Strategy.IN_PROCESS,
+        reasons=(reason, "bound in-process"),
+        launcher="ray",
+    )
+''',
+    ),
+)
+
 SERIES: Tuple[Patch, ...] = (
     Patch(
         "shm-segments",
@@ -396,16 +518,38 @@ SERIES: Tuple[Patch, ...] = (
         fixes="shm",
     ),
     Patch(
+        "ray-actors",
+        "ray: scheduler actors bind themselves to their own GPU's node",
+        "Each SchedulerActor finds the GPU Ray gave it by Ray's id (never index 0 of "
+        "its one-GPU CUDA_VISIBLE_DEVICES) among the host's NVIDIA GPUs in sysfs (or "
+        "takes the --numa-node list), and binds to that GPU's node in-process before "
+        "its Scheduler exists: every thread, the memory policy, the pages touched so "
+        "far, through placement's in-process bind (one libnuma loader, one failure "
+        "policy). _create_scheduler_actor stays as upstream wrote it; the placement "
+        "settings join envs (SGLANG_SYSFS_ROOT names the sysfs tree read).",
+        "Ray scheduler actors on nodes with several GPUs are bound to their own GPU's "
+        "node, every thread (they were unbound, or bound to the wrong node).",
+        files=(PY + "srt/ray/scheduler_actor.py", PY + "srt/environ.py"),
+        partial=(
+            Partial(RAY_RANK, keep=("bind_scheduler_actor",), swap=_RAY_ALONE),
+            Partial(TYPES, keep=("ProcessPlacement",), swap=_TYPES_UNREAD),
+            Partial(TOPOLOGY, keep=("read_file",), swap=_TOPOLOGY_FILES),
+            Partial(RAY_TESTS, keep=("TestRayActorPlacement",)),
+        ),
+        fixes="ray",
+    ),
+    Patch(
         "numa-utils-nodes",
         "numa_utils: a host's NUMA nodes and CPUs read once, from SGLANG_SYSFS_ROOT",
         "_is_numa_available and _node_cpus read the host through placement's "
         "topology: sparse node ids, memory-only nodes, offline CPUs and a restricted "
-        "process, from /sys or a snapshot (the new settings join envs).",
+        "process, from /sys or a snapshot.",
         "SGLANG_SYSFS_ROOT points numa_utils at a captured topology, and a node "
         "without CPUs or memory no longer counts towards a NUMA host.",
-        files=(PY + "srt/environ.py", PT + "test_topology.py"),
+        files=(PT + "test_topology.py",),
         partial=(
             NUMA_NODES,
+            Partial(TOPOLOGY, keep=("read_topology",)),
             Partial(
                 NUMA_TESTS,
                 keep=("TestIsNumaAvailable", "TestIsNumaAvailableSysfsRoot"),
@@ -467,26 +611,26 @@ SERIES: Tuple[Patch, ...] = (
         ),
     ),
     Patch(
-        "ray-actors",
-        "ray: scheduler actors bind themselves to their own GPU's node",
-        "Each SchedulerActor places the GPU Ray gave it, by Ray's id (never index 0 "
-        "of its one-GPU CUDA_VISIBLE_DEVICES), on its own host, and binds in-process "
-        "before its Scheduler exists: every thread, the memory policy, the pages "
-        "touched so far. _create_scheduler_actor stays as upstream wrote it. resolve "
-        "binds a GPU rank to its node in-process only (Ray never execs numactl), and "
-        "the actor names its own rank.",
-        "Ray scheduler actors on nodes with several GPUs are bound to their own GPU's "
-        "node, every thread (they were unbound, or bound to the wrong node); every "
-        "SGLANG_NUMA_AFFINITY_MODE binds them to the whole node until the next patch.",
-        files=(G + "ray_rank.py", PY + "srt/ray/scheduler_actor.py"),
+        "ray-actors-placement",
+        "ray: a scheduler actor is placed as every rank is",
+        "The actor's own sysfs lookup gives way to placement's: device identity (its "
+        "CUDA_VISIBLE_DEVICES when Ray names no GPU, UUIDs through NVML) and "
+        "resolve, which binds a GPU rank to its node in-process only (Ray never "
+        "execs numactl); the actor names its own rank.",
+        "A Ray scheduler actor that Ray gives no GPU id is bound to the GPU its "
+        "CUDA_VISIBLE_DEVICES names (it was left unbound), and one whose GPU is named "
+        "by UUID finds it through NVML; every SGLANG_NUMA_AFFINITY_MODE binds the "
+        "actor to the whole node until the next patch.",
+        files=(RAY_RANK,),
         partial=(
             Partial(
                 RESOLVE, keep=("resolve_placement",), swap=_RESOLVE_NODE_IN_PROCESS
             ),
             Partial(PLAN, keep=("place_gpu_id",), swap=_PLAN_LABELLED_GPU),
-            Partial(RT + "test_scheduler_actor.py", keep=("TestRayActorPlacement",)),
+            Partial(
+                RAY_TESTS, keep=("TestRayActorPlacement", "TestRayActorWithoutRaysIds")
+            ),
         ),
-        fixes="ray",
     ),
     Patch(
         "affinity-modes",
@@ -501,7 +645,7 @@ SERIES: Tuple[Patch, ...] = (
         "Under SGLANG_NUMA_AFFINITY_MODE=exclusive, core-complex or socket a Ray "
         "scheduler actor is bound to its GPU's share of the node (or its whole "
         "socket), not the whole node as in node mode.",
-        files=(RT + "test_scheduler_actor.py", PT + "test_numactl_ladder.py"),
+        files=(RAY_TESTS, PT + "test_numactl_ladder.py"),
         partial=(
             Partial(RESOLVE, keep=("resolve_placement",)),
             Partial(NUMA_TESTS, keep=("TestStripMemoryArgs",)),

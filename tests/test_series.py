@@ -114,7 +114,7 @@ def build(target: Path, **kwargs) -> list:
 
 
 def write_series(out: Path, target: Path) -> tuple[list[str], list, str]:
-    # The size bounds are checked on their own below (RAY_FIX_LATE).
+    # The size bounds are checked on their own below.
     built = build(target, max_lines=None)
     summary = "\n".join(overlay_series.write(out, built))
     return out.joinpath("series").read_text().split(), built, summary
@@ -157,24 +157,12 @@ def test_each_patch_has_a_header_an_operator_notice_and_its_tests(checkout_serie
     assert len(fixes) == len(overlay_series.BUGS), summary
 
 
-#: Today's core modules are too large and too tightly coupled for the Ray fix to
-#: land within its budget: what comes before it (the numa_utils patches it builds
-#: on) holds more than 1,500 changed lines.
-RAY_FIX_LATE = (
-    "the Ray actors' fix (patch 6, ray-actors) lands at 3895 changed lines, after "
-    "the numa_utils patches it builds on"
-)
-
-
 def test_every_patch_changes_at_most_800_lines(checkout_series):
     _, _, names, built, _ = checkout_series
     over = {n: lines for n, (_, _, lines) in zip(names, built) if lines > 800}
     assert over == {}
 
 
-@pytest.mark.xfail(
-    strict=True, reason=f"known, not met: {RAY_FIX_LATE}"
-)
 def test_both_known_bugs_are_fixed_within_the_first_1500_changed_lines(
     checkout_series,
 ):
@@ -319,7 +307,7 @@ def test_a_patch_that_changes_python_without_a_test_is_refused(changes):
 
 @pytest.mark.parametrize("notice", ["Nothing yet.", "Nothing yet: no caller", "  "])
 def test_a_patch_whose_operators_notice_nothing_is_refused(changes, notice):
-    assert "patch 2 (numa-utils-nodes): its Operators notice says nothing" in refusal(
+    assert "patch 2 (ray-actors): its Operators notice says nothing" in refusal(
         changes, with_patch(1, operators=notice)
     )
 
@@ -352,7 +340,7 @@ def test_a_partial_naming_what_the_final_file_lacks_is_refused(changes):
         1, files=overlay_series.SERIES[1].files[1:], partial=(partial,)
     )
     found = refusal(changes, topology)
-    assert "patch 2 (numa-utils-nodes) names nope, which the final" in found
+    assert "patch 2 (ray-actors) names nope, which the final" in found
 
 
 # --------------------------------------------------------------------------- new files in steps

@@ -40,6 +40,18 @@ def handle_bind_failure(
         raise PlacementError(message + fatal_hint)
 
 
+def enforce_failure_policy(
+    placement: ProcessPlacement, *, who: str, log: logging.Logger = logger
+) -> None:
+    """Before anything is applied: a rank never runs less bound than planned unseen."""
+    reasons = "; ".join(placement.reasons)
+    if placement.warning:
+        weaker = f"bound less tightly than planned: {reasons}"
+        unbound = f"{reasons}; skipping NUMA binding for {who}."
+        message = f"{who}: {weaker if placement.bound else unbound}"
+        handle_bind_failure(message, log=log)
+
+
 @dataclass(frozen=True)
 class BindOutcome:
     label: str
@@ -143,10 +155,9 @@ def set_all_threads_affinity(
 def _set_memory_policy(
     placement: ProcessPlacement, lib: LibNuma, degrade: Callable[[str], None]
 ) -> tuple[str, frozenset[int]]:
+    # A bound placement always names its node, which its memory nodes hold.
     nodes, preferred = placement.mem_nodes, placement.numa_node
-    if preferred is None:
-        preferred = min(nodes, default=None)
-    if placement.mem_policy == MemPolicy.BIND and nodes:  # ours always name nodes
+    if placement.mem_policy == MemPolicy.BIND:
         try:
             lib.set_membind(nodes)
             return "bind", nodes
@@ -156,9 +167,6 @@ def _set_memory_policy(
                 f"membind to {where} rejected by the kernel ({_err(exc)}): falling "
                 f"back to preferred node {preferred}"
             )
-    if preferred is None:
-        degrade("memory policy not set: the placement names no NUMA node")
-        return "none", frozenset()
     try:
         lib.set_preferred(preferred)
         return "preferred", frozenset([preferred])

@@ -94,10 +94,8 @@ class SchedulerActor:
         configure_scheduler_process(server_args, actual_gpu_id)
 
         # Ray actors can't use the numactl subprocess-wrapping approach
-        # (SGLANG_NUMA_BIND_V2's normal path), so bind in-process: every thread,
-        # the memory policy, and the pages touched so far, for the GPU Ray gave
-        # this actor (by Ray's id, not index 0 of its one-GPU view). The V1 path
-        # inside configure_scheduler_process already handles
+        # (SGLANG_NUMA_BIND_V2's normal path), so bind in-process via libnuma.
+        # The V1 path inside configure_scheduler_process already handles
         # SGLANG_NUMA_BIND_V2=False.
         bind_scheduler_actor(
             server_args,

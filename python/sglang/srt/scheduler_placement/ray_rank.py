@@ -8,11 +8,14 @@ import os
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from sglang.srt.placement import settings
-from sglang.srt.placement.apply import BindOutcome, bind_in_process
+from sglang.srt.placement.apply import (
+    BindOutcome,
+    bind_in_process,
+    enforce_failure_policy,
+)
 from sglang.srt.placement.plan import HostFacts, place_gpu_id
 from sglang.srt.placement.policy import PlacementPolicy, placement_view
 from sglang.srt.placement.types import ProcessPlacement, RankIdentity
-from sglang.srt.scheduler_placement.spawn import enforce_failure_policy
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs

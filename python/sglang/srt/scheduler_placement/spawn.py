@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from sglang.srt.placement import settings
-from sglang.srt.placement.apply import handle_bind_failure
+from sglang.srt.placement.apply import enforce_failure_policy, handle_bind_failure
 from sglang.srt.placement.numactl import find_numactl, run_numactl, true_program
 from sglang.srt.placement.plan import HostFacts, place_gpu_id
 from sglang.srt.placement.policy import PlacementPolicy, placement_view
@@ -39,15 +39,6 @@ _FROZEN_ARGUMENT = re.compile(r"\w+=(?:\d+|None)")
 _FORK_FLAG = "--multiprocessing-fork"
 
 
-def enforce_failure_policy(placement: ProcessPlacement, *, who: str) -> None:
-    reasons = "; ".join(placement.reasons)
-    if placement.warning:
-        weaker = f"bound less tightly than planned: {reasons}"
-        unbound = f"{reasons}; skipping NUMA binding for {who}."
-        message = f"{who}: {weaker if placement.bound else unbound}"
-        handle_bind_failure(message, log=logger)
-
-
 @contextlib.contextmanager
 def placed_spawn(server_args: "ServerArgs", gpu_id: int) -> Iterator[None]:
     if not settings.bind_v2():
@@ -64,7 +55,7 @@ def placed_spawn(server_args: "ServerArgs", gpu_id: int) -> Iterator[None]:
     placement = place_gpu_id(
         view, gpu_id, policy=policy, facts=HostFacts.live(), env=os.environ
     )
-    enforce_failure_policy(placement, who=who)
+    enforce_failure_policy(placement, who=who, log=logger)
     if placement.strategy != Strategy.EXEC:
         logger.debug(f"{who}: nothing to apply around the spawn: {placement.reasons}")
         yield

@@ -1,10 +1,6 @@
-"""A Ray scheduler actor places the GPU Ray gave it, by Ray's id, and binds every
-thread there.
-
-Ray hands each actor one GPU under its own ``CUDA_VISIBLE_DEVICES``, where index
-0 names whichever GPU Ray picked; the host's topology comes from a sysfs tree
-(``SGLANG_SYSFS_ROOT``) of two nodes, two NVIDIA GPUs on each.
-"""
+"""A Ray scheduler actor places the GPU Ray gave it by Ray's id (its own
+``CUDA_VISIBLE_DEVICES`` shows that GPU as index 0) and binds every thread there, on
+a sysfs tree (``SGLANG_SYSFS_ROOT``) of two nodes with two NVIDIA GPUs each."""
 
 import os
 import shutil
@@ -70,10 +66,9 @@ class TestRayActorPlacement(unittest.TestCase):
         }
 
     def test_the_node_is_that_of_rays_gpu_not_of_index_0(self):
-        server_args = SimpleNamespace(device="cuda", tp_size=4)
         with patch.dict(os.environ, self.environ):
             placement = actor_placement(
-                server_args,
+                SimpleNamespace(device="cuda", tp_size=4),
                 rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=3, gpu_id=3),
                 assigned_gpus=["3"],
             )
@@ -110,15 +105,14 @@ class TestRayActorPlacement(unittest.TestCase):
         self.assertEqual(done.stdout.strip().split(" ", 1)[1], str(sorted(self.node1)))
 
 
-class TestRayActorAffinityModes(unittest.TestCase):
-    """Each actor computes its own GPU's share of the node alone, from sysfs: four
-    cores per node (no SMT) between the node's two GPUs, in PCI order."""
+class EightCpuHost(unittest.TestCase):
+    """The tree's two nodes of four CPUs each (no SMT), all of which the process may
+    use, whatever this host's own CPUs."""
 
     def setUp(self):
-        self.root = tempfile.mkdtemp(prefix="ray_actor_modes_test_")
+        self.root = tempfile.mkdtemp(prefix="ray_actor_host_test_")
         self.addCleanup(shutil.rmtree, self.root, ignore_errors=True)
         write_host(self.root, (set(range(4)), set(range(4, 8))))
-        # The tree's CPUs, not this host's, are the ones the process may use.
         every = ProcessAffinity(
             cpus=frozenset(range(8)), mems=frozenset({0, 1}), source="test"
         )
@@ -127,6 +121,31 @@ class TestRayActorAffinityModes(unittest.TestCase):
         )
         affinity.start()
         self.addCleanup(affinity.stop)
+
+
+class TestRayActorWithoutRaysIds(EightCpuHost):
+    """Given no id by Ray, an actor's gpu_id indexes the CUDA_VISIBLE_DEVICES it has,
+    as a spawned rank's does."""
+
+    def test_the_visible_devices_name_the_gpu(self):
+        environ = {
+            "SGLANG_SYSFS_ROOT": self.root,
+            "CUDA_VISIBLE_DEVICES": "2,3",
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        }
+        with patch.dict(os.environ, environ):
+            placement = actor_placement(
+                SimpleNamespace(device="cuda", tp_size=2),
+                rank=RankIdentity(0, 0, 1, 1),
+                assigned_gpus=[],
+            )
+        self.assertEqual((placement.pci, placement.numa_node), (GPUS[3], 1))
+        self.assertEqual(placement.cpus, frozenset(range(4, 8)))
+
+
+class TestRayActorAffinityModes(EightCpuHost):
+    """Each actor computes its own GPU's share of the node alone, from sysfs: four
+    cores per node (no SMT) between the node's two GPUs, in PCI order."""
 
     def place(self, gpu_id, mode):
         environ = {
