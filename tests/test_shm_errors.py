@@ -117,4 +117,4 @@ def test_bytes_still_to_write_count_absent_and_short_segments():
     assert segment_bytes_missing([None, None]) == 2 * segment
     assert segment_bytes_missing([segment, None]) == segment
     assert segment_bytes_missing([4096, segment + 1]) == segment - 4096
-    assert segment_bytes_missing([], segment_bytes=10) == 0
+    assert segment_bytes_missing([]) == 0

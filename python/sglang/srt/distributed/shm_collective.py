@@ -52,11 +52,10 @@ def scoped_environ(values: Mapping[str, str]) -> Iterator[None]:
                     os.environ[name] = value
 
 
-def segment_bytes_missing(
-    sizes: Sequence[Optional[int]], *, segment_bytes: int = KERNEL_SEGMENT_BYTES
-) -> int:
+def segment_bytes_missing(sizes: Sequence[Optional[int]]) -> int:
     """Bytes the kernel will still write into segments of these sizes (None: absent)."""
-    return sum(segment_bytes - min(size or 0, segment_bytes) for size in sizes)
+    full = KERNEL_SEGMENT_BYTES
+    return sum(full - min(size or 0, full) for size in sizes)
 
 
 def _full_error(rank: int, needed: int, segment: str) -> ShmCollectiveError:

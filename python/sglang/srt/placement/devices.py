@@ -65,6 +65,29 @@ def parse_gpus_option(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
     return tuple(found)
 
 
+def check_gpus(
+    value: Union[str, Sequence[str]], *, topology: HostTopology, gpu_ids: Sequence[int]
+) -> tuple[str, ...]:
+    """``--gpus`` parsed and checked against this host and the ranks' GPU ids: a typo
+    or a missing address is a bad setting, never a rank left unbound."""
+    found = parse_gpus_option(value)
+    for index, address in enumerate(found):
+        if topology.pci_device(address) is None:
+            raise SettingError(
+                f"--gpus: {address} (device index {index}) is not among the "
+                f"{len(topology.pci_devices)} PCI devices read from {topology.root}; "
+                f"check it with `lspci -D`, {_GPUS_EXAMPLE}"
+            )
+    if gpu_ids and max(gpu_ids) >= len(found):
+        top = max(gpu_ids)
+        raise SettingError(
+            f"--gpus lists {len(found)} address(es) but a rank uses GPU id {top}: list "
+            f"one PCI address per device index 0..{top} ({','.join(found)} given), "
+            f"{_GPUS_EXAMPLE}"
+        )
+    return found
+
+
 class AcceleratorRuntime(Protocol):
     """PCI addresses by physical index (PCI bus order) or UUID (or unique prefix)."""
 
@@ -177,20 +200,7 @@ def identify_accelerators(
                 "--gpu-id-step."
             )
     if gpus is not None:
-        found = parse_gpus_option(gpus)
-        for gpu_id in gpu_ids:
-            if gpu_id >= len(found):
-                raise SettingError(
-                    f"--gpus lists {len(found)} address(es) "
-                    f"({','.join(found)}) but a rank uses GPU id {gpu_id}; list one "
-                    f"PCI address per device index 0..{max(gpu_ids)}, {_GPUS_EXAMPLE}"
-                )
-            if topology.pci_device(found[gpu_id]) is None:  # a typo: not unbound
-                raise SettingError(
-                    f"--gpus: {found[gpu_id]} (device index {gpu_id}) is not among "
-                    f"the {len(topology.pci_devices)} PCI devices read from "
-                    f"{topology.root}; check it with `lspci -D`, {_GPUS_EXAMPLE}"
-                )
+        found = check_gpus(gpus, topology=topology, gpu_ids=gpu_ids)
         return tuple(Accelerator(i, found[i], found[i], "--gpus") for i in gpu_ids)
     listed = accelerator_pci_devices(topology, device=device)
     vendor, order, note, flat = "NVIDIA", "PCI bus order", "", ""

@@ -12,6 +12,11 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpu_groups import rank_cpus, shared_cpus
+from sglang.srt.placement.devices import (
+    AcceleratorRuntime,
+    default_runtime,
+    identify_accelerators,
+)
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.ranks import local_ranks, reindexed
 from sglang.srt.placement.resolve import HostFacts, choose_node, resolve_placement
@@ -23,11 +28,10 @@ from sglang.srt.placement.types import (
 )
 
 if TYPE_CHECKING:
-    from sglang.srt.placement.devices import AcceleratorRuntime
     from sglang.srt.server_args import ServerArgs
 
 LIVE_RUNTIME = "live"  # NVML for this host's own /sys; nothing for a snapshot or --gpus
-Runtime = Union["AcceleratorRuntime", str, None]
+Runtime = Union[AcceleratorRuntime, str, None]
 
 
 def _opened(
@@ -37,8 +41,6 @@ def _opened(
     if runtime != LIVE_RUNTIME:
         return contextlib.nullcontext(runtime)
     if device == "cuda" and gpus is None and os.path.realpath(topology.root) == "/sys":
-        from sglang.srt.placement.devices import default_runtime
-
         opened = default_runtime(device)
         if opened is not None:
             return contextlib.closing(opened)
@@ -54,8 +56,6 @@ def _identify(
     gpus: Optional[Sequence[str]] = None,
     runtime: Runtime = LIVE_RUNTIME,
 ) -> tuple[Optional[Accelerator], str]:
-    from sglang.srt.placement.devices import identify_accelerators
-
     with _opened(runtime, device, topology, gpus) as opened:
         try:
             (found,) = identify_accelerators(

@@ -93,9 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _gpus(text: str, *, topology, root: str, server_args: PlanArgs) -> tuple[str, ...]:
-    """A typo or a missing address is bad input, not a rank the plan shows unbound."""
-    from sglang.srt.placement.devices import parse_gpus_option
+def _gpus(text: str, *, topology, server_args: PlanArgs) -> tuple[str, ...]:
+    """Bounded before it is parsed; ``check_gpus`` refuses what the host lacks."""
+    from sglang.srt.placement.devices import check_gpus
     from sglang.srt.placement.ranks import local_ranks
 
     parts = text.split(",")
@@ -104,20 +104,8 @@ def _gpus(text: str, *, topology, root: str, server_args: PlanArgs) -> tuple[str
             f"--gpus={shown(text)} is not valid: give up to {MAX_GPU_ID + 1} PCI "
             "addresses separated by commas, e.g. --gpus 0000:17:00.0,0000:65:00.0"
         )
-    gpus = parse_gpus_option(parts)
-    for address in gpus:
-        if topology.pci_device(address) is None:
-            raise UsageError(
-                f"--gpus: {address} is not among the {len(topology.pci_devices)} PCI "
-                f"devices read from {root}; check the address with `lspci -D`"
-            )
     ids = [rank.gpu_id for rank in local_ranks(server_args) if rank.gpu_id is not None]
-    if ids and max(ids) >= len(gpus):
-        raise UsageError(
-            f"--gpus lists {len(gpus)} address(es) but a rank uses GPU id {max(ids)}: "
-            f"list one PCI address per device index 0..{max(ids)}"
-        )
-    return gpus
+    return check_gpus(parts, topology=topology, gpu_ids=ids)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -156,7 +144,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         affinity = ProcessAffinity(cpus, affinity.mems, "--allowed-cpus")
     gpus = None
     if args.gpus is not None:
-        gpus = _gpus(args.gpus, topology=topology, root=root, server_args=server_args)
+        gpus = _gpus(args.gpus, topology=topology, server_args=server_args)
     # A Ray actor binds itself in-process once running: Ray starts its workers.
     policy = PlacementPolicy.from_env(
         server_args,

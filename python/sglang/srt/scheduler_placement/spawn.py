@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.apply import enforce_failure_policy, handle_bind_failure
-from sglang.srt.placement.numactl import find_numactl, run_numactl, true_program
+from sglang.srt.placement.numactl import run_numactl, true_program
 from sglang.srt.placement.plan import HostFacts, place_gpu_id
 from sglang.srt.placement.policy import PlacementPolicy, placement_view
 from sglang.srt.placement.types import ProcessPlacement, Strategy
@@ -52,15 +52,15 @@ def placed_spawn(server_args: "ServerArgs", gpu_id: int) -> Iterator[None]:
         who += f" (CUDA_VISIBLE_DEVICES={visible})"
     view = placement_view(server_args)
     policy = PlacementPolicy.from_env(view, launcher="mp")
-    placement = place_gpu_id(
-        view, gpu_id, policy=policy, facts=HostFacts.live(), env=os.environ
-    )
+    facts = HostFacts.live()
+    placement = place_gpu_id(view, gpu_id, policy=policy, facts=facts, env=os.environ)
     enforce_failure_policy(placement, who=who, log=logger)
     if placement.strategy != Strategy.EXEC:
         logger.debug(f"{who}: nothing to apply around the spawn: {placement.reasons}")
         yield
         return
-    prefix = [find_numactl() or "numactl", *placement.numactl_args]
+    # An exec placement was probed with this numactl: the same binary starts the child.
+    prefix = [facts.capabilities.numactl.numactl_path, *placement.numactl_args]
     executable = os.fsdecode(multiprocessing.spawn.get_executable())
     logger.info(f"{who}: the scheduler starts under {' '.join(prefix)}")
     watch = functools.partial(_exec_watch.submit, prefix=prefix, who=who)

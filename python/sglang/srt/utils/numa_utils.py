@@ -221,9 +221,10 @@ def _log_cpu_only_binding(node: int) -> None:
 
 
 def _host_topology():
-    from sglang.srt.placement.topology import read_topology
+    from sglang.srt.placement.topology import read_topology_cached
 
-    return read_topology(settings.sysfs_root())
+    # One read serves the GPU's node, its CPUs and whether it exists.
+    return read_topology_cached(settings.sysfs_root())
 
 
 def _node_exists(node: int) -> bool:
