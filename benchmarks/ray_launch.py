@@ -54,7 +54,10 @@ from ray.util.placement_group import (  # noqa: E402
 from ray_gpu_cluster import two_numa_nodes  # noqa: E402
 
 from sglang.srt.placement_tools import PlanArgs  # noqa: E402
-from sglang.srt.placement_tools.verify_ray import PlacementProbe, ProbeActor  # noqa: E402
+from sglang.srt.placement_tools.verify_ray import (
+    PlacementProbe,
+    ProbeActor,
+)  # noqa: E402
 
 RANKS = 4
 PHASES = ("placement_group_s", "first_call_s", "other_calls_s", "ready_s")

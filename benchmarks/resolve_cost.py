@@ -23,12 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import fakesys  # noqa: E402
 
 from sglang.srt.environ import envs  # noqa: E402
-from sglang.srt.placement.numactl import NumactlProber, ProbeResult  # noqa: E402
-from sglang.srt.placement.plan import HostFacts, plan_engine  # noqa: E402
-from sglang.srt.placement_tools import PlanArgs  # noqa: E402
-from sglang.srt.placement.resolve import HostCapabilities  # noqa: E402
+from sglang.srt.placement import numactl  # noqa: E402
+from sglang.srt.placement.modes import AffinityMode  # noqa: E402
+from sglang.srt.placement.resolve import HostCapabilities, HostFacts  # noqa: E402
 from sglang.srt.placement.topology import read_topology  # noqa: E402
-from sglang.srt.placement.types import AFFINITY_MODES, ProcessAffinity  # noqa: E402
+from sglang.srt.placement.types import ProcessAffinity  # noqa: E402
+from sglang.srt.placement_tools import PlanArgs  # noqa: E402
+from sglang.srt.placement_tools.engine import plan_engine  # noqa: E402
 
 
 def main() -> None:
@@ -60,14 +61,15 @@ def main() -> None:
         f"{len(topology.pci_devices)} PCI devices; read once in {read_ms:.1f} ms"
     )
 
-    for mode in AFFINITY_MODES:
+    for mode in AffinityMode:
         probes: list[tuple[str, ...]] = []
 
         def counting_numactl(argv, probes=probes):
             probes.append(tuple(argv))
-            return ProbeResult(ok=True, message="")
+            return None  # a kernel that accepts every option set
 
-        prober = NumactlProber(numactl_path="numactl", run=counting_numactl)
+        numactl.run_numactl = counting_numactl
+        prober = numactl.NumactlProber(numactl_path="numactl")
         capabilities = HostCapabilities(numactl=prober, libnuma=True)
         timings = []
         with envs.SGLANG_NUMA_AFFINITY_MODE.override(mode):
@@ -79,12 +81,11 @@ def main() -> None:
                         topology=topology, affinity=affinity, capabilities=capabilities
                     ),
                     env={},
-                    runtime=None,
                 )
                 timings.append((time.perf_counter() - start) * 1e3)
         distinct = {p.numactl_args for p in placements}
         print(
-            f"mode={mode:12s} ranks={len(placements)} resolve median {statistics.median(timings):.2f} ms, "
+            f"mode={mode.value:12s} ranks={len(placements)} resolve median {statistics.median(timings):.2f} ms, "
             f"max {max(timings):.2f} ms over {args.repeat} runs; numactl probes {len(probes)} "
             f"for {len(distinct)} distinct option sets"
         )

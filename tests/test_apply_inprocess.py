@@ -14,13 +14,13 @@ import subprocess
 import sys
 import textwrap
 import threading
+import unittest.mock
 
 import pytest
 from fakelibnuma import FakeLibNuma
 
 from sglang.srt.environ import envs
 from sglang.srt.placement import apply as apply_mod
-from sglang.srt.placement import libnuma as libnuma_mod
 from sglang.srt.placement.apply import (
     BindOutcome,
     bind_in_process,
@@ -71,12 +71,29 @@ def restore_affinity():
 
 @pytest.fixture
 def no_libnuma(monkeypatch):
-    def missing():
-        return libnuma_mod.load_libnuma(name="libnuma-absent-for-test.so.1")
+    monkeypatch.setattr(apply_mod, "load_libnuma", lambda: None)
 
-    monkeypatch.setattr(apply_mod, "load_libnuma", missing)
-    yield
-    libnuma_mod.load_libnuma.cache_clear()
+
+def bind_with(p: ProcessPlacement, lib: FakeLibNuma):
+    """bind_in_process with ``lib`` as the libnuma placement loads."""
+    with unittest.mock.patch.object(apply_mod, "load_libnuma", return_value=lib):
+        return bind_in_process(p)
+
+
+@pytest.fixture
+def tasks(tmp_path, monkeypatch):
+    """A /proc/self/task of made-up thread ids, and a recording sched_setaffinity."""
+    monkeypatch.setattr(apply_mod, "TASKS_DIR", str(tmp_path))
+    calls: list[int] = []
+    actions: dict[int, object] = {}
+
+    def setaffinity(tid, cpus):
+        calls.append(tid)
+        if tid in actions:
+            actions[tid]()
+
+    monkeypatch.setattr(os, "sched_setaffinity", setaffinity)
+    return tmp_path, calls, actions
 
 
 def test_binds_every_thread_sets_membind_and_migrates():
@@ -96,7 +113,7 @@ def test_binds_every_thread_sets_membind_and_migrates():
         t.start()
         started.wait(30)
     try:
-        outcome = bind_in_process(placement(), libnuma=fake)
+        outcome = bind_with(placement(), fake)
         for tid in tids + [threading.get_native_id()]:
             assert os.sched_getaffinity(tid) == TARGET_CPUS
     finally:
@@ -118,7 +135,7 @@ def test_binds_every_thread_sets_membind_and_migrates():
 
 def test_membind_rejected_degrades_to_preferred_and_says_so():
     fake = two_node_fake(fail={"set_membind": errno.EPERM})
-    outcome = bind_in_process(placement(), libnuma=fake)
+    outcome = bind_with(placement(), fake)
     assert (outcome.mem_policy, outcome.mem_nodes) == ("preferred", {1})
     assert (fake.policy, fake.policy_nodes) == ("preferred", {1})
     assert outcome.notes
@@ -130,7 +147,7 @@ def test_membind_rejected_degrades_to_preferred_and_says_so():
 
 def test_node_without_memory_ends_cpu_only_like_the_kernel():
     fake = two_node_fake(memory_nodes={0})
-    outcome = bind_in_process(placement(), libnuma=fake)
+    outcome = bind_with(placement(), fake)
     assert outcome.mem_policy == "none"
     assert outcome.cpus == TARGET_CPUS
     assert len(outcome.notes) == 2 and "CPU binding only" in outcome.notes[1]
@@ -140,7 +157,7 @@ def test_node_without_memory_ends_cpu_only_like_the_kernel():
 
 def test_preferred_placement_sets_preferred_on_the_rank_node():
     fake = two_node_fake()
-    outcome = bind_in_process(placement(mem_policy="preferred"), libnuma=fake)
+    outcome = bind_with(placement(mem_policy="preferred"), fake)
     assert fake.called("set_membind") == []
     assert fake.called("set_preferred") == [(1,)]
     assert (outcome.mem_policy, outcome.mem_nodes) == ("preferred", {1})
@@ -148,27 +165,16 @@ def test_preferred_placement_sets_preferred_on_the_rank_node():
 
 def test_mem_policy_none_leaves_memory_alone():
     fake = two_node_fake()
-    outcome = bind_in_process(
-        placement(mem_policy="none", mem_nodes=frozenset()), libnuma=fake
-    )
+    outcome = bind_with(placement(mem_policy="none", mem_nodes=frozenset()), fake)
     assert fake.calls == []
     assert outcome.cpus == TARGET_CPUS and outcome.mem_policy == "none"
     assert outcome.pages_not_migrated is None and not outcome.notes
 
 
-def test_migration_can_be_skipped():
-    fake = two_node_fake()
-    outcome = bind_in_process(placement(), libnuma=fake, migrate=False)
-    assert fake.called("migrate_pages") == []
-    assert outcome.pages_not_migrated is None
-
-
 def test_strategy_none_binds_nothing():
     fake = two_node_fake()
     before = os.sched_getaffinity(0)
-    outcome = bind_in_process(
-        placement(strategy="none", reasons=("single NUMA node",)), libnuma=fake
-    )
+    outcome = bind_with(placement(strategy="none", reasons=("single NUMA node",)), fake)
     assert fake.calls == []
     assert os.sched_getaffinity(0) == before
     assert outcome.cpus == frozenset() and "single NUMA node" in outcome.summary
@@ -205,45 +211,29 @@ def test_crash_flag_turns_rejected_membind_into_placement_error():
         with pytest.raises(
             PlacementError, match=r"DP0 PP0 TP1: membind to node 1 rejected"
         ):
-            bind_in_process(placement(), libnuma=fake)
+            bind_with(placement(), fake)
     assert fake.called("set_preferred") == []
 
 
-def test_threads_that_exit_during_the_walk_are_skipped(tmp_path):
+def test_threads_that_exit_during_the_walk_are_skipped(tasks):
+    root, seen, actions = tasks
     for tid in ("101", "102", "103"):
-        (tmp_path / tid).mkdir()
-    seen: list[int] = []
+        (root / tid).mkdir()
 
-    def setaffinity(tid, cpus):
-        seen.append(tid)
-        if tid == 102:
-            raise ProcessLookupError(errno.ESRCH, "No such process")
+    def gone():
+        raise ProcessLookupError(errno.ESRCH, "No such process")
 
-    outcome = bind_in_process(
-        placement(mem_policy="none"),
-        libnuma=two_node_fake(),
-        tasks_dir=str(tmp_path),
-        setaffinity=setaffinity,
-    )
+    actions[102] = gone
+    outcome = bind_with(placement(mem_policy="none"), two_node_fake())
     assert seen == [101, 102, 103]
     assert outcome.threads == 2 and outcome.cpus == TARGET_CPUS and not outcome.notes
 
 
-def test_threads_started_during_the_walk_are_bound_too(tmp_path):
-    (tmp_path / "1").mkdir()
-    seen: list[int] = []
-
-    def setaffinity(tid, cpus):
-        seen.append(tid)
-        if tid == 1:
-            (tmp_path / "2").mkdir()
-
-    outcome = bind_in_process(
-        placement(mem_policy="none"),
-        libnuma=two_node_fake(),
-        tasks_dir=str(tmp_path),
-        setaffinity=setaffinity,
-    )
+def test_threads_started_during_the_walk_are_bound_too(tasks):
+    root, seen, actions = tasks
+    (root / "1").mkdir()
+    actions[1] = lambda: (root / "2").mkdir()
+    outcome = bind_with(placement(mem_policy="none"), two_node_fake())
     assert seen == [1, 2] and outcome.threads == 2
 
 
@@ -261,23 +251,22 @@ def test_set_all_threads_affinity_moves_every_real_thread():
         worker.join()
 
 
-def test_set_all_threads_affinity_refusal_names_the_thread_and_the_count(tmp_path):
+def test_set_all_threads_affinity_refusal_names_the_thread_and_the_count(tasks):
+    root, _, actions = tasks
     for tid in ("1", "2", "3"):
-        (tmp_path / tid).mkdir()
+        (root / tid).mkdir()
 
-    def setaffinity(tid, cpus):
-        if tid == 2:
-            raise OSError(errno.EINVAL, "Invalid argument")
+    def refuse():
+        raise OSError(errno.EINVAL, "Invalid argument")
 
-    assert set_all_threads_affinity(
-        TARGET_CPUS, tasks_dir=str(tmp_path), setaffinity=setaffinity
-    ) == (1, "thread 2: Invalid argument")
+    actions[2] = refuse
+    assert set_all_threads_affinity(TARGET_CPUS) == (1, "thread 2: Invalid argument")
 
 
 def test_cpus_the_kernel_refuses_are_reported():
     fake = two_node_fake()
     before = os.sched_getaffinity(0)
-    outcome = bind_in_process(placement(cpus=frozenset({8191})), libnuma=fake)
+    outcome = bind_with(placement(cpus=frozenset({8191})), fake)
     assert outcome.cpus == frozenset()
     assert "cpu affinity 8191 not applied" in outcome.notes[0]
     assert os.sched_getaffinity(0) == before
@@ -285,7 +274,7 @@ def test_cpus_the_kernel_refuses_are_reported():
 
 
 def test_outcome_is_frozen():
-    outcome = bind_in_process(placement(mem_policy="none"), libnuma=two_node_fake())
+    outcome = bind_with(placement(mem_policy="none"), two_node_fake())
     assert isinstance(outcome, BindOutcome)
     with pytest.raises(AttributeError):
         outcome.threads = 0

@@ -12,10 +12,10 @@ import stat
 import fakesys
 import pytest
 
-from sglang.srt.placement_tools import UsageError
-from sglang.srt.placement_tools.capture import capture_sysfs
 from sglang.srt.placement.topology import SNAPSHOT_MARKER, read_topology
 from sglang.srt.placement.types import PlacementError
+from sglang.srt.placement_tools import UsageError
+from sglang.srt.placement_tools.capture import capture_sysfs
 
 READY_MADE = [
     fakesys.one_node,
@@ -184,7 +184,10 @@ def test_truncated_snapshot_names_the_capture_command(tmp_path):
         f"{tmp_path}/snap/devices/system/node/node2/meminfo: missing; "
     )
     assert f"captured from kernel {os.uname().release}" in message
-    assert "re-capture it with `python -m sglang.srt.placement_tools capture DIR`" in message
+    assert (
+        "re-capture it with `python -m sglang.srt.placement_tools capture DIR`"
+        in message
+    )
 
 
 def test_kernel_without_numa_or_memory_blocks_carries_memory_in_the_marker(

@@ -26,10 +26,10 @@ import fakesys
 import pytest
 from cli_limits import assert_one_line, deadline, memory_cap, run_cli
 
-from sglang.srt.placement_tools.__main__ import main
-from sglang.srt.placement_tools.capture import capture_sysfs
 from sglang.srt.placement.cpulist import shown
 from sglang.srt.placement.topology import SNAPSHOT_MARKER
+from sglang.srt.placement_tools.__main__ import main
+from sglang.srt.placement_tools.capture import capture_sysfs
 
 SEED = 20240611
 SECONDS_PER_RUN = 5.0

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import ctypes
+import sys
 import types
 
 import pytest
 
+from sglang.srt.placement import devices
 from sglang.srt.placement.devices import (
     NvmlRuntime,
     accelerator_pci_devices,
     canonical_pci_address,
-    default_runtime,
     identify_accelerators,
+    open_runtime,
     parse_cuda_visible_devices,
-    parse_gpus_option,
 )
 from sglang.srt.placement.types import Accelerator, HostTopology, NumaNode, PciDevice
+from sglang.srt.placement_tools.engine import ListedGpus, check_gpus
 
 # Four NVIDIA GPUs on two nodes, listed out of bus order as a directory listing may be,
 # plus things identification must skip: a GPU's audio function, an NVSwitch bridge, a NIC.
@@ -60,9 +62,30 @@ PCI_ORDER = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 def cuda(gpu_ids, env, **kw) -> tuple[Accelerator, ...]:
+    topology = kw.pop("topology", TOPO)
+    return identify(gpu_ids, env, device="cuda", topology=topology, **kw)
+
+
+def identify(gpu_ids, env, *, device, topology, gpus=None, runtime=None):
+    """As placement identifies them; ``gpus`` as the tools' --gpus hands them over."""
+    if gpus is not None:
+        found = check_gpus(gpus, topology=topology, gpu_ids=gpu_ids)
+        runtime = ListedGpus(found)
+        env = {k: v for k, v in env.items() if "VISIBLE" not in k and "MASK" not in k}
     return identify_accelerators(
-        device="cuda", topology=kw.pop("topology", TOPO), gpu_ids=gpu_ids, env=env, **kw
+        device=device, topology=topology, gpu_ids=gpu_ids, env=env, runtime=runtime
     )
+
+
+@pytest.fixture
+def nvml(monkeypatch):
+    """NvmlRuntime over a pynvml stand-in (``fake_pynvml`` keywords)."""
+
+    def make(**kw):
+        monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(**kw))
+        return NvmlRuntime()
+
+    return make
 
 
 # --- a pynvml stand-in with the real module's calling conventions -------------------------
@@ -176,7 +199,7 @@ def test_canonical_pci_address(text, want):
 def test_gpus_option_maps_index_to_address_in_order():
     accs = cuda([0, 1, 2], {}, gpus=["81:00.0", "0000:17:00.0", "0000:C1:00.0"])
     assert [a.pci for a in accs] == ["0000:81:00.0", "0000:17:00.0", "0000:c1:00.0"]
-    assert all(a.source == "--gpus" for a in accs)
+    assert all(a.source.startswith("--gpus: physical device") for a in accs)
     assert [a.gpu_id for a in accs] == [0, 1, 2]
 
 
@@ -184,11 +207,11 @@ def test_gpus_option_wins_over_cuda_visible_devices():
     (acc,) = cuda(
         [1], {"CUDA_VISIBLE_DEVICES": "3,2"}, gpus="0000:17:00.0,0000:2a:00.0"
     )
-    assert acc.pci == "0000:2a:00.0" and acc.source == "--gpus"
+    assert acc.pci == "0000:2a:00.0" and acc.source.startswith("--gpus")
 
 
 def test_gpus_option_as_comma_string():
-    assert parse_gpus_option("81:00.0, 0000:17:00.0") == (
+    assert check_gpus("81:00.0, 0000:17:00.0", topology=TOPO, gpu_ids=[]) == (
         "0000:81:00.0",
         "0000:17:00.0",
     )
@@ -265,8 +288,8 @@ def test_reordered_visible_devices_map_to_the_right_pci():
     assert "CUDA_VISIBLE_DEVICES='3,1' entry 1" in accs[1].source
 
 
-def test_reordered_visible_devices_through_nvml():
-    runtime = NvmlRuntime(module=fake_pynvml())
+def test_reordered_visible_devices_through_nvml(nvml):
+    runtime = nvml()
     accs = cuda([0, 1], {"CUDA_VISIBLE_DEVICES": "3,1", **PCI_ORDER}, runtime=runtime)
     assert [a.pci for a in accs] == [GPU_ADDRS[3], GPU_ADDRS[1]]
     assert (
@@ -274,13 +297,11 @@ def test_reordered_visible_devices_through_nvml():
     )
 
 
-def test_index_order_without_pci_bus_id_order_says_so():
+def test_index_order_without_pci_bus_id_order_says_so(nvml):
     (acc,) = cuda([0], {"CUDA_VISIBLE_DEVICES": "2"})
     assert acc.pci == GPU_ADDRS[2]
     assert "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in acc.source
-    (acc,) = cuda(
-        [0], {"CUDA_VISIBLE_DEVICES": "2"}, runtime=NvmlRuntime(module=fake_pynvml())
-    )
+    (acc,) = cuda([0], {"CUDA_VISIBLE_DEVICES": "2"}, runtime=nvml())
     assert (
         acc.source.startswith("nvml:")
         and "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in acc.source
@@ -295,8 +316,8 @@ def test_single_gpu_host_needs_no_order_note():
     assert acc.pci == "0000:18:00.0" and "CUDA_DEVICE_ORDER" not in acc.source
 
 
-def test_uuid_through_nvml_full_and_prefix():
-    runtime = NvmlRuntime(module=fake_pynvml())
+def test_uuid_through_nvml_full_and_prefix(nvml):
+    runtime = nvml()
     env = {"CUDA_VISIBLE_DEVICES": f"{UUIDS[2]},GPU-8932f937"}
     accs = cuda([0, 1], env, runtime=runtime)
     assert [(a.physical_id, a.pci) for a in accs] == [
@@ -306,8 +327,8 @@ def test_uuid_through_nvml_full_and_prefix():
     assert accs[1].source.startswith("nvml: GPU-8932f937 (CUDA_VISIBLE_DEVICES=")
 
 
-def test_ambiguous_uuid_prefix_is_not_guessed():
-    runtime = NvmlRuntime(module=fake_pynvml())
+def test_ambiguous_uuid_prefix_is_not_guessed(nvml):
+    runtime = nvml()
     (acc,) = cuda([0], {"CUDA_VISIBLE_DEVICES": "GPU-1b7e9c42"}, runtime=runtime)
     assert acc.pci is None
     assert acc.source.startswith("unknown: nvml knows no device GPU-1b7e9c42")
@@ -327,9 +348,9 @@ def test_mig_entry_without_runtime_maps_to_nothing_with_reason():
     assert "is a MIG instance" in acc.source and acc.source.startswith("unknown:")
 
 
-def test_mig_entry_through_nvml_maps_to_parent_gpu():
+def test_mig_entry_through_nvml_maps_to_parent_gpu(nvml):
     mig = "MIG-4b0a3f5e-7c1d-5e2f-8a9b-0c1d2e3f4a5b"
-    runtime = NvmlRuntime(module=fake_pynvml(mig={mig: 2}))
+    runtime = nvml(mig={mig: 2})
     (acc,) = cuda([0], {"CUDA_VISIBLE_DEVICES": mig}, runtime=runtime)
     assert acc.pci == GPU_ADDRS[2]
 
@@ -377,10 +398,7 @@ def test_bad_gpu_ids_and_device():
 
 def test_cpu_device_has_no_accelerators():
     assert (
-        identify_accelerators(
-            device="cpu", topology=TOPO, gpu_ids=[0, 1], env={}, gpus=["bogus"]
-        )
-        == ()
+        identify_accelerators(device="cpu", topology=TOPO, gpu_ids=[0, 1], env={}) == ()
     )
 
 
@@ -388,11 +406,12 @@ def test_cpu_device_has_no_accelerators():
 
 
 @pytest.mark.parametrize("bytes_ids", [False, True])
-def test_nvml_bus_id_canonicalised(bytes_ids):
+def test_nvml_bus_id_canonicalised(bytes_ids, monkeypatch):
     module = fake_pynvml(
         addrs=("0000:81:00.0", "0001:C1:1F.0"), uuids=UUIDS[:2], bytes_ids=bytes_ids
     )
-    runtime = NvmlRuntime(module=module)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    runtime = NvmlRuntime()
     assert module.state["init"] == 1
     assert runtime.pci_by_index(0) == "0000:81:00.0"
     assert runtime.pci_by_index(1) == "0001:c1:1f.0"
@@ -400,23 +419,49 @@ def test_nvml_bus_id_canonicalised(bytes_ids):
     assert runtime.pci_by_uuid(UUIDS[1]) == "0001:c1:1f.0"
     assert runtime.pci_by_uuid("GPU-00000000") is None
     runtime.close()
-    runtime.close()  # idempotent: NVML is shut down once
     assert module.state["init"] == 0
 
 
-def test_default_runtime_uses_nvml_only_when_it_initialises(monkeypatch):
-    assert default_runtime("cpu") is None
-    assert default_runtime("xpu") is None
+def test_nvml_opens_for_cuda_on_this_hosts_own_sys_only(monkeypatch):
+    live = make_topology(root="/sys")
+    for device, topology in (("cpu", live), ("xpu", live), ("cuda", TOPO)):
+        with open_runtime(device, topology) as runtime:
+            assert runtime is None
     # This machine has nvidia-ml-py but no driver: nvmlInit fails and there is no runtime.
     import pynvml  # installed with the test dependencies (nvidia-ml-py)
 
     with pytest.raises(pynvml.NVMLError):
         pynvml.nvmlInit()
-    assert default_runtime("cuda") is None
+    with open_runtime("cuda", live) as runtime:
+        assert runtime is None
     fake = fake_pynvml()
-    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
-    runtime = default_runtime("cuda")
-    assert isinstance(runtime, NvmlRuntime) and runtime.pci_by_index(3) == GPU_ADDRS[3]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with open_runtime("cuda", live) as runtime:
+        assert isinstance(runtime, NvmlRuntime)
+        assert runtime.pci_by_index(3) == GPU_ADDRS[3]
+        assert fake.state["init"] == 1
+    assert fake.state["init"] == 0  # shut down after, as upstream does
+
+
+# --- a container given some of the host's GPUs -------------------------------------------------
+
+
+def test_without_nvml_a_container_never_takes_another_gpus_node(monkeypatch, nvml):
+    """sysfs lists the host's 4 GPUs; the container has 2 (/dev/nvidia2, /dev/nvidia3).
+    Its CUDA index 0 is the host's GPU 2: NVML knows, sysfs order cannot tell."""
+    live = make_topology(root="/sys")
+    monkeypatch.setattr(devices, "usable_nvidia_gpus", lambda: 2)
+    (acc,) = cuda([0], PCI_ORDER, topology=live)
+    assert acc.pci is None
+    assert "sysfs lists 4 NVIDIA GPUs but this process may use 2" in acc.source
+    container = fake_pynvml(addrs=GPU_ADDRS[2:], uuids=UUIDS[2:])
+    monkeypatch.setitem(sys.modules, "pynvml", container)
+    (acc,) = cuda([0], PCI_ORDER, topology=live, runtime=NvmlRuntime())
+    assert acc.pci == GPU_ADDRS[2] and acc.source.startswith("nvml: physical device 0")
+    # On a bare host every GPU is usable: sysfs order is the physical order.
+    monkeypatch.setattr(devices, "usable_nvidia_gpus", lambda: 4)
+    (acc,) = cuda([1], PCI_ORDER, topology=live)
+    assert acc.pci == GPU_ADDRS[1] and acc.source.startswith("sysfs:")
 
 
 # --- XPU -----------------------------------------------------------------------------------------
@@ -434,9 +479,7 @@ XPU_TOPO = make_topology(
 
 
 def xpu(gpu_ids, env, **kw):
-    return identify_accelerators(
-        device="xpu", topology=XPU_TOPO, gpu_ids=gpu_ids, env=env, **kw
-    )
+    return identify(gpu_ids, env, device="xpu", topology=XPU_TOPO, **kw)
 
 
 def test_xpu_level_zero_order_puts_the_integrated_gpu_last():
@@ -543,7 +586,7 @@ def test_xpu_index_beyond_cards_mentions_flat_hierarchy():
 
 def test_xpu_gpus_option():
     (acc,) = xpu([0], {"ZE_AFFINITY_MASK": "3"}, gpus="29:00.0")
-    assert acc.pci == "0000:29:00.0" and acc.source == "--gpus"
+    assert acc.pci == "0000:29:00.0" and acc.source.startswith("--gpus")
 
 
 # --- through a sysfs tree read by read_topology --------------------------------------------------
@@ -566,9 +609,7 @@ def test_read_topology_tree_gives_gpus_in_bus_order(tmp_path):
     with pytest.raises(
         ValueError, match=f"not among the 5 PCI devices read from {tmp_path / 'four'}"
     ):
-        identify_accelerators(
-            device="cuda", topology=topo, gpu_ids=[0], env={}, gpus="0000:19:00.0"
-        )
+        identify([0], {}, device="cuda", topology=topo, gpus="0000:19:00.0")
 
     # A GPU whose numa_node is -1 (the one-GPU cloud VM) is still identified; its node is unknown.
     topo = read_topology(gpu_unknown_node(tmp_path / "unknown", gpus=1))

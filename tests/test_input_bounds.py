@@ -28,10 +28,10 @@ from cli_limits import (
     run_cli,
 )
 
-from sglang.srt.placement_tools.__main__ import build_parser, main
-from sglang.srt.placement_tools.capture import capture_sysfs
 from sglang.srt.placement.cpulist import parse_cpulist
 from sglang.srt.placement.topology import SNAPSHOT_MARKER
+from sglang.srt.placement_tools.__main__ import build_parser, main
+from sglang.srt.placement_tools.capture import capture_sysfs
 
 ONLINE = "devices/system/cpu/online"
 OTHER_UID = 1001

@@ -13,10 +13,12 @@ from typing import Iterator
 import fakesys
 import pytest
 from conftest import setting
+from fakelibnuma import FakeLibNuma
 from spawn_support import args
 
+from sglang.srt.placement import apply
 from sglang.srt.placement.types import PlacementError
-from sglang.srt.scheduler_placement.spawn import armed_prefix
+from sglang.srt.scheduler_placement import spawn
 from sglang.srt.utils import numa_utils
 from sglang.srt.utils.numa_utils import (
     configure_subprocess,
@@ -24,6 +26,13 @@ from sglang.srt.utils.numa_utils import (
     get_numa_node_if_available,
     init_threads_binding,
 )
+
+
+def armed_prefix():
+    """The numactl prefix configure_subprocess armed for this thread's spawns."""
+    use = spawn._state.use
+    return None if use is None else use.prefix
+
 
 ALL_CPUS = sorted(os.sched_getaffinity(0))
 CPU_RANK = args(device="cpu", tp_size=2)
@@ -209,20 +218,10 @@ def test_init_threads_binding_rejects_bad_groups():
 # --------------------------------------------------------------------------- numa_bind_to_node (legacy V1)
 
 
-class RecordingLibnuma:
-    """The libnuma calls numa_bind_to_node makes, as a ``ctypes.CDLL`` would take them."""
-
-    def __init__(self):
-        self.calls = []
+class AvailableLibnuma:
+    """What numa_bind_to_node asks of upstream's ``get_libnuma()`` CDLL."""
 
     def numa_available(self):
-        return 0
-
-    def numa_set_preferred(self, node):
-        self.calls.append(("numa_set_preferred", node.value))
-
-    def numa_run_on_node(self, node):
-        self.calls.append(("numa_run_on_node", node.value))
         return 0
 
 
@@ -240,8 +239,10 @@ def legacy_host(tmp_path, monkeypatch):
         ),
     )
     monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(root))
-    lib = RecordingLibnuma()
-    monkeypatch.setattr(numa_utils, "get_libnuma", lambda: lib)
+    monkeypatch.setattr(numa_utils, "get_libnuma", AvailableLibnuma)
+    # The bind itself goes through placement's one libnuma: nodes 0-2 with memory.
+    lib = FakeLibNuma(node_cpus={0: (), 1: (), 2: ()})
+    monkeypatch.setattr(apply, "load_libnuma", lambda: lib)
     return lib
 
 
@@ -260,16 +261,22 @@ def test_legacy_bind_takes_the_nodes_allowed_cpus_for_every_thread_then_prefers_
     assert {tid for tid, _ in moved} >= threads and {cpus for _, cpus in moved} == {
         frozenset(ALL_CPUS)
     }
-    assert legacy_host.calls == [("numa_set_preferred", 1)]
+    # Preferred memory on the node, as upstream; then the pages touched so far move.
+    assert legacy_host.calls == [
+        ("set_preferred", (1,)),
+        ("migrate_pages", (0, frozenset({0, 2}), frozenset({1}))),
+    ]
 
 
-def test_legacy_bind_of_a_node_without_cpus_runs_on_it(
+def test_legacy_bind_of_a_node_without_cpus_leaves_the_cpus_alone(
     legacy_host, monkeypatch, caplog
 ):
+    # Upstream's numa_run_on_node fails there (a node without CPUs gives an empty mask).
     monkeypatch.setattr(numa_utils, "_can_set_mempolicy", lambda: False)
+    before = os.sched_getaffinity(0)
     with caplog.at_level(logging.INFO, logger=numa_utils.__name__):
         numa_utils.numa_bind_to_node(2)
-    assert legacy_host.calls == [("numa_run_on_node", 2)]
+    assert legacy_host.calls == [] and os.sched_getaffinity(0) == before
     assert (
         "NUMA memory policy not permitted; binding CPUs only to NUMA node 2"
         in caplog.text

@@ -13,13 +13,13 @@ import sys
 import pytest
 
 from sglang.srt.placement.cpulist import parse_cpulist
+from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
 from sglang.srt.placement_tools.verify import (
     ObservedBinding,
     compare_binding,
     observe_self,
     parse_numa_maps,
 )
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity, PlacementError
 
 NUMACTL = shutil.which("numactl")
 

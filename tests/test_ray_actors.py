@@ -137,7 +137,7 @@ def test_actors_sharing_a_bundle_each_bind_to_their_own_gpus_node_every_thread(
         # Its own device, by Ray's id: under Ray's CUDA_VISIBLE_DEVICES=<gpu>, index
         # 0 would name GPU 0.
         assert info["accelerator_ids"] == [str(gpu)] and placement["gpu_id"] == gpu
-        assert placement["strategy"] == "in-process" and not placement["warning"]
+        assert placement["strategy"] == "in-process" and not placement["degraded"]
         assert placement["pci"] == cluster.gpus[gpu]
         assert placement["numa_node"] == GPU_NODE[gpu]
         cpu = cluster.gpu_cpu(gpu)
@@ -165,7 +165,7 @@ def test_a_gpu_its_node_cannot_identify_leaves_the_actor_unbound_with_the_reason
         actors.append(in_bundle(ProbeActor, pg, 0, env, *args))
         (info,) = reports(actors)
     placement = info["placement"]
-    assert placement["strategy"] == "none" and placement["warning"]
+    assert placement["strategy"] == "none" and placement["degraded"]
     (why,) = placement["reasons"]
     gpu = info["gpu_id"]
     assert why.startswith(f"GPU {gpu} ({gpu}): no PCI address")
@@ -201,7 +201,7 @@ def test_a_rank_less_bound_than_intended_runs_unbound_with_the_reason(cluster):
         actors.append(in_bundle(ProbeActor, pg, 0, {}, *args))
         (info,) = reports(actors)
     placement = info["placement"]
-    assert placement["strategy"] == "none" and placement["warning"]
+    assert placement["strategy"] == "none" and placement["degraded"]
     assert any(
         f"NUMA node {NO_CPU_NODE} has no CPU cores allowed by the current affinity" in w
         for w in placement["reasons"]

@@ -15,8 +15,8 @@ import pytest
 import ray
 from ray_gpu_cluster import GPU_NODE
 
-from sglang.srt.placement_tools import PlanArgs
 from sglang.srt.placement.types import PlacementError
+from sglang.srt.placement_tools import PlanArgs
 from sglang.srt.placement_tools.verify_ray import ray_engine_ranks, verify_ray
 
 pytestmark = pytest.mark.ray

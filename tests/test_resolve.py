@@ -13,14 +13,11 @@ from conftest import setting
 
 from sglang.srt.environ import envs
 from sglang.srt.placement import settings
-from sglang.srt.placement.numactl import NumactlProber, ProbeResult
-from sglang.srt.placement.plan import HostFacts, place_gpu_id, plan_engine
-from sglang.srt.placement_tools import PlanArgs as EngineArgs
-from sglang.srt.placement_tools import UsageError as EngineArgsError
+from sglang.srt.placement.numactl import NumactlProber
+from sglang.srt.placement.plan import place_gpu_id
 from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.ranks import local_ranks
+from sglang.srt.placement.resolve import HostCapabilities, HostFacts
 from sglang.srt.placement.settings import SettingError
-from sglang.srt.placement.resolve import HostCapabilities
 from sglang.srt.placement.topology import read_topology
 from sglang.srt.placement.types import (
     Cpu,
@@ -30,6 +27,14 @@ from sglang.srt.placement.types import (
     PlacementError,
     ProcessAffinity,
     RankIdentity,
+)
+from sglang.srt.placement_tools import PlanArgs as EngineArgs
+from sglang.srt.placement_tools import UsageError as EngineArgsError
+from sglang.srt.placement_tools.engine import (
+    from_dict,
+    local_ranks,
+    plan_engine,
+    to_dict,
 )
 
 
@@ -83,15 +88,24 @@ def everything(topology):
 
 
 class AcceptAll:
-    """A prober whose kernel accepts every numactl option, counting probes like the real one."""
+    """A prober whose kernel accepts every numactl option, probing each set once like the real one."""
 
     def __init__(self):
-        self.prober = NumactlProber(numactl_path="/usr/bin/numactl", run=self._run)
+        self.prober = NumactlProber(numactl_path="/usr/bin/numactl")
         self.calls = []
+        real = self.prober.probe
 
-    def _run(self, argv):
-        self.calls.append(tuple(argv))
-        return ProbeResult(ok=True, message="")
+        def run(argv):
+            self.calls.append(tuple(argv))
+            return None
+
+        def probe(args):  # the real cache, over a kernel that accepts everything
+            import unittest.mock
+
+            with unittest.mock.patch("sglang.srt.placement.numactl.run_numactl", run):
+                return real(args)
+
+        self.prober.probe = probe
 
 
 def caps(*, libnuma=True):
@@ -127,7 +141,6 @@ def plan(
         launcher=launcher,
         facts=facts,
         env=env or {},
-        runtime=None,
     )
 
 
@@ -148,7 +161,7 @@ def test_one_node_host_binds_nothing_and_says_why():
     (p,) = plan(topo, tp_size=1)
     assert p.strategy == "none" and p.numa_node is None and not p.cpus
     assert any("one NUMA node" in r for r in p.reasons)
-    assert not p.warning
+    assert not p.degraded
 
 
 def test_gpu_with_unknown_node_is_unbound_with_reason():
@@ -187,7 +200,7 @@ def test_gpu_on_cpuless_memory_node_is_unbound_as_a_fault():
         pci=[("0000:01:00.0", 2)],
     )
     (p,) = plan(topo, tp_size=1)
-    assert p.strategy == "none" and p.warning
+    assert p.strategy == "none" and p.degraded
     assert "node 2 has memory but no CPUs" in p.reasons
 
 
@@ -208,7 +221,7 @@ def test_cpuset_allowing_part_of_one_node_and_none_of_another(two_sockets):
     assert placements[0].cpus == frozenset(range(8))
     assert placements[0].numactl_args == ("--physcpubind=0-7", "--membind=0")
     assert "cpuset allows 8 of 16 CPUs of node(s) 0" in placements[0].reasons
-    assert placements[2].strategy == "none" and placements[2].warning
+    assert placements[2].strategy == "none" and placements[2].degraded
     assert any(
         "NUMA node 1 has no CPU cores allowed by the current affinity 0-7" in r
         for r in placements[2].reasons
@@ -262,7 +275,7 @@ def test_explicit_numa_node_is_honoured_on_a_one_node_host():
 def test_auto_bind_off_without_list_binds_nothing(two_sockets):
     with envs.SGLANG_AUTO_NUMA_BIND.override(False):
         placements = plan(two_sockets)
-    assert all(p.strategy == "none" and not p.warning for p in placements)
+    assert all(p.strategy == "none" and not p.degraded for p in placements)
     assert "SGLANG_AUTO_NUMA_BIND=0" in placements[0].reasons[0]
 
 
@@ -328,7 +341,7 @@ def test_without_numactl_a_spawned_rank_is_unbound_and_a_ray_rank_binds_in_proce
     # sglang's spawned scheduler runs sglang's own code: only exec can bind it.
     p = plan(two_sockets, capabilities=HostCapabilities(numactl=None, libnuma=True))[0]
     assert (
-        p.strategy == "none" and p.warning and "numactl is not installed" in p.reasons
+        p.strategy == "none" and p.degraded and "numactl is not installed" in p.reasons
     )
     assert "the mp launcher binds only by exec: running unbound" in p.reasons
     p = plan(
@@ -339,24 +352,22 @@ def test_without_numactl_a_spawned_rank_is_unbound_and_a_ray_rank_binds_in_proce
     assert (
         p.strategy == "in-process"
         and p.mem_policy == "bind"
-        and "numactl is not installed" in p.reasons
+        and "the ray launcher cannot start this rank under numactl" in p.reasons
     )
     p = plan(
         two_sockets,
         launcher="ray",
         capabilities=HostCapabilities(numactl=None, libnuma=False),
     )[0]
-    assert p.strategy == "in-process" and p.mem_policy == "none" and p.warning
+    assert p.strategy == "in-process" and p.mem_policy == "none" and p.degraded
 
 
 def test_launcher_that_cannot_exec_uses_in_process(two_sockets):
-    policy = PlacementPolicy(launcher="ray", device="cuda", exec_supported=False)
+    policy = PlacementPolicy(launcher="ray", device="cuda")
     facts = HostFacts(
         topology=two_sockets, affinity=everything(two_sockets), capabilities=caps()
     )
-    placements = plan_engine(
-        EngineArgs(tp_size=4), facts=facts, env={}, policy=policy, runtime=None
-    )
+    placements = plan_engine(EngineArgs(tp_size=4), facts=facts, env={}, policy=policy)
     assert all(p.strategy == "in-process" for p in placements)
     assert (
         "the ray launcher cannot start this rank under numactl" in placements[0].reasons
@@ -365,7 +376,7 @@ def test_launcher_that_cannot_exec_uses_in_process(two_sockets):
 
 def test_placement_json_round_trip(two_sockets):
     for p in plan(two_sockets):
-        assert type(p).from_dict(json.loads(json.dumps(p.to_dict()))) == p
+        assert from_dict(json.loads(json.dumps(to_dict(p)))) == p
 
 
 # --- the probe ladder -------------------------------------------------------------------------
@@ -390,7 +401,7 @@ def test_ladder_falls_back_from_bind_to_preferred_to_cpu_only(tmp_path, two_sock
     p = plan(two_sockets, capabilities=HostCapabilities(numactl=prober, libnuma=True))[
         0
     ]
-    assert p.strategy == "exec" and p.mem_policy == "preferred" and p.warning
+    assert p.strategy == "exec" and p.mem_policy == "preferred" and p.degraded
     assert p.numactl_args == ("--cpunodebind=0", "--preferred=0")
     assert (
         "numactl rejected hard memory binding ('--cpunodebind=0 --membind=0'): set_mempolicy: Operation "
@@ -422,7 +433,7 @@ def test_ladder_exhausted_leaves_a_spawned_rank_unbound_and_a_ray_rank_in_proces
     p = plan(two_sockets, capabilities=HostCapabilities(numactl=prober, libnuma=True))[
         0
     ]
-    assert p.strategy == "none" and p.warning
+    assert p.strategy == "none" and p.degraded
     assert any(
         r.startswith("numactl could not apply NUMA binding for node 0")
         and r.endswith("set_mempolicy: Operation not permitted (--cpunodebind)")
@@ -472,10 +483,9 @@ def test_real_numactl_probe_on_this_host():
         and ok.args == (f"--physcpubind={cpu}", "--membind=0")
     )
     bad = prober.probe(("--membind=7",))
-    assert not bad.ok and bad.message  # numactl's own words, e.g. "numactl: ... 7 ..."
-    assert prober.probe_count == 2
-    prober.probe(("--membind=7",))
-    assert prober.probe_count == 2
+    assert bad  # numactl's own words, e.g. "numactl: ... 7 ..."
+    assert len(prober._results) == 2
+    assert prober.probe(("--membind=7",)) == bad and len(prober._results) == 2
 
 
 # --- CPU device ---------------------------------------------------------------------------------
@@ -693,12 +703,7 @@ def test_a_gpu_id_probes_only_its_own_options(two_sockets, monkeypatch):
     monkeypatch.setenv("SGLANG_NUMA_AFFINITY_MODE", "exclusive")
     args = EngineArgs(tp_size=4)
     p = place_gpu_id(
-        args,
-        1,
-        policy=PlacementPolicy.from_env(args, launcher="mp"),
-        facts=facts,
-        env={},
-        runtime=None,
+        1, policy=PlacementPolicy.from_env(args, launcher="mp"), facts=facts, env={}
     )
     assert p.cpus == frozenset({4, 5, 6, 7, 12, 13, 14, 15})
     assert [c[1:-1] for c in fake.calls] == [("--physcpubind=4-7,12-15", "--membind=0")]
@@ -730,7 +735,7 @@ def in_mode(mode, topology, **server):
 
 def share(p):
     """What a GPU gets, whichever path placed it (rank labels differ by path)."""
-    return (p.pci, p.numa_node, p.cpus, p.mem_nodes, p.numactl_args, p.warning)
+    return (p.pci, p.numa_node, p.cpus, p.mem_nodes, p.numactl_args, p.degraded)
 
 
 @pytest.mark.parametrize("mode", ["exclusive", "core-complex"])
@@ -739,7 +744,7 @@ def test_each_gpu_gets_its_share_of_its_node(tmp_path, mode):
     assert [p.cpus for p in placements] == L3_SHARES
     assert placements[1].numactl_args == ("--physcpubind=2-3,10-11", "--membind=0")
     assert placements[3].numactl_args == ("--physcpubind=6-7,14-15", "--membind=1")
-    assert not any(p.warning for p in placements)
+    assert not any(p.degraded for p in placements)
     assert f"{mode} mode: GPU 2 of 2 on node 0 (PCI order)" in " ".join(
         placements[1].reasons
     )
@@ -755,23 +760,14 @@ def test_a_gpus_share_is_the_same_whoever_computes_it(tmp_path, mode):
     )
     with setting("SGLANG_NUMA_AFFINITY_MODE", mode):
         policy = PlacementPolicy.from_env(EngineArgs(), launcher="mp")
-    engine = plan_engine(
-        EngineArgs(tp_size=4), facts=facts, env={}, policy=policy, runtime=None
-    )
+    engine = plan_engine(EngineArgs(tp_size=4), facts=facts, env={}, policy=policy)
     assert [p.cpus for p in engine] == L3_SHARES
     for gpu in range(4):
         alone = EngineArgs(tp_size=1, base_gpu_id=gpu)
-        (router,) = plan_engine(alone, facts=facts, env={}, policy=policy, runtime=None)
-        spawned = place_gpu_id(
-            alone, gpu, policy=policy, facts=facts, env={}, runtime=None
-        )
+        (router,) = plan_engine(alone, facts=facts, env={}, policy=policy)
+        spawned = place_gpu_id(gpu, policy=policy, facts=facts, env={})
         actor = place_gpu_id(
-            EngineArgs(),
-            0,
-            policy=policy,
-            facts=facts,
-            env={"CUDA_VISIBLE_DEVICES": str(gpu)},
-            runtime=None,
+            0, policy=policy, facts=facts, env={"CUDA_VISIBLE_DEVICES": str(gpu)}
         )
         assert {share(p) for p in (engine[gpu], router, spawned, actor)} == {
             share(engine[gpu])
@@ -800,7 +796,7 @@ def test_a_node_with_more_gpus_than_l3_groups_wraps_round_and_says_so(tmp_path):
     assert "node 0 has 3 GPUs for 2 L3 groups: GPUs wrap round and share a group" in (
         placements[2].reasons
     )
-    assert not placements[2].warning
+    assert not placements[2].degraded
 
 
 def test_exclusive_with_more_gpus_than_cores_splits_siblings_then_shares(tmp_path):
@@ -811,12 +807,12 @@ def test_exclusive_with_more_gpus_than_cores_splits_siblings_then_shares(tmp_pat
     # node 0: cores {0, 4} and {1, 5}, as threads in core order 0, 4, 1, 5: 2 + 1 + 1.
     assert [p.cpus for p in placements] == [{0, 4}, {1}, {5}]
     assert "slices split SMT siblings" in " ".join(placements[0].reasons)
-    assert not any(p.warning for p in placements)
+    assert not any(p.degraded for p in placements)
 
     crowded = fakesys.Shape(sockets=2, cores_per_node=1, gpus_per_node=3)
     placements = in_mode("exclusive", sysfs(tmp_path / "2", crowded), tp_size=3)
     assert [p.cpus for p in placements] == [{0}] * 3
-    assert all(p.warning for p in placements)
+    assert all(p.degraded for p in placements)
     assert "node 0 has 1 allowed CPUs for 3 GPUs: GPUs share CPUs" in (
         placements[2].reasons
     )
@@ -827,7 +823,7 @@ def test_core_complex_without_l3_groups_binds_the_whole_node_with_a_warning(tmp_
     placements = in_mode("core-complex", sysfs(tmp_path, shape))
     assert placements[0].cpus == L3_SHARES[0] | L3_SHARES[1]
     assert placements[0].numactl_args == ("--cpunodebind=0", "--membind=0")
-    assert placements[0].warning
+    assert placements[0].degraded
     assert any("sysfs has no L3 groups" in r for r in placements[0].reasons)
 
 
@@ -837,7 +833,7 @@ def test_a_gpu_not_among_its_nodes_devices_binds_the_whole_node(tmp_path, mode):
     placements = in_mode(mode, sysfs(tmp_path, L3_HOST), numa_node=[1, 0, 1, 1])
     assert placements[0].numa_node == 1
     assert placements[0].cpus == L3_SHARES[2] | L3_SHARES[3]
-    assert placements[0].warning
+    assert placements[0].degraded
     assert (
         f"{mode} mode: GPU 0000:18:00.0 is not among node 1's cuda devices in sysfs "
         "(0000:38:00.0, 0000:48:00.0): bound to the whole node"

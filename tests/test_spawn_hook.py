@@ -18,10 +18,7 @@ import threading
 import pytest
 
 from sglang.srt.scheduler_placement import spawn
-from sglang.srt.scheduler_placement.spawn import (
-    is_spawned_child,
-    spawn_with_prefix,
-)
+from sglang.srt.scheduler_placement.spawn import is_spawned_child, spawn_with_prefix
 
 ENV = shutil.which("env")
 EXE = sys.executable
@@ -100,8 +97,10 @@ def test_a_spawned_child_starts_under_the_prefix_and_others_do_not():
 def test_prefixes_nest_and_an_empty_one_is_refused():
     with spawn_with_prefix(marked_prefix("outer")):
         assert spawn_one(marked_prefix("inner"))["marker"] == "inner"
-        assert spawn.armed_prefix() == tuple(marked_prefix("outer"))
-    assert spawn.armed_prefix() is None
+        assert (spawn._state.use and spawn._state.use.prefix) == tuple(
+            marked_prefix("outer")
+        )
+    assert (spawn._state.use and spawn._state.use.prefix) is None
     with pytest.raises(ValueError):
         with spawn_with_prefix([]):
             pass

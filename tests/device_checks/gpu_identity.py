@@ -201,8 +201,8 @@ def torch_facts() -> dict[str, Any]:
 def identify_matrix(uuid: str | None) -> dict[str, Any]:
     from sglang.srt.placement.devices import (
         NvmlRuntime,
-        default_runtime,
         identify_accelerators,
+        open_runtime,
     )
     from sglang.srt.placement.topology import read_topology
 
@@ -214,7 +214,8 @@ def identify_matrix(uuid: str | None) -> dict[str, Any]:
     except BaseException as exc:
         out["runtime_nvml"] = f"{type(exc).__name__}: {exc}"
     try:
-        out["default_runtime"] = type(default_runtime("cuda")).__name__
+        with open_runtime("cuda", topo) as opened:
+            out["default_runtime"] = type(opened).__name__
     except BaseException as exc:
         out["default_runtime"] = f"{type(exc).__name__}: {exc}"
     base = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}

@@ -56,8 +56,8 @@ def main() -> None:
     from types import SimpleNamespace
 
     from sglang.srt.placement.apply import bind_in_process
-    from sglang.srt.placement_tools.verify import compare_binding, observe_self
     from sglang.srt.placement.types import RankIdentity
+    from sglang.srt.placement_tools.verify import compare_binding, observe_self
     from sglang.srt.scheduler_placement.ray_rank import (
         actor_placement,
         bind_scheduler_actor,
@@ -83,21 +83,19 @@ def main() -> None:
     before = observe_self()
 
     started = time.monotonic()
-    if args.no_migrate:
-        rank = RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=args.node)
-        placement = actor_placement(
-            server_args, rank=rank, assigned_gpus=[str(args.node)]
-        )
-        outcome = bind_in_process(placement, migrate=False)
-    else:
-        placement, outcome = bind_scheduler_actor(
-            server_args,
-            gpu_id=args.node,
-            assigned_gpus=[str(args.node)],
-            tp_rank=0,
-            pp_rank=0,
-            dp_rank=0,
-        )
+    if args.no_migrate:  # what migration buys: the same bind, pages left in place
+        from sglang.srt.placement.libnuma import LibNuma
+
+        LibNuma.migrate_pages = lambda self, pid, src, dst: None
+    outcome = bind_scheduler_actor(
+        server_args,
+        gpu_id=args.node,
+        assigned_gpus=[str(args.node)],
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=0,
+    )
+    placement = outcome.placement
     bind_seconds = time.monotonic() - started
     after_bind = observe_self()
 

@@ -67,7 +67,7 @@ def run_engine(
 ) -> list[dict]:
     """Every local rank of ``server_args`` (or the one of GPU id ``only``), planned then spawned as sglang
     does; one row per rank."""
-    from sglang.srt.placement.ranks import local_ranks, reindexed
+    from sglang.srt.placement_tools.engine import local_ranks, reindexed
 
     plan = plan_json(server_args)
     rows = []

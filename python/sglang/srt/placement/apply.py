@@ -1,7 +1,8 @@
-"""The one failure policy, and the in-process bind for launchers that cannot exec a
-rank under numactl. Every running thread is moved (an import's pool would stay
-unbound) and touched pages migrate (late binding leaves them where they are); the
-memory policy holds for the calling thread and those it starts: bind first thing."""
+"""The one failure policy, and the one in-process bind, for launchers that cannot exec
+a rank under numactl and for upstream's ``numa_bind_to_node``. Every running thread
+is moved (an import's pool would stay unbound) and touched pages migrate (late binding
+leaves them where they are); the memory policy holds for the calling thread and those
+it starts: bind first thing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import errno
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
@@ -18,11 +19,12 @@ from sglang.srt.placement.types import (
     MemPolicy,
     PlacementError,
     ProcessPlacement,
-    Strategy,
+    descend,
 )
 
 logger = logging.getLogger(__name__)
 
+TASKS_DIR = "/proc/self/task"
 _MAX_THREAD_PASSES = 5
 _CRASH_HINT = (
     ". SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 makes this fatal; fix the cause, or "
@@ -45,7 +47,7 @@ def enforce_failure_policy(
 ) -> None:
     """Before anything is applied: a rank never runs less bound than planned unseen."""
     reasons = "; ".join(placement.reasons)
-    if placement.warning:
+    if placement.degraded:
         weaker = f"bound less tightly than planned: {reasons}"
         unbound = f"{reasons}; skipping NUMA binding for {who}."
         message = f"{who}: {weaker if placement.bound else unbound}"
@@ -54,10 +56,10 @@ def enforce_failure_policy(
 
 @dataclass(frozen=True)
 class BindOutcome:
-    label: str
+    placement: ProcessPlacement
     cpus: frozenset[int]  # empty when the affinity was left alone
     threads: int
-    mem_policy: str  # "bind", "preferred" or "none"
+    mem_policy: MemPolicy
     mem_nodes: frozenset[int]
     pages_not_migrated: Optional[int]  # None when no migration was attempted
     notes: tuple[str, ...] = ()  # empty when nothing was lost
@@ -70,40 +72,29 @@ class BindOutcome:
         parts.append(memory if self.mem_nodes else "memory policy unchanged")
         if self.pages_not_migrated is not None:
             parts.append(f"pages migrated ({self.pages_not_migrated} not moved)")
-        return f"{self.label}: " + "; ".join([", ".join(parts), *self.notes])
+        label = self.placement.label
+        return f"{label}: " + "; ".join([", ".join(parts), *self.notes])
 
 
-def bind_in_process(
-    placement: ProcessPlacement,
-    *,
-    libnuma: Optional[LibNuma] = None,
-    tasks_dir: str = "/proc/self/task",
-    setaffinity: Callable[[int, Iterable[int]], None] = os.sched_setaffinity,
-    migrate: bool = True,
-) -> BindOutcome:
-    """Degrades like numactl's ladder (bind, preferred, CPUs only); each lost step is
-    a note, or a PlacementError under the crash setting. ``migrate=False`` lets a
-    benchmark measure what migration buys."""
+def bind_in_process(placement: ProcessPlacement) -> BindOutcome:
+    """Degrades down the memory-policy ladder (bind, preferred, CPUs only); each lost
+    step is a note, or a PlacementError under the crash setting."""
     notes: list[str] = []
-    cpus, threads, policy, nodes, not_moved = frozenset(), 0, "none", frozenset(), None
 
     def degrade(what: str) -> None:
         handle_bind_failure(f"{placement.label}: {what}", fatal_hint=_CRASH_HINT)
         notes.append(what)
 
-    if placement.strategy == Strategy.NONE:
-        why = "; ".join(placement.reasons) or "placement strategy is none"
-        notes.append(f"not bound: {why}")
+    cpus, threads, policy, nodes, not_moved = frozenset(), 0, MemPolicy.NONE, (), None
+    if not placement.bound:
+        notes.append(f"not bound: {'; '.join(placement.reasons) or 'no strategy'}")
     else:
-        wants_memory = placement.mem_policy != MemPolicy.NONE
-        lib = (libnuma or load_libnuma()) if wants_memory else None
-        if wants_memory and lib is None:
+        lib = load_libnuma() if placement.mem_policy != MemPolicy.NONE else None
+        if placement.mem_policy != MemPolicy.NONE and lib is None:
             missing = "libnuma.so.1 is not available (install libnuma1)"
             degrade(f"memory policy not set: {missing}")
         if placement.cpus:
-            threads, refusal = set_all_threads_affinity(
-                placement.cpus, tasks_dir=tasks_dir, setaffinity=setaffinity
-            )
+            threads, refusal = set_all_threads_affinity(placement.cpus)
             if refusal is None:
                 cpus = placement.cpus
             else:
@@ -114,36 +105,31 @@ def bind_in_process(
                 )
         if lib is not None:
             policy, nodes = _set_memory_policy(placement, lib, degrade)
-        if lib is not None and nodes and migrate:
+        if lib is not None and nodes:
             try:
                 not_moved = lib.migrate_pages(0, lib.configured_nodes() - nodes, nodes)
             except OSError as exc:
                 degrade(f"pages touched before binding stay where they are: {exc}")
     outcome = BindOutcome(
-        placement.label, cpus, threads, policy, nodes, not_moved, tuple(notes)
+        placement, cpus, threads, policy, frozenset(nodes), not_moved, (*notes,)
     )
     logger.info(outcome.summary)
     return outcome
 
 
-def set_all_threads_affinity(
-    cpus: frozenset[int],
-    *,
-    tasks_dir: str = "/proc/self/task",
-    setaffinity: Callable[[int, Iterable[int]], None] = os.sched_setaffinity,
-) -> tuple[int, Optional[str]]:
+def set_all_threads_affinity(cpus: frozenset[int]) -> tuple[int, Optional[str]]:
     """(threads moved, the refusal that stopped it). A thread started by one not yet
     moved keeps the old CPUs, so the threads are listed again until none is new."""
     tried: set[int] = set()
     moved = 0
     for _ in range(_MAX_THREAD_PASSES):
-        listed = {int(name) for name in os.listdir(tasks_dir) if name.isdigit()}
+        listed = {int(name) for name in os.listdir(TASKS_DIR) if name.isdigit()}
         if not listed - tried:
             break
         for tid in sorted(listed - tried):
             tried.add(tid)
             try:
-                setaffinity(tid, cpus)
+                os.sched_setaffinity(tid, cpus)
                 moved += 1
             except ProcessLookupError:
                 pass  # the thread exited after the listing
@@ -154,29 +140,35 @@ def set_all_threads_affinity(
 
 def _set_memory_policy(
     placement: ProcessPlacement, lib: LibNuma, degrade: Callable[[str], None]
-) -> tuple[str, frozenset[int]]:
+) -> tuple[MemPolicy, frozenset[int]]:
     # A bound placement always names its node, which its memory nodes hold.
     nodes, preferred = placement.mem_nodes, placement.numa_node
-    if placement.mem_policy == MemPolicy.BIND:
+    where = ("node " if len(nodes) == 1 else "nodes ") + format_cpulist(nodes)
+    steps = {
+        MemPolicy.BIND: (
+            lambda: lib.set_membind(nodes),
+            f"membind to {where} rejected by the kernel ({{}}): falling back to "
+            f"preferred node {preferred}",
+        ),
+        MemPolicy.PREFERRED: (
+            lambda: lib.set_preferred(preferred),
+            f"preferred node {preferred} rejected by the kernel ({{}}): CPU binding "
+            "only",
+        ),
+    }
+
+    def attempt(policy: MemPolicy) -> Optional[str]:
+        if policy not in steps:
+            return None  # leaving the policy alone always works
+        call, lost = steps[policy]
         try:
-            lib.set_membind(nodes)
-            return "bind", nodes
+            call()
         except OSError as exc:
-            where = ("node " if len(nodes) == 1 else "nodes ") + format_cpulist(nodes)
-            degrade(
-                f"membind to {where} rejected by the kernel ({_err(exc)}): falling "
-                f"back to preferred node {preferred}"
-            )
-    try:
-        lib.set_preferred(preferred)
-        return "preferred", frozenset([preferred])
-    except OSError as exc:
-        degrade(
-            f"preferred node {preferred} rejected by the kernel ({_err(exc)}): "
-            "CPU binding only"
-        )
-        return "none", frozenset()
+            why = f"{errno.errorcode.get(exc.errno or 0, '')} {exc.strerror or exc}"
+            degrade(lost.format(why.strip()))  # may raise: nothing weaker is tried
+            return why
+        return None
 
-
-def _err(exc: OSError) -> str:
-    return f"{errno.errorcode.get(exc.errno or 0, '')} {exc.strerror or exc}".strip()
+    got, _ = descend(placement.mem_policy, attempt)
+    kept = {MemPolicy.BIND: nodes, MemPolicy.PREFERRED: frozenset([preferred])}
+    return got, kept.get(got, frozenset())

@@ -6,14 +6,21 @@ torch, whose CUDA initialisation in a launcher breaks the children it forks late
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import itertools
 import logging
+import os
 import re
-from typing import Any, Mapping, NamedTuple, Optional, Protocol, Sequence, Union
+from typing import Any, Iterator, Mapping, NamedTuple, Optional, Protocol, Sequence
 
-from sglang.srt.placement.settings import SettingError
-from sglang.srt.placement.types import Accelerator, HostTopology, PciDevice
+from sglang.srt.placement.types import (
+    Accelerator,
+    HostTopology,
+    PciDevice,
+    SettingError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +31,6 @@ _GPUS = {
     "cuda": {("10de", "0300"), ("10de", "0302")},
     "xpu": {("8086", kind) for kind in ("0300", "0380", "1200")},
 }
-_GPUS_EXAMPLE = "e.g. --gpus 0000:17:00.0,0000:81:00.0."
 _PCI_RE = re.compile(r"(?:([0-9a-f]{4,8}):)?([0-9a-f]{2}):([01][0-9a-f])\.([0-7])")
 _INDEX_RE = re.compile(r"[+-]?[0-9]{1,18}")
 _ZE_ENTRY_RE = re.compile(r"([0-9]{1,9})(?:\.[0-9]{1,9})?")
@@ -41,53 +47,6 @@ def canonical_pci_address(text: str) -> Optional[str]:
     return f"{int(domain or '0', 16):04x}:{bus}:{dev}.{fn}"
 
 
-def parse_gpus_option(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
-    raw = value if isinstance(value, str) else ",".join(map(str, value))
-    if not raw.strip():
-        raise SettingError(
-            f"--gpus is empty; give one PCI address per device index, {_GPUS_EXAMPLE}"
-        )
-    found: list[str] = []
-    for position, part in enumerate(raw.split(",")):
-        address = canonical_pci_address(part)
-        if address is None:
-            raise SettingError(
-                f"--gpus={raw!r}: entry {position} ({part.strip()!r}) is not a PCI "
-                f"address; expected dddd:bb:dd.f or bb:dd.f, {_GPUS_EXAMPLE}"
-            )
-        if address in found:
-            raise SettingError(
-                f"--gpus={raw!r}: {address} is listed twice (entries "
-                f"{found.index(address)} and {position}); each device index "
-                f"needs its own GPU, {_GPUS_EXAMPLE}"
-            )
-        found.append(address)
-    return tuple(found)
-
-
-def check_gpus(
-    value: Union[str, Sequence[str]], *, topology: HostTopology, gpu_ids: Sequence[int]
-) -> tuple[str, ...]:
-    """``--gpus`` parsed and checked against this host and the ranks' GPU ids: a typo
-    or a missing address is a bad setting, never a rank left unbound."""
-    found = parse_gpus_option(value)
-    for index, address in enumerate(found):
-        if topology.pci_device(address) is None:
-            raise SettingError(
-                f"--gpus: {address} (device index {index}) is not among the "
-                f"{len(topology.pci_devices)} PCI devices read from {topology.root}; "
-                f"check it with `lspci -D`, {_GPUS_EXAMPLE}"
-            )
-    if gpu_ids and max(gpu_ids) >= len(found):
-        top = max(gpu_ids)
-        raise SettingError(
-            f"--gpus lists {len(found)} address(es) but a rank uses GPU id {top}: list "
-            f"one PCI address per device index 0..{top} ({','.join(found)} given), "
-            f"{_GPUS_EXAMPLE}"
-        )
-    return found
-
-
 class AcceleratorRuntime(Protocol):
     """PCI addresses by physical index (PCI bus order) or UUID (or unique prefix)."""
 
@@ -99,23 +58,20 @@ class AcceleratorRuntime(Protocol):
 
 
 class NvmlRuntime:
-    """NVML's indices are physical (PCI bus order), CUDA_VISIBLE_DEVICES aside."""
+    """NVML's indices are physical (PCI bus order), CUDA_VISIBLE_DEVICES aside; in a
+    container they count only its own GPUs, as CUDA's and Ray's do."""
 
     name = "nvml"
 
-    def __init__(self, *, module: Any = None) -> None:
-        if module is None:
-            import pynvml as module  # optional dependency: nvidia-ml-py
+    def __init__(self) -> None:
+        import pynvml  # optional dependency: nvidia-ml-py
 
-        self._nvml = module
-        self._error = getattr(module, "NVMLError", Exception)
-        module.nvmlInit()
-        self._open = True
+        self._nvml = pynvml
+        self._error = getattr(pynvml, "NVMLError", Exception)
+        pynvml.nvmlInit()
 
     def close(self) -> None:
-        if self._open:
-            self._open = False
-            self._ask("nvmlShutdown")
+        self._ask("nvmlShutdown")
 
     def _ask(self, call: str, *args: Any) -> Any:  # None: no answer, or asked of None
         try:
@@ -144,15 +100,36 @@ class NvmlRuntime:
         return None if info is None else canonical_pci_address(_text(info.busId))
 
 
-def default_runtime(device: str) -> Optional[AcceleratorRuntime]:
-    """NVML for CUDA when it imports and initialises, else None (sysfs order)."""
-    if device != "cuda":
-        return None
+def is_live(topology: HostTopology) -> bool:
+    """Whether ``topology`` is this host's own /sys (not a snapshot or a fake)."""
+    return os.path.realpath(topology.root) == "/sys"
+
+
+@contextlib.contextmanager
+def open_runtime(
+    device: str, topology: HostTopology
+) -> Iterator[Optional[AcceleratorRuntime]]:
+    """NVML for CUDA on this host's own /sys when it imports and initialises, shut
+    down after, as upstream does; else None (sysfs order)."""
+    runtime = None
+    if device == "cuda" and is_live(topology):
+        try:
+            runtime = NvmlRuntime()
+        except Exception as exc:  # ImportError; NVMLError: no driver, library, access
+            logger.debug(
+                f"NVML unavailable ({exc!r}); GPU addresses follow sysfs order"
+            )
     try:
-        return NvmlRuntime()
-    except Exception as exc:  # ImportError; NVMLError: no driver, library, permission
-        logger.debug(f"NVML unavailable ({exc!r}); GPU addresses follow sysfs order")
-        return None
+        yield runtime
+    finally:
+        if runtime is not None:
+            runtime.close()
+
+
+def usable_nvidia_gpus() -> int:
+    """The NVIDIA GPUs this process may open: a container given some of a host's GPUs
+    has only their /dev/nvidiaN, while sysfs lists every GPU of the host."""
+    return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def accelerator_pci_devices(
@@ -174,18 +151,48 @@ class _Physical(NamedTuple):
     origin: str
 
 
+class _Order(NamedTuple):
+    listed: tuple[PciDevice, ...]  # the host's GPUs, in the runtime's index order
+    vendor: str
+    text: str
+    note: str = ""  # why CUDA's index may not be the one counted here
+    flat: str = ""  # how Level Zero counts tiles
+
+
+def _order(device: str, topology: HostTopology, env: Mapping[str, str]) -> _Order:
+    listed = accelerator_pci_devices(topology, device=device)
+    if device == "xpu":
+        value = env.get(_PCI_ID_ORDER, "").strip()
+        flat = "; in Level Zero's FLAT hierarchy each tile of a card counts as a device"
+        if value in ("", "0"):
+            # Level Zero numbers integrated GPUs (domain 0, bus 0) last: a runtime
+            # that leaves them out numbers the others the same.
+            listed = tuple(sorted(listed, key=lambda d: d.address[:8] == "0000:00:"))
+            value = "integrated GPUs last"
+        else:
+            value = f"{_PCI_ID_ORDER}={value}"
+        text = f"Level Zero order (PCI bus order, {value})"
+        return _Order(listed, "Intel", text, flat=flat)
+    note = ""
+    if len(listed) != 1 and env.get("CUDA_DEVICE_ORDER", "").strip() != "PCI_BUS_ID":
+        note = (
+            "; NVML and sysfs count GPUs in PCI bus order but CUDA_DEVICE_ORDER is not "
+            "PCI_BUS_ID, so CUDA's fastest-first order may differ (set "
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID)"
+        )
+    return _Order(listed, "NVIDIA", "PCI bus order", note)
+
+
 def identify_accelerators(
     *,
     device: str,
     topology: HostTopology,
     gpu_ids: Sequence[int],
     env: Mapping[str, str],
-    gpus: Union[str, Sequence[str], None] = None,
     runtime: Optional[AcceleratorRuntime] = None,
 ) -> tuple[Accelerator, ...]:
-    """``--gpus`` names them outright; else the visibility variable's entry, else the
-    index, names the physical device, whose address ``runtime`` gives, else sysfs
-    order. ``env`` is the rank's own."""
+    """The visibility variable's entry, else the index, names the physical device,
+    whose address ``runtime`` gives, else sysfs order. ``env`` is the rank's own."""
     if device == "cpu":
         return ()
     if device not in _GPUS:
@@ -199,61 +206,61 @@ def identify_accelerators(
                 f"GPU id {gpu_id!r} is not a device index; check --base-gpu-id and "
                 "--gpu-id-step."
             )
-    if gpus is not None:
-        found = check_gpus(gpus, topology=topology, gpu_ids=gpu_ids)
-        return tuple(Accelerator(i, found[i], found[i], "--gpus") for i in gpu_ids)
-    listed = accelerator_pci_devices(topology, device=device)
-    vendor, order, note, flat = "NVIDIA", "PCI bus order", "", ""
-    if device == "xpu":
-        vendor, value = "Intel", env.get(_PCI_ID_ORDER, "").strip()
-        flat = "; in Level Zero's FLAT hierarchy each tile of a card counts as a device"
-        if value in ("", "0"):
-            # Level Zero numbers integrated GPUs (domain 0, bus 0) last: a runtime
-            # that leaves them out numbers the others the same.
-            listed = tuple(sorted(listed, key=lambda d: d.address[:8] == "0000:00:"))
-            value = "integrated GPUs last"
-        else:
-            value = f"{_PCI_ID_ORDER}={value}"
-        order = f"Level Zero order (PCI bus order, {value})"
-    elif len(listed) != 1 and env.get("CUDA_DEVICE_ORDER", "").strip() != "PCI_BUS_ID":
-        note = (
-            "; NVML and sysfs count GPUs in PCI bus order but CUDA_DEVICE_ORDER is not "
-            "PCI_BUS_ID, so CUDA's fastest-first order may differ (set "
-            "CUDA_DEVICE_ORDER=PCI_BUS_ID)"
-        )
+    order = _order(device, topology, env)
+    locate = functools.partial(
+        _locate, device=device, topology=topology, env=env, runtime=runtime, order=order
+    )
+    return tuple(map(locate, gpu_ids))
 
-    def locate(gpu_id: int) -> Accelerator:
-        text, index, origin = _physical(device, gpu_id, env, len(listed))
-        made = functools.partial(Accelerator, gpu_id, text)  # (pci, source)
-        missed = ""
-        if runtime is not None and index is None:
-            pci, found = runtime.pci_by_uuid(text), f"{text} ({origin})"
-            unknown = "; an abbreviated UUID must match exactly one GPU"
-            if pci is None:
-                return made(
-                    None, f"unknown: {runtime.name} knows no device {found}{unknown}"
-                )
-            return made(pci, f"{runtime.name}: {found}")
-        if runtime is not None:
-            pci = runtime.pci_by_index(index)
-            if pci is not None:
-                source = f"physical device {index} ({origin}){note}"
-                return made(pci, f"{runtime.name}: {source}")
-            missed = f"{runtime.name} has no device {index}; "
-        if index is None:
-            mig = " is a MIG instance: it" * text.upper().startswith("MIG-")
-            why = f"{mig} needs NVML to map a UUID to a PCI address"
-            return made(None, f"unknown: {text} ({origin}){why}")
-        if index >= len(listed):
+
+def _locate(
+    gpu_id: int,
+    *,
+    device: str,
+    topology: HostTopology,
+    env: Mapping[str, str],
+    runtime: Optional[AcceleratorRuntime],
+    order: _Order,
+) -> Accelerator:
+    text, index, origin = _physical(device, gpu_id, env, len(order.listed))
+    made = functools.partial(Accelerator, gpu_id, text)  # (pci, source)
+    if runtime is not None and index is None:
+        pci, found = runtime.pci_by_uuid(text), f"{text} ({origin})"
+        if pci is None:
+            why = "; an abbreviated UUID must match exactly one GPU"
+            return made(None, f"unknown: {runtime.name} knows no device {found}{why}")
+        return made(pci, f"{runtime.name}: {found}")
+    missed = ""
+    if runtime is not None:
+        pci = runtime.pci_by_index(index)
+        if pci is not None:
+            source = f"physical device {index} ({origin}){order.note}"
+            return made(pci, f"{runtime.name}: {source}")
+        missed = f"{runtime.name} has no device {index}; "
+    if index is None:
+        mig = " is a MIG instance: it" * text.upper().startswith("MIG-")
+        why = f"{mig} needs NVML to map a UUID to a PCI address"
+        return made(None, f"unknown: {text} ({origin}){why}")
+    count = len(order.listed)
+    if device == "cuda" and is_live(topology):
+        usable = usable_nvidia_gpus()
+        if usable < count:
             return made(
                 None,
-                f"unknown: {missed}sysfs under {topology.root} lists {len(listed)} "
-                f"{vendor} GPU(s), none at index {index} ({origin}){flat}",
+                f"unknown: sysfs lists {count} NVIDIA GPUs but this process may use "
+                f"{usable} (/dev/nvidiaN), as in a container given some of the "
+                "host's GPUs: without NVML (nvidia-ml-py) which is which cannot be "
+                "told, and another GPU's node would be guessed",
             )
-        source = f"{missed}{vendor} GPU {index} in {order} ({origin}){note}"
-        return made(listed[index].address, f"sysfs: {source}")
-
-    return tuple(map(locate, gpu_ids))
+    if index >= count:
+        return made(
+            None,
+            f"unknown: {missed}sysfs under {topology.root} lists {count} "
+            f"{order.vendor} GPU(s), none at index {index} ({origin}){order.flat}",
+        )
+    source = f"{missed}{order.vendor} GPU {index} in {order.text} ({origin})"
+    source += order.note
+    return made(order.listed[index].address, f"sysfs: {source}")
 
 
 def parse_cuda_visible_devices(text: str) -> tuple[str, ...]:

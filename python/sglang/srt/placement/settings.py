@@ -1,14 +1,27 @@
-"""The placement settings operators give as env vars, each read here; what upstream's
+"""Every environment variable placement reads, each read here once; what upstream's
 ``EnvStr`` fields hand over unchecked is validated."""
 
 from __future__ import annotations
 
+import os
+
 from sglang.srt.environ import envs
-from sglang.srt.placement.types import AFFINITY_MODES
+from sglang.srt.placement.modes import AffinityMode
+from sglang.srt.placement.types import SettingError
+
+__all__ = ["SettingError"]
+
+# Which physical device a logical index names, and in which order: read as the rank's
+# own environment, which a launcher may change for the child (one visible device).
+DEVICE_VARS = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "ZE_AFFINITY_MASK",
+    "ZE_ENABLE_PCI_ID_DEVICE_ORDER",
+)
 
 
-class SettingError(ValueError):
-    """A setting placement cannot use: names it, the value and the fix."""
+VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
 
 
 def bind_v2() -> bool:
@@ -27,14 +40,9 @@ def one_visible_device_per_process() -> bool:
     return bool(envs.SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS.get())
 
 
-def affinity_mode() -> str:
-    value = str(envs.SGLANG_NUMA_AFFINITY_MODE.get()).strip()
-    if value not in AFFINITY_MODES:
-        raise SettingError(
-            f"SGLANG_NUMA_AFFINITY_MODE={value!r} is not valid: choose one of "
-            f"{', '.join(AFFINITY_MODES)}"
-        )
-    return value
+def affinity_mode() -> AffinityMode:
+    value = envs.SGLANG_NUMA_AFFINITY_MODE.get()
+    return AffinityMode.parse(value, setting="SGLANG_NUMA_AFFINITY_MODE")
 
 
 def cpu_threads_bind() -> str:
@@ -57,12 +65,6 @@ def sysfs_root() -> str:
     return value
 
 
-# The engine's settings, read where each rank runs: ``verify`` hands the driver's
-# values to its Ray job's workers.
-ENGINE_POLICY_VARS = (
-    "SGLANG_NUMA_BIND_V2",
-    "SGLANG_AUTO_NUMA_BIND",
-    "SGLANG_CRASH_ON_NUMA_BIND_FAILURE",
-    "SGLANG_NUMA_AFFINITY_MODE",
-    "SGLANG_CPU_OMP_THREADS_BIND",
-)
+def device_env() -> dict[str, str]:
+    """This process's device-visibility variables (those set)."""
+    return {name: os.environ[name] for name in DEVICE_VARS if name in os.environ}

@@ -2,18 +2,45 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
-
-from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
+from typing import Callable, Optional, Sequence
 
 
-class MemPolicy(enum.StrEnum):
+class PlacementError(RuntimeError):
+    """A placement (or the host facts it needs) cannot be computed or applied."""
+
+
+class SettingError(ValueError):
+    """A setting placement cannot use: names it, the value and the fix."""
+
+
+class MemPolicy(enum.StrEnum):  # strongest first
     BIND = "bind"
     PREFERRED = "preferred"
     NONE = "none"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    policy: MemPolicy
+    why: str
+
+
+def descend(
+    wanted: MemPolicy, attempt: Callable[[MemPolicy], Optional[str]]
+) -> tuple[MemPolicy, tuple[Refusal, ...]]:
+    """The one memory-policy ladder: ``wanted``, then each weaker policy, until
+    ``attempt`` accepts one (returns None; else why not). NONE is refused only when
+    even the CPU binding alone is."""
+    order = list(MemPolicy)
+    refused: list[Refusal] = []
+    for policy in order[order.index(wanted) :]:
+        why = attempt(policy)
+        if why is None:
+            return policy, tuple(refused)
+        refused.append(Refusal(policy, why))
+    return MemPolicy.NONE, tuple(refused)
 
 
 class Strategy(enum.StrEnum):  # numactl before the interpreter, libnuma inside it
@@ -23,12 +50,9 @@ class Strategy(enum.StrEnum):  # numactl before the interpreter, libnuma inside 
     NONE = "none"
 
 
-LAUNCHERS = ("mp", "ray")
-AFFINITY_MODES = ("node", "exclusive", "socket", "core-complex")
-
-
-class PlacementError(RuntimeError):
-    """A placement (or the host facts it needs) cannot be computed or applied."""
+class Launcher(enum.StrEnum):
+    MP = "mp"  # sglang's spawn: a child can start under numactl
+    RAY = "ray"  # Ray starts the actor: it binds itself
 
 
 @dataclass(frozen=True)
@@ -89,10 +113,10 @@ class HostTopology:  # what a host's sysfs (or a snapshot of it) says, read once
         return next((d for d in self.pci_devices if d.address == wanted), None)
 
     def one_cpu_per_core(self, cpus: frozenset[int]) -> frozenset[int]:
-        chosen: dict[tuple, int] = {}
+        chosen: dict[tuple[int, int], int] = {}
         for cpu_id in sorted(cpus):
             cpu = self.cpu(cpu_id)
-            key = ("cpu", cpu_id) if cpu is None else (cpu.package_id, cpu.core_id)
+            key = (-1, cpu_id) if cpu is None else (cpu.package_id, cpu.core_id)
             chosen.setdefault(key, cpu_id)
         return frozenset(chosen.values())
 
@@ -109,19 +133,25 @@ class Accelerator:  # the device a rank uses (cuda:<gpu_id>), the physical one b
     gpu_id: int
     physical_id: str  # as the runtime names it: an index or a GPU- UUID
     pci: Optional[str]
-    source: str  # how the PCI address was found ("torch", "nvml", ...), or why not
+    source: str  # how the PCI address was found ("nvml", "sysfs", ...), or why not
 
 
 @dataclass(frozen=True)
-class RankIdentity:
-    dp_rank: int
-    pp_rank: int
-    tp_rank: int
+class RankIdentity:  # a spawn knows only its GPU id: the rest is None there
+    dp_rank: Optional[int]
+    pp_rank: Optional[int]
+    tp_rank: Optional[int]
     gpu_id: Optional[int]  # a CPU rank's is its numa_index
+
+    @classmethod
+    def of_gpu(cls, gpu_id: int) -> "RankIdentity":
+        return cls(None, None, None, gpu_id)
 
     @property
     def label(self) -> str:
-        return f"DP{self.dp_rank} PP{self.pp_rank} TP{self.tp_rank}"
+        if self.tp_rank is None:
+            return "this process" if self.gpu_id is None else f"GPU {self.gpu_id}"
+        return f"DP{self.dp_rank or 0} PP{self.pp_rank or 0} TP{self.tp_rank}"
 
 
 @dataclass(frozen=True)
@@ -135,17 +165,12 @@ class ProcessPlacement:  # where a rank runs, how and why; the defaults: unbound
     strategy: Strategy = Strategy.NONE
     reasons: tuple[str, ...] = ()
     numactl_args: tuple[str, ...] = ()  # empty unless strategy is exec
-    launcher: str = "mp"
-    warning: bool = False  # less bound than intended because something failed
-
-    def __post_init__(self) -> None:
-        # JSON and callers hand in the enums' string values.
-        for name, kind in (("mem_policy", MemPolicy), ("strategy", Strategy)):
-            object.__setattr__(self, name, kind(getattr(self, name)))
+    launcher: Launcher = Launcher.MP
+    degraded: bool = False  # less bound than intended: something failed, not a choice
 
     @property
     def bound(self) -> bool:
-        return self.strategy is not Strategy.NONE
+        return self.strategy != Strategy.NONE
 
     @property
     def label(self) -> str:
@@ -157,36 +182,11 @@ class ProcessPlacement:  # where a rank runs, how and why; the defaults: unbound
         rank: RankIdentity,
         *,
         reasons: Sequence[str],
-        launcher: str,
-        failure: bool,
+        launcher: Launcher,
+        degraded: bool,
         pci: Optional[str] = None,
     ) -> "ProcessPlacement":
-        # What a ``failure`` costs (warning or error) is decided where it is applied.
+        # What being degraded costs (a warning or an error) is decided where applied.
         return cls(
-            rank, pci, reasons=tuple(reasons), launcher=launcher, warning=failure
+            rank, pci, reasons=tuple(reasons), launcher=launcher, degraded=degraded
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)[1:]}
-        data.update(
-            cpus=format_cpulist(self.cpus),
-            mem_nodes=format_cpulist(self.mem_nodes),
-            mem_policy=self.mem_policy.value,
-            strategy=self.strategy.value,
-            reasons=list(self.reasons),
-            numactl_args=list(self.numactl_args),
-        )
-        return {**dataclasses.asdict(self.rank), **data}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ProcessPlacement":
-        # Reads what to_dict wrote.
-        given = {f.name: data[f.name] for f in dataclasses.fields(cls)[1:]}
-        given.update(
-            cpus=parse_cpulist(data["cpus"]),
-            mem_nodes=parse_cpulist(data["mem_nodes"]),
-            reasons=tuple(data["reasons"]),
-            numactl_args=tuple(data["numactl_args"]),
-        )
-        ranks = (int(data[k]) for k in ("dp_rank", "pp_rank", "tp_rank"))
-        return cls(rank=RankIdentity(*ranks, gpu_id=data["gpu_id"]), **given)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -14,7 +15,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import elide, format_cpulist, parse_cpulist, shown
-from sglang.srt.placement.types import AFFINITY_MODES, PlacementError, ProcessAffinity
+from sglang.srt.placement.modes import AffinityMode
+from sglang.srt.placement.types import PlacementError, ProcessAffinity
 from sglang.srt.placement_tools import MAX_GPU_ID, PlanArgs, UsageError
 
 PROG = "python -m sglang.srt.placement_tools"
@@ -82,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--gpus", help="PCI addresses in device-index order")
         command.add_argument("--allowed-cpus", help="CPUs the ranks may use, e.g. 0-15")
-        command.add_argument("--numa-affinity-mode", choices=AFFINITY_MODES)
+        command.add_argument(
+            "--numa-affinity-mode", choices=[mode.value for mode in AffinityMode]
+        )
         command.add_argument("--json", action="store_true")
     # One thread per dp rank, as sglang's data-parallel controller starts them.
     verify.add_argument("--dp-threads", action="store_true")
@@ -95,8 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _gpus(text: str, *, topology, server_args: PlanArgs) -> tuple[str, ...]:
     """Bounded before it is parsed; ``check_gpus`` refuses what the host lacks."""
-    from sglang.srt.placement.devices import check_gpus
-    from sglang.srt.placement.ranks import local_ranks
+    from sglang.srt.placement_tools.engine import check_gpus, local_ranks
 
     parts = text.split(",")
     if len(parts) > MAX_GPU_ID + 1 or not all(part.strip() for part in parts):
@@ -109,10 +112,15 @@ def _gpus(text: str, *, topology, server_args: PlanArgs) -> tuple[str, ...]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from sglang.srt.placement.plan import HostFacts, plan_engine
     from sglang.srt.placement.policy import PlacementPolicy
-    from sglang.srt.placement.resolve import HostCapabilities, describe
+    from sglang.srt.placement.resolve import HostCapabilities, HostFacts
     from sglang.srt.placement.topology import read_process_affinity, read_topology
+    from sglang.srt.placement_tools.engine import (
+        describe,
+        plan_engine,
+        snapshot_capabilities,
+        to_dict,
+    )
 
     server_args = PlanArgs.from_cli_args(args)
     root = args.sysfs_root or settings.sysfs_root()
@@ -129,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         mems = frozenset(n.node_id for n in topology.nodes if n.has_memory)
         source = "the snapshot (all online CPUs)"
         affinity = ProcessAffinity(topology.online_cpus, mems, source)
-        capabilities = HostCapabilities.snapshot(root)
+        capabilities = snapshot_capabilities(root)
     else:
         affinity, capabilities = read_process_affinity(), HostCapabilities.live()
     if args.allowed_cpus is not None:
@@ -146,21 +154,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus is not None:
         gpus = _gpus(args.gpus, topology=topology, server_args=server_args)
     # A Ray actor binds itself in-process once running: Ray starts its workers.
-    policy = PlacementPolicy.from_env(
-        server_args,
-        launcher=args.launcher,
-        affinity_mode=args.numa_affinity_mode,
-        exec_supported=args.launcher != "ray",
-    )
+    policy = PlacementPolicy.from_env(server_args, launcher=args.launcher)
+    if args.numa_affinity_mode is not None:
+        policy = dataclasses.replace(policy, affinity_mode=args.numa_affinity_mode)
     facts = HostFacts(topology=topology, affinity=affinity, capabilities=capabilities)
     placements = plan_engine(server_args, policy=policy, facts=facts, gpus=gpus)
     if args.json:
-        rows = [{key: p.to_dict()[key] for key in PLAN_JSON_KEYS} for p in placements]
+        rows = [{key: to_dict(p)[key] for key in PLAN_JSON_KEYS} for p in placements]
         print(json.dumps({"ranks": rows}, indent=2))
         return 0
     for p in placements:
         print(describe(p))
-    failing = [p.label for p in placements if p.warning]
+    failing = [p.label for p in placements if p.degraded]
     if failing and settings.bind_failure_is_fatal():
         print(
             "SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1: the launch stops at "
@@ -221,12 +226,14 @@ def _ray_cluster(server_args: PlanArgs) -> Iterator[None]:
         return
     # sglang's actors read the engine's settings where they run: hand them to the
     # job's workers, as an operator hands them to RayEngine's.
-    env = {k: os.environ[k] for k in settings.ENGINE_POLICY_VARS if k in os.environ}
+    from sglang.srt.placement_tools.engine import ENGINE_POLICY_VARS
+
+    env = {k: os.environ[k] for k in ENGINE_POLICY_VARS if k in os.environ}
     options = dict(configure_logging=False, log_to_driver=False)
     options["runtime_env"] = {"env_vars": env} if env else None
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if not address:
-        from sglang.srt.placement.ranks import local_ranks
+        from sglang.srt.placement_tools.engine import local_ranks
 
         # "local": never join a cluster that someone else's `ray start` recorded on this
         # machine. RayEngine asks one GPU per scheduler actor whatever the device: a CPU

@@ -23,6 +23,7 @@ from sglang.srt.placement.types import (
     RankIdentity,
     Strategy,
 )
+from sglang.srt.placement_tools.engine import to_dict  # noqa: E402
 
 _NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
 
@@ -224,7 +225,7 @@ def verify_row(
     found = differences(placement, observed, unbound_cpus=unbound_cpus)
     policy_nodes = format_cpulist(observed.policy_nodes)
     return {
-        **placement.to_dict(),
+        **to_dict(placement),
         "launcher": launcher,
         "observed_pid": report.get("pid"),
         "observed_cpus": format_cpulist(observed.cpus),
@@ -258,7 +259,7 @@ def run_mp_probes(
 ) -> list[tuple[RankIdentity, dict]]:
     """(rank, report) per local rank, spawned as sglang's engine (or its data-parallel
     controller) spawns schedulers; tests of a bypass replace ``configure``."""
-    from sglang.srt.placement.ranks import local_ranks
+    from sglang.srt.placement_tools.engine import local_ranks
 
     if configure is None:
         from sglang.srt.utils import numa_utils
@@ -337,7 +338,7 @@ def _collect(
 
 def verify_mp(server_args: Any, **probe_args: Any) -> list[dict]:
     """A row per local rank: what ``plan`` says sglang's spawn does, and what it did."""
-    from sglang.srt.placement.plan import plan_engine
+    from sglang.srt.placement_tools.engine import plan_engine
 
     placements = {p.label: p for p in plan_engine(server_args, launcher="mp")}
     reports = run_mp_probes(server_args, **probe_args)

@@ -19,9 +19,19 @@ from ray.util.placement_group import (
 )
 
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
-from sglang.srt.placement.ranks import engine_gpu_id, rank_ranges
 from sglang.srt.placement.topology import read_process_affinity
-from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
+from sglang.srt.placement.types import (
+    Launcher,
+    PlacementError,
+    ProcessPlacement,
+    RankIdentity,
+)
+from sglang.srt.placement_tools.engine import (
+    engine_gpu_id,
+    from_dict,
+    rank_ranges,
+    to_dict,
+)
 from sglang.srt.placement_tools.verify import observe_self, verify_row
 from sglang.srt.scheduler_placement.ray_rank import bind_scheduler_actor
 
@@ -58,7 +68,8 @@ class PlacementProbe:
             launcher_cpus = os.sched_getaffinity(os.getppid())
         except OSError:
             launcher_cpus = os.sched_getaffinity(0)
-        placement, outcome = self._bound or (None, None)
+        outcome = self._bound
+        placement = outcome and outcome.placement
         context = ray.get_runtime_context()
         threads = {}  # /proc/self/status shows the main thread's CPUs only
         for tid in filter(str.isdigit, os.listdir("/proc/self/task")):
@@ -69,7 +80,7 @@ class PlacementProbe:
             "pid": os.getpid(),
             "observed": observe_self().to_dict(),
             "thread_cpus": threads,
-            "placement": placement and placement.to_dict(),
+            "placement": placement and to_dict(placement),
             "threads_bound": outcome and outcome.threads,
             "pages_not_migrated": outcome and outcome.pages_not_migrated,
             "node_id": context.get_node_id(),
@@ -132,14 +143,14 @@ def _engine_bundle_order(pg: Any, nnodes: int) -> tuple[list[int], str]:
 
 def _row(rank: RankIdentity, report: dict, *, expected_actor: str) -> dict:
     if report["placement"] is not None:
-        placement = ProcessPlacement.from_dict(report["placement"])
+        placement = from_dict(report["placement"])
     else:
         why = (
             "SGLANG_NUMA_BIND_V2=0: the legacy bind runs in sglang's "
             "configure_scheduler_process, which the probe does not run"
         )
         placement = ProcessPlacement.unbound(
-            rank, reasons=[why], launcher="ray", failure=False
+            rank, reasons=[why], launcher=Launcher.RAY, degraded=False
         )
     unbound = parse_cpulist(report["unbound_cpus"])
     row = verify_row(placement, report, launcher="ray", unbound_cpus=unbound)

@@ -97,7 +97,7 @@ class SchedulerActor:
         # (SGLANG_NUMA_BIND_V2's normal path), so bind in-process via libnuma.
         # The V1 path inside configure_scheduler_process already handles
         # SGLANG_NUMA_BIND_V2=False.
-        bind_scheduler_actor(
+        bound = bind_scheduler_actor(
             server_args,
             gpu_id=actual_gpu_id,
             assigned_gpus=assigned_gpus,
@@ -105,6 +105,11 @@ class SchedulerActor:
             pp_rank=pp_rank,
             dp_rank=dp_rank,
         )
+        if bound is not None and bound.placement.bound:
+            logger.info(
+                f"[TP{tp_rank}] Bound to NUMA node {bound.placement.numa_node} "
+                f"for GPU {actual_gpu_id}"
+            )
 
         # Create scheduler (loads model into GPU, initializes NCCL)
         self.scheduler = Scheduler(

@@ -1,11 +1,11 @@
 """The bind a Ray scheduler actor runs on itself before its ``Scheduler`` exists: Ray
 cannot start an actor under numactl. Ray's ``CUDA_VISIBLE_DEVICES`` shows the actor
-one GPU as index 0, so the GPU is placed by Ray's id, as the host numbers it."""
+one GPU as index 0, so the GPU is placed by Ray's id, as NVML (or, on a bare host,
+sysfs) numbers it; a container's NVML counts its own GPUs as Ray does."""
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.apply import (
@@ -14,8 +14,8 @@ from sglang.srt.placement.apply import (
     enforce_failure_policy,
 )
 from sglang.srt.placement.plan import HostFacts, place_gpu_id
-from sglang.srt.placement.policy import PlacementPolicy, placement_view
-from sglang.srt.placement.types import ProcessPlacement, RankIdentity
+from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.types import Launcher, ProcessPlacement, RankIdentity
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -25,14 +25,12 @@ def actor_placement(
     server_args: "ServerArgs", *, rank: RankIdentity, assigned_gpus: Sequence[str]
 ) -> ProcessPlacement:
     """Where the actor of ``rank`` runs on this host; ``rank.gpu_id`` is Ray's id."""
-    view = placement_view(server_args)
-    policy = PlacementPolicy.from_env(view, launcher="ray", exec_supported=False)
-    env: Mapping[str, str] = os.environ
+    policy = PlacementPolicy.from_env(server_args, launcher=Launcher.RAY)
+    env = settings.device_env()
     if assigned_gpus:  # without Ray's one-GPU view, the id names the host's device
-        hidden = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
-        env = {k: v for k, v in env.items() if k not in hidden}
+        env = {k: v for k, v in env.items() if k not in settings.VISIBILITY_VARS}
     return place_gpu_id(
-        view, rank.gpu_id, policy=policy, facts=HostFacts.live(), env=env, rank=rank
+        rank.gpu_id, policy=policy, facts=HostFacts.live(), env=env, rank=rank
     )
 
 
@@ -44,11 +42,11 @@ def bind_scheduler_actor(
     tp_rank: int,
     pp_rank: int,
     dp_rank: Optional[int],
-) -> Optional[tuple[ProcessPlacement, BindOutcome]]:
+) -> Optional[BindOutcome]:
     """None under SGLANG_NUMA_BIND_V2=0, where ``configure_scheduler_process`` binds."""
     if not settings.bind_v2():
         return None
     rank = RankIdentity(dp_rank or 0, pp_rank, tp_rank, gpu_id)
     placement = actor_placement(server_args, rank=rank, assigned_gpus=assigned_gpus)
     enforce_failure_policy(placement, who=rank.label)
-    return placement, bind_in_process(placement)
+    return bind_in_process(placement)

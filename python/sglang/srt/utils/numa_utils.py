@@ -17,7 +17,7 @@ The private helpers ``_is_cuda``, ``_is_xpu``, ``_is_numa_available``,
 ``_handle_numa_bind_failure`` and ``_log_cpu_only_binding`` keep upstream's
 names and meanings because upstream's own tests (and the diffusion worker's)
 patch them. Loading this module does not initialise a device runtime:
-``_is_cuda`` and ``_is_xpu`` are worked out on first use.
+``_is_cuda`` and ``_is_xpu`` are worked out on first use (None until then).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import contextlib
 import ctypes
 import logging
 import os
-import shutil
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+import shutil  # noqa: F401 - upstream's tests patch numa_utils.shutil.which
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
 from sglang.srt.placement import settings
 
@@ -36,22 +36,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-
-def __getattr__(name: str) -> Any:
-    # Upstream computes these at import (is_cuda()/is_xpu() import torch and ask the
-    # driver); here they are computed when first read, and tests may patch them.
-    if name in ("_is_cuda", "_is_xpu"):
-        from sglang.srt.utils.common import is_cuda, is_xpu
-
-        value = bool(is_cuda() if name == "_is_cuda" else is_xpu())
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Upstream computes these at import, where is_cuda()/is_xpu() import torch and ask the
+# driver; here on first use.
+_is_cuda: Optional[bool] = None
+_is_xpu: Optional[bool] = None
 
 
 def _platform_flag(name: str) -> bool:
-    value = globals().get(name)
-    return bool(__getattr__(name) if value is None else value)
+    if globals()[name] is None:
+        from sglang.srt.utils.common import is_cuda, is_xpu
+
+        globals()[name] = bool(is_cuda() if name == "_is_cuda" else is_xpu())
+    return bool(globals()[name])
 
 
 @contextlib.contextmanager
@@ -114,13 +110,19 @@ def numa_bind_to_node(node: int) -> None:
     """Bind the calling process to ``node``: its CPUs that the current affinity allows,
     and its memory as the preferred node where the memory policy may be set.
 
-    As upstream, with one deliberate difference: every thread of the process is
+    As upstream, with two deliberate differences: every thread of the process is
     moved, not only the calling one (a pool started by an import would stay
-    unbound). A missing libnuma, a node this host lacks, or a node whose CPUs the
-    affinity excludes goes to the failure policy: a warning, or an error under
-    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
+    unbound), and the pages touched so far migrate to the node. A missing libnuma,
+    a node this host lacks, or a node whose CPUs the affinity excludes goes to the
+    failure policy: a warning, or an error under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
     """
-    from sglang.srt.placement.apply import set_all_threads_affinity
+    from sglang.srt.placement.apply import bind_in_process
+    from sglang.srt.placement.types import (
+        MemPolicy,
+        ProcessPlacement,
+        RankIdentity,
+        Strategy,
+    )
 
     libnuma = get_libnuma()
     if libnuma is None or libnuma.numa_available() < 0:
@@ -129,37 +131,28 @@ def numa_bind_to_node(node: int) -> None:
         )
         return
     node_cpus = _node_cpus(node)
-    if node_cpus:
-        allowed = os.sched_getaffinity(0)
-        target = node_cpus & allowed
-        if not target:
-            _handle_numa_bind_failure(node, allowed)
-            return
-        _, refusal = set_all_threads_affinity(
-            frozenset(target), setaffinity=os.sched_setaffinity
-        )
-        if refusal is not None:
-            _handle_numa_bind_failure(
-                node,
-                reason=f"cannot bind to the CPUs of NUMA node {node} ({refusal}), "
-                "skipping NUMA binding.",
-            )
-            return
-    elif _node_exists(node):
-        libnuma.numa_run_on_node(ctypes.c_int(node))
-    else:
-        _handle_numa_bind_failure(
-            node,
-            reason=f"NUMA node {node} does not exist on this host, skipping NUMA "
-            "binding.",
-        )
+    if not node_cpus and not _node_exists(node):
+        reason = f"NUMA node {node} does not exist on this host, skipping NUMA binding."
+        _handle_numa_bind_failure(node, reason=reason)
+        return
+    allowed = os.sched_getaffinity(0)
+    if node_cpus and not node_cpus & allowed:
+        _handle_numa_bind_failure(node, allowed)
         return
     # Where the memory policy may not be set, CPU affinity alone keeps first-touch
-    # allocations local.
-    if _can_set_mempolicy():
-        libnuma.numa_set_preferred(ctypes.c_int(node))
-    else:
+    # allocations local; a node without CPUs leaves the affinity as it is.
+    memory = _can_set_mempolicy()
+    if not memory:
         _log_cpu_only_binding(node)
+    placement = ProcessPlacement(
+        RankIdentity(None, None, None, None),
+        numa_node=node,
+        cpus=frozenset(node_cpus & allowed),
+        mem_nodes=frozenset([node] if memory else []),
+        mem_policy=MemPolicy.PREFERRED if memory else MemPolicy.NONE,
+        strategy=Strategy.V1,
+    )
+    bind_in_process(placement)
 
 
 def init_threads_binding(*, numa_index: int, world_size: int) -> str:
@@ -239,7 +232,7 @@ def _node_cpus(node: int) -> set:
 
 def _handle_numa_bind_failure(
     node: int,
-    allowed_cpus: Optional[Any] = None,
+    allowed_cpus: Optional[Iterable[int]] = None,
     gpu_id: Optional[int] = None,
     *,
     reason: Optional[str] = None,
@@ -285,7 +278,9 @@ def _is_numa_available() -> bool:
         os.path.join(settings.sysfs_root(), "devices/system/node/node1")
     ):
         return False
-    if not shutil.which("numactl") and settings.bind_v2():
+    from sglang.srt.placement.numactl import find_numactl
+
+    if find_numactl() is None and settings.bind_v2():
         logger.debug(
             "numactl command not found, skipping NUMA node configuration for GPU. "
             "Install numactl "
@@ -307,8 +302,9 @@ def _query_numa_node_for_gpu(device_id: int) -> list[int]:
         if _platform_flag("_is_xpu") and not _platform_flag("_is_cuda")
         else "cuda"
     )
+    env = settings.device_env()
     node, why = device_node(
-        device_id, device=device, topology=_host_topology(), env=os.environ
+        device_id, device=device, topology=_host_topology(), env=env
     )
     if node is None:
         logger.warning(

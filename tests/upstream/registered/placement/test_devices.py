@@ -21,7 +21,11 @@ def host():
         for node, address in enumerate(GPUS)
     )
     return HostTopology(
-        root="/sys", nodes=(), cpus=(), online_cpus=frozenset(), pci_devices=devices
+        root="/fake/sys",
+        nodes=(),
+        cpus=(),
+        online_cpus=frozenset(),
+        pci_devices=devices,
     )
 
 

@@ -1,9 +1,11 @@
 """numactl's probe ladder: --membind, then --preferred, then CPU only, each option set
 probed once."""
 
+import shutil
 import unittest
+from unittest.mock import patch
 
-from sglang.srt.placement.numactl import NumactlProber, ProbeResult, true_program
+from sglang.srt.placement.numactl import NumactlProber
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
@@ -18,11 +20,12 @@ class TestNumactlLadder(unittest.TestCase):
         def run(argv):  # a kernel that refuses hard memory binding
             self.calls.append(tuple(argv))
             refused = any(a.startswith("--membind") for a in argv)
-            return ProbeResult(
-                ok=not refused, message=MEMBIND_REFUSED if refused else ""
-            )
+            return MEMBIND_REFUSED if refused else None
 
-        self.prober = NumactlProber(numactl_path="/usr/bin/numactl", run=run)
+        runner = patch("sglang.srt.placement.numactl.run_numactl", side_effect=run)
+        runner.start()
+        self.addCleanup(runner.stop)
+        self.prober = NumactlProber(numactl_path="/usr/bin/numactl")
 
     def ladder(self):
         return self.prober.ladder(
@@ -43,7 +46,7 @@ class TestNumactlLadder(unittest.TestCase):
     def test_each_option_set_is_probed_once(self):
         self.ladder()
         self.ladder()
-        numactl, true = "/usr/bin/numactl", true_program()
+        numactl, true = "/usr/bin/numactl", shutil.which("true")
         self.assertEqual(
             self.calls,
             [

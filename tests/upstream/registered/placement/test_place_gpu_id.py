@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from unittest.mock import patch
 
 from sglang.srt.placement.plan import place_gpu_id
-from sglang.srt.placement.policy import PlacementPolicy, placement_view
+from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.resolve import HostCapabilities, HostFacts
 from sglang.srt.placement.types import (
     Cpu,
@@ -36,18 +36,16 @@ def facts():
         for node, address in enumerate(GPUS)
     )
     return HostFacts(
-        topology=HostTopology("/sys", nodes, cpus, frozenset(range(8)), devices),
+        topology=HostTopology("/fake/sys", nodes, cpus, frozenset(range(8)), devices),
         affinity=ProcessAffinity(frozenset(range(8)), frozenset({0, 1}), "test"),
         capabilities=HostCapabilities(numactl=None, libnuma=True),
     )
 
 
 def place(device, gpu_id, env):
-    server_args = placement_view(SimpleNamespace(device=device, tp_size=2))
+    server_args = SimpleNamespace(device=device, tp_size=2)
     policy = PlacementPolicy.from_env(server_args, launcher="ray")
-    return place_gpu_id(
-        server_args, gpu_id, policy=policy, facts=facts(), env=env, runtime=None
-    )
+    return place_gpu_id(gpu_id, policy=policy, facts=facts(), env=env)
 
 
 class TestPlaceGpuId(unittest.TestCase):

@@ -1,8 +1,9 @@
 """Where one rank runs, decided from host facts and the policy alone."""
 
 import unittest
+from unittest.mock import patch
 
-from sglang.srt.placement.numactl import NumactlProber, ProbeResult
+from sglang.srt.placement.numactl import NumactlProber
 from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.resolve import HostCapabilities, HostFacts, resolve_placement
 from sglang.srt.placement.types import (
@@ -38,14 +39,12 @@ def two_nodes(gpus=(ON_NODE_1, UNKNOWN_NODE)):
     devices = tuple(
         PciDevice(pci, node.get(pci), "0x10de", "0x2330", "0x030200") for pci in gpus
     )
-    return HostTopology("/sys", nodes, cpus, frozenset(range(8)), devices)
+    return HostTopology("/fake/sys", nodes, cpus, frozenset(range(8)), devices)
 
 
 def place(pci, *, gpu_id=1, mode="node", topology=None):
     topology = topology or two_nodes()
-    prober = NumactlProber(
-        numactl_path="numactl", run=lambda argv: ProbeResult(ok=True, message="")
-    )
+    prober = NumactlProber(numactl_path="numactl")
     facts = HostFacts(
         topology=topology,
         affinity=ProcessAffinity(
@@ -53,12 +52,14 @@ def place(pci, *, gpu_id=1, mode="node", topology=None):
         ),
         capabilities=HostCapabilities(numactl=prober, libnuma=True),
     )
-    return resolve_placement(
-        facts=facts,
-        rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=gpu_id, gpu_id=gpu_id),
-        accelerator=Accelerator(gpu_id, str(gpu_id), pci, "sysfs"),
-        policy=PlacementPolicy(launcher="mp", device="cuda", affinity_mode=mode),
-    )
+    # A kernel that accepts every numactl option set.
+    with patch("sglang.srt.placement.numactl.run_numactl", return_value=None):
+        return resolve_placement(
+            facts=facts,
+            rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=gpu_id, gpu_id=gpu_id),
+            accelerator=Accelerator(gpu_id, str(gpu_id), pci, "sysfs"),
+            policy=PlacementPolicy(launcher="mp", device="cuda", affinity_mode=mode),
+        )
 
 
 class TestResolvePlacement(unittest.TestCase):

@@ -7,11 +7,8 @@ import os
 import sys
 import unittest
 
-from sglang.srt.scheduler_placement.spawn import (
-    armed_prefix,
-    is_spawned_child,
-    spawn_with_prefix,
-)
+from sglang.srt.scheduler_placement import spawn
+from sglang.srt.scheduler_placement.spawn import is_spawned_child, spawn_with_prefix
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
@@ -44,9 +41,9 @@ class TestSpawnHook(unittest.TestCase):
     def test_a_child_spawned_inside_the_block_runs_under_the_prefix(self):
         os.environ.pop(MARK, None)
         with spawn_with_prefix(["/usr/bin/env", f"{MARK}=1"]):
-            self.assertEqual(armed_prefix(), ("/usr/bin/env", f"{MARK}=1"))
+            self.assertEqual(spawn._state.use.prefix, ("/usr/bin/env", f"{MARK}=1"))
             self.assertEqual(start(exit_with_mark), 0)
-        self.assertIsNone(armed_prefix())
+        self.assertIsNone(spawn._state.use)
         self.assertEqual(start(exit_with_mark), 3)
 
 

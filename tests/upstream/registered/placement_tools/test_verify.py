@@ -14,7 +14,7 @@ UNBOUND = ProcessPlacement.unbound(
     RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=0),
     reasons=("one NUMA node",),
     launcher="mp",
-    failure=False,
+    degraded=False,
 )
 
 

@@ -85,10 +85,10 @@ class TestRayActorPlacement(unittest.TestCase):
             release = threading.Event()
             early = threading.Thread(target=release.wait, args=(30,))
             early.start()
-            placement, _ = bind_scheduler_actor(
+            placement = bind_scheduler_actor(
                 SimpleNamespace(device="cuda", tp_size=4),
                 gpu_id=2, assigned_gpus=["2"], tp_rank=2, pp_rank=0, dp_rank=None,
-            )
+            ).placement
             print(placement.numa_node, sorted(os.sched_getaffinity(early.native_id)))
             release.set()
             """
@@ -167,7 +167,7 @@ class TestRayActorAffinityModes(EightCpuHost):
             [sorted(p.cpus) for p in shares], [[0, 1], [2, 3], [4, 5], [6, 7]]
         )
         self.assertEqual([p.mem_nodes for p in shares], [{0}, {0}, {1}, {1}])
-        self.assertFalse(any(p.warning for p in shares))
+        self.assertFalse(any(p.degraded for p in shares))
         self.assertIn("GPU 2 of 2 on node 1", "; ".join(shares[3].reasons))
 
     def test_node_mode_binds_the_whole_node(self):

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from unittest.mock import MagicMock, patch
 
 from sglang.srt.placement.numactl import cpu_option, default_prober, memory_options
-from sglang.srt.scheduler_placement.spawn import armed_prefix
+from sglang.srt.scheduler_placement import spawn
 from sglang.srt.utils.numa_utils import (
     _handle_numa_bind_failure,
     _is_numa_available,
@@ -33,6 +33,13 @@ from sglang.srt.utils.numa_utils import (
     numa_bind_to_node,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
+
+
+def armed_prefix():
+    """The numactl prefix configure_subprocess armed for this thread's spawns."""
+    use = spawn._state.use
+    return None if use is None else use.prefix
+
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 
@@ -197,7 +204,7 @@ class TestIsNumaAvailable(unittest.TestCase):
         self.assertFalse(_is_numa_available())
 
     @patch("sglang.srt.utils.numa_utils._can_set_mempolicy", return_value=True)
-    @patch("sglang.srt.utils.numa_utils.shutil.which", return_value="/usr/bin/numactl")
+    @patch("sglang.srt.placement.numactl.find_numactl", return_value="/usr/bin/numactl")
     @patch("sglang.srt.utils.numa_utils._is_cuda", True)
     @patch("os.path.isdir", return_value=True)
     def test_returns_true_on_numa_system(
@@ -206,7 +213,7 @@ class TestIsNumaAvailable(unittest.TestCase):
         self.assertTrue(_is_numa_available())
 
     @patch("sglang.srt.utils.numa_utils._can_set_mempolicy", return_value=False)
-    @patch("sglang.srt.utils.numa_utils.shutil.which", return_value="/usr/bin/numactl")
+    @patch("sglang.srt.placement.numactl.find_numactl", return_value="/usr/bin/numactl")
     @patch("sglang.srt.utils.numa_utils._is_cuda", True)
     @patch("os.path.isdir", return_value=True)
     def test_returns_true_when_only_cpu_affinity_can_be_set(
@@ -217,7 +224,7 @@ class TestIsNumaAvailable(unittest.TestCase):
 
     @patch.dict(os.environ)
     @patch("sglang.srt.utils.numa_utils._can_set_mempolicy", return_value=True)
-    @patch("sglang.srt.utils.numa_utils.shutil.which", return_value="/usr/bin/numactl")
+    @patch("sglang.srt.placement.numactl.find_numactl", return_value="/usr/bin/numactl")
     @patch("sglang.srt.utils.numa_utils._is_cuda", True)
     @patch("os.path.isdir", return_value=True)
     def test_isdir_called_with_node1_path(
@@ -576,6 +583,9 @@ class TestNumaBindIntersectionInProcess(_HostCase):
         self.sysfs({0: set(range(72)), 1: set(range(72, 144)), 2: set()})
         lib = MagicMock()
         lib.numa_available.return_value = 0
+        # The bind itself goes through placement's libnuma (set_mempolicy, migrate).
+        lib.configured_nodes.return_value = frozenset({0, 1, 2})
+        lib.migrate_pages.return_value = 0
         started, stop = threading.Event(), threading.Event()
         worker = threading.Thread(target=lambda: (started.set(), stop.wait(30)))
         worker.start()
@@ -590,6 +600,9 @@ class TestNumaBindIntersectionInProcess(_HostCase):
                 stack.enter_context(
                     patch(f"sglang.srt.utils.numa_utils.{name}", return_value=value)
                 )
+            stack.enter_context(
+                patch("sglang.srt.placement.apply.load_libnuma", return_value=lib)
+            )
             stack.enter_context(patch("os.sched_getaffinity", return_value=allowed))
             setaff = stack.enter_context(patch("os.sched_setaffinity"))
             numa_bind_to_node(node)
@@ -606,9 +619,9 @@ class TestNumaBindIntersectionInProcess(_HostCase):
         self.assertEqual(len(threads), mock_setaff.call_count)
         for call in mock_setaff.call_args_list:
             self.assertEqual(set(call.args[1]), target)
-        lib.numa_set_preferred.assert_called_once()
-        self.assertEqual(lib.numa_set_preferred.call_args.args[0].value, 0)
-        lib.numa_run_on_node.assert_not_called()
+        lib.set_preferred.assert_called_once_with(0)
+        # Unlike 0.5.23, the pages touched so far move to the node.
+        lib.migrate_pages.assert_called_once_with(0, {1, 2}, {0})
 
     def test_numa_bind_to_node_without_mempolicy_binds_cpus_only(self):
         with self.assertLogs(NUMA_UTILS_LOGGER, level="INFO") as cm:
@@ -616,21 +629,21 @@ class TestNumaBindIntersectionInProcess(_HostCase):
         self.assertTrue(mock_setaff.called)
         for call in mock_setaff.call_args_list:
             self.assertEqual(set(call.args[1]), set(range(72, 144)))
-        lib.numa_set_preferred.assert_not_called()
+        lib.set_preferred.assert_not_called()
         self.assertTrue(any("binding CPUs only" in m for m in cm.output), cm.output)
 
-    def test_numa_bind_to_node_memory_only_node_runs_on_node(self):
+    def test_numa_bind_to_node_memory_only_node_prefers_its_memory(self):
+        # 0.5.23's numa_run_on_node fails on a node without CPUs: they stay as they are.
         lib, mock_setaff, _ = self.bind(set(range(144)), node=2)
         mock_setaff.assert_not_called()
-        lib.numa_run_on_node.assert_called_once()
-        self.assertEqual(lib.numa_run_on_node.call_args.args[0].value, 2)
+        lib.set_preferred.assert_called_once_with(2)
 
     @patch.dict(os.environ, {"SGLANG_CRASH_ON_NUMA_BIND_FAILURE": "0"})
     def test_numa_bind_to_node_empty_intersection_skips(self):
         with self.assertLogs(NUMA_UTILS_LOGGER, level="WARNING"):
             lib, mock_setaff, _ = self.bind(set(range(72, 144)))
         mock_setaff.assert_not_called()
-        lib.numa_set_preferred.assert_not_called()
+        lib.set_preferred.assert_not_called()
 
     @patch.dict(os.environ, {"SGLANG_CRASH_ON_NUMA_BIND_FAILURE": "1"})
     def test_handle_failure_raises_when_enabled(self):
@@ -865,9 +878,10 @@ class TestConfigureSubprocessProbeFailure(_HostCase):
 
 
 class TestConfigureSubprocessReportsByRank(_HostCase):
-    """New: what goes wrong after the probes is reported by rank. A numactl that
-    refuses the child's own start (the cpuset shrank since the probe) gets an ERROR
-    with numactl's reason; a block that spawned nothing gets a WARNING."""
+    """New: what goes wrong after the probes. A numactl that refuses the child's own
+    start (the cpuset shrank since the probe) is the child's exit, which its launcher
+    reports, with numactl's reason on its stderr; a block that spawned nothing gets
+    a WARNING naming the rank."""
 
     def setUp(self):
         super().setUp()
@@ -881,20 +895,22 @@ class TestConfigureSubprocessReportsByRank(_HostCase):
         self.sysfs({0: self.allowed, 1: self.beyond(2)})
         os.environ["SGLANG_CRASH_ON_NUMA_BIND_FAILURE"] = "0"
 
-    def test_a_child_numactl_refuses_is_reported_with_numactls_reason(self):
+    def test_a_child_numactl_refuses_exits_with_numactls_reason(self):
         proc = multiprocessing.get_context("spawn").Process(target=os.getpid)
-        with self.assertLogs(SPAWN_LOGGER, level="ERROR") as cm:
-            with configure_subprocess(_server_args([0, 1]), 0):
-                open(self.refuse, "w").close()  # after the probes, before the start
-                proc.start()
-            deadline = time.monotonic() + 30
-            while not cm.records and time.monotonic() < deadline:
-                time.sleep(0.01)  # the report comes from a watcher thread
-        proc.join(30)
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as stderr:
+            os.dup2(stderr.fileno(), 2)  # the child's stderr
+            try:
+                with configure_subprocess(_server_args([0, 1]), 0):
+                    open(self.refuse, "w").close()  # after the probes, before start
+                    proc.start()
+                proc.join(30)
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            stderr.seek(0)
+            self.assertIn(CPU_REFUSED, stderr.read().decode())
         self.assertEqual(proc.exitcode, 1)
-        [line] = cm.output
-        self.assertIn("GPU 0: numactl refused to start the scheduler process", line)
-        self.assertIn(CPU_REFUSED, line)
 
     def test_a_block_that_spawns_nothing_is_reported(self):
         with self.assertLogs(SPAWN_LOGGER, level="WARNING") as cm:
