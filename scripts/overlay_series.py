@@ -500,6 +500,7 @@ SERIES: Tuple[Patch, ...] = (
             PY + "srt/distributed/bootstrap.py",
             DT + "test_shm_namespace.py",
             DT + "test_shm_collective.py",
+            DT + "test_cpu_shm_segments.py",
         ),
         fixes="shm",
     ),
