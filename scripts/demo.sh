@@ -4,6 +4,7 @@
 # planned, then started through sglang's own launch paths (each spawn inside
 # numa_utils.configure_subprocess, as the engine does; each Ray actor through RayEngine's
 # _create_scheduler_actor) and read back from inside every rank.
+# Arguments go to plan and verify: -v also shows upstream's warnings and Ray's notices.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import fakesys
 import pytest
@@ -148,6 +149,19 @@ def test_plan_human_output_one_line_per_rank(tmp_path):
         "[DP0 PP0 TP0] GPU 0 (0000:18:00.0): node 0 CPUs 0-7,16-23 membind 0 via exec"
     )
     assert lines[3].startswith("[DP1 PP0 TP1] GPU 3 (0000:48:00.0): node 1")
+
+
+def test_plan_still_warns_of_a_setting_it_cannot_read_and_leaves_filters_alone(
+    tmp_path,
+):
+    root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
+    done = run_plan("--sysfs-root", root, env={"SGLANG_AUTO_NUMA_BIND": "maybe"})
+    assert done.returncode == 0 and len(done.stdout.splitlines()) == 1, done
+    assert "Invalid value for SGLANG_AUTO_NUMA_BIND" in done.stderr
+    # Called in-process, main hands back the warning filters it found.
+    filters = list(warnings.filters)
+    assert main(["plan", "--sysfs-root", str(root)]) == 0
+    assert warnings.filters == filters
 
 
 @pytest.mark.parametrize(

@@ -146,3 +146,31 @@ def test_verify_without_ray_address_starts_a_local_cluster_and_stops_it():
             time.sleep(0.2)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_verify_prints_upstream_warnings_and_ray_notices_only_with_v():
+    # Both come from verify's own process: the UserWarnings from importing sglang's Ray
+    # engine (AWQ, GGUF, Triton on a host without CUDA), the notice from the new local
+    # cluster's token authentication (Ray's default while RAY_AUTH_MODE is unset).
+    directory = tempfile.mkdtemp(prefix="sglr-", dir="/tmp")
+    env = ray_test_env(directory)
+    env.pop("RAY_AUTH_MODE", None)
+    argv = [sys.executable, "-m", "sglang.srt.placement_tools", "verify", "--device",
+            "cpu", "--launcher", "both", "--timeout", "150"]  # fmt: skip
+    try:
+        quiet, verbose = (
+            subprocess.run(
+                argv + flags, capture_output=True, text=True, timeout=240, env=env
+            )
+            for flags in ([], ["-v"])
+        )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    for done in (quiet, verbose):
+        assert done.returncode == 0, done.stderr[-4000:]
+        rows = done.stdout.splitlines()
+        assert [row.split()[3] for row in rows] == ["mp", "ray"], done.stdout
+        assert all(row.endswith(": OK") for row in rows), done.stdout
+    assert quiet.stderr == "", quiet.stderr[-4000:]
+    assert "UserWarning: Only CUDA, HIP and XPU support AWQ" in verbose.stderr
+    assert "Token authentication is enabled for this Ray cluster" in verbose.stderr

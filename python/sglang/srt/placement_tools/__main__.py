@@ -11,6 +11,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from typing import Callable, Iterator, Optional, Sequence
 
 from sglang.srt.placement import settings
@@ -94,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     capture = sub.add_parser("capture", help="copy the sysfs files plan reads into DIR")
     capture.add_argument("dir", metavar="DIR", type=_path("DIR"))
     capture.add_argument("--sysfs-root", default="/sys", type=_path("--sysfs-root"))
+    for command in sub.choices.values():
+        command.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            help="also show upstream sglang's import-time warnings and Ray's notices",
+        )
     return parser
 
 
@@ -202,7 +210,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             server_args, timeout_s=args.timeout, dp_threads=args.dp_threads
         )
     if "ray" in launchers:
-        with _ray_cluster(server_args):
+        with _ray_cluster(server_args, verbose=args.verbose):
             from sglang.srt.placement_tools.verify_ray import verify_ray
 
             rows += verify_ray(server_args, timeout_s=args.timeout)
@@ -213,8 +221,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _ray_cluster(server_args: PlanArgs) -> Iterator[None]:
-    """The connected Ray cluster, else RAY_ADDRESS's, else a new local one."""
+def _ray_cluster(server_args: PlanArgs, *, verbose: bool) -> Iterator[None]:
+    """The connected Ray cluster, else RAY_ADDRESS's, else a new local one; unless
+    ``verbose``, without Ray's notices (such as token authentication's) below errors."""
     try:
         import ray
     except ImportError:
@@ -244,11 +253,18 @@ def _ray_cluster(server_args: PlanArgs) -> Iterator[None]:
             num_gpus=ranks if server_args.device == "cpu" else None,
             include_dashboard=False,
         )
-    ray.init(address=address or "local", **options)
+    ray_logger = logging.getLogger("ray")  # what `import ray` set: INFO
+    level = ray_logger.level
+    if not verbose:
+        ray_logger.setLevel(logging.ERROR)
     try:
-        yield
+        ray.init(address=address or "local", **options)
+        try:
+            yield
+        finally:
+            ray.shutdown()
     finally:
-        ray.shutdown()
+        ray_logger.setLevel(level)
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
@@ -260,6 +276,20 @@ def cmd_capture(args: argparse.Namespace) -> int:
         f"plan with: {PROG} plan --sysfs-root {args.dir}"
     )
     return 0
+
+
+@contextlib.contextmanager
+def _upstream_warnings(shown: bool) -> Iterator[None]:
+    """Unless ``shown``, warnings raised in this process while the command runs are
+    ignored, such as upstream's import-time ones (sglang's Ray engine imports its AWQ,
+    GGUF and Triton kernels); the filters in force before are back afterwards."""
+    if shown:
+        yield
+        return
+    with warnings.catch_warnings():
+        # All but sglang's settings': a value it cannot read is about the tool's input.
+        warnings.filterwarnings("ignore", module=r"(?!sglang\.srt\.environ$)")
+        yield
 
 
 def one_line(exc: BaseException) -> str:
@@ -281,7 +311,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         command = args.command
         run = {"plan": cmd_plan, "verify": cmd_verify, "capture": cmd_capture}
-        return run[command](args)
+        with _upstream_warnings(args.verbose):
+            return run[command](args)
     except BAD_INPUT as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         # A rank verify could not check, or sglang refuses to start, fails: status 1.
