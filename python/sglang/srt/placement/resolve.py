@@ -60,14 +60,7 @@ class HostFacts:
 
 
 @dataclass(frozen=True)
-class NodeChoice:
-    node: Optional[int]  # None: no node, for the reasons
-    reasons: tuple[str, ...]
-    degraded: bool = False
-
-
-@dataclass(frozen=True)
-class Where:  # a rank's CPUs and memory nodes, before how they are applied
+class Where:  # a rank's node, CPUs and memory nodes, before how they are applied
     node_id: Optional[int]  # None: the rank stays unbound, for the reasons
     reasons: tuple[str, ...]
     cpus: frozenset[int] = frozenset()
@@ -81,7 +74,7 @@ def choose_node(
     rank: RankIdentity,
     accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
-) -> NodeChoice:
+) -> Where:
     """Upstream's order: the ``--numa-node`` list, else the node of the GPU's PCI
     device; ``accelerator`` may be None only with the list."""
     listed, gpu_id = policy.numa_nodes, rank.gpu_id
@@ -99,25 +92,23 @@ def choose_node(
                 f"--numa-node gives node {node} for GPU {gpu_id}, but this host has "
                 f"nodes {format_cpulist(topology.node_ids)}"
             )
-        return NodeChoice(node, (f"node {node} from --numa-node (GPU {gpu_id})",))
+        return Where(node, (f"node {node} from --numa-node (GPU {gpu_id})",))
     pci, gpu, source = accelerator.pci, accelerator.physical_id, accelerator.source
     if pci is None:
-        return NodeChoice(
-            None, (f"GPU {gpu_id} ({gpu}): no PCI address ({source})",), True
-        )
+        return Where(None, (f"GPU {gpu_id} ({gpu}): no PCI address ({source})",), True)
     via = f"GPU {gpu_id} is {gpu} at PCI {pci} ({source})"
     device = topology.pci_device(pci)
     if device is None:
-        return NodeChoice(None, (via, f"PCI {pci} is not in {topology.root}"), True)
+        return Where(None, (via, f"PCI {pci} is not in {topology.root}"), True)
     if device.numa_node is not None:
         why = f"node {device.numa_node} from PCI {pci}"
-        return NodeChoice(device.numa_node, (via, why))
+        return Where(device.numa_node, (via, why))
     why = f"PCI {pci} reports numa_node -1"
     cpu_nodes = topology.cpu_nodes
     if len(cpu_nodes) == 1 and policy.affinity_mode.shares_node:
         only = cpu_nodes[0].node_id
-        return NodeChoice(only, (via, f"{why}; node {only} is the only node with CPUs"))
-    return NodeChoice(None, (via, f"{why} (the kernel does not know its node)"))
+        return Where(only, (via, f"{why}; node {only} is the only node with CPUs"))
+    return Where(None, (via, f"{why} (the kernel does not know its node)"))
 
 
 def _gpu_where(
@@ -128,14 +119,14 @@ def _gpu_where(
 ) -> Where:
     topology, affinity = facts.topology, facts.affinity
     choice = choose_node(topology, rank, found, policy)
-    if choice.node is None:
-        return Where(None, choice.reasons, degraded=choice.degraded)
-    node = topology.node(choice.node)
+    if choice.node_id is None:
+        return choice
+    node = topology.node(choice.node_id)
     if node is None or not node.cpus:
         what = (
             "does not exist on this host" if node is None else "has memory but no CPUs"
         )
-        why = f"node {choice.node} {what}"
+        why = f"node {choice.node_id} {what}"
         return Where(None, (*choice.reasons, why), degraded=True)
     pci = found.pci if found is not None else None
     gpu = GpuNode(topology, node, affinity, pci, policy.device)
@@ -207,129 +198,99 @@ def resolve_placement(
         where = _cpu_where(facts, rank, policy, cpu_rank_set)
     else:
         where = _gpu_where(facts, rank, accelerator, policy)
-    if where.node_id is None:
-        return ProcessPlacement.unbound(
-            rank,
-            reasons=where.reasons,
-            launcher=policy.launcher,
-            degraded=where.degraded,
-            pci=pci,
-        )
-    mems = facts.affinity.mems
-    mem_nodes = tuple(
-        n.node_id for n in where.nodes if n.has_memory and n.node_id in mems
-    )
-    reasons = list(where.reasons)
-    if not mem_nodes:
-        reasons.append(
-            f"no memory node this process may use near node {where.node_id}: CPU "
-            "binding only"
-        )
     placed = ProcessPlacement(
-        rank=rank,
-        pci=pci,
+        rank, pci, reasons=where.reasons, launcher=policy.launcher
+    )
+    if where.node_id is None:
+        return replace(placed, degraded=where.degraded)
+    mems = facts.affinity.mems
+    mem_nodes = [n.node_id for n in where.nodes if n.has_memory and n.node_id in mems]
+    if not mem_nodes:
+        why = f"no memory node this process may use near node {where.node_id}"
+        placed = replace(placed, reasons=(*where.reasons, f"{why}: CPU binding only"))
+    placed = replace(
+        placed,
         numa_node=where.node_id,
         cpus=where.cpus,
         mem_nodes=frozenset(mem_nodes),
         mem_policy=MemPolicy.BIND if mem_nodes else MemPolicy.NONE,
-        reasons=tuple(reasons),
-        launcher=policy.launcher,
         degraded=where.degraded,
     )
     return _how(placed, where, facts=facts, policy=policy)
 
 
 def _how(
-    placed: ProcessPlacement,
-    where: Where,
-    *,
-    facts: HostFacts,
-    policy: PlacementPolicy,
+    placed: ProcessPlacement, where: Where, *, facts: HostFacts, policy: PlacementPolicy
 ) -> ProcessPlacement:
-    """The strategy, and the memory policy it can apply; ``placed`` wants BIND on
-    its memory nodes (or NONE without any)."""
-    node, wanted, reasons = placed.numa_node, placed.mem_policy, placed.reasons
-
-    def applied(
-        strategy: Strategy, mem: MemPolicy, *why: str, args: tuple[str, ...] = ()
-    ) -> ProcessPlacement:
-        nodes = {MemPolicy.BIND: placed.mem_nodes, MemPolicy.PREFERRED: {node}}
-        return replace(
-            placed,
-            strategy=strategy,
-            mem_policy=mem,
-            mem_nodes=frozenset(nodes.get(mem, ())),
-            reasons=(*reasons, *why),
-            numactl_args=args,
-            degraded=placed.degraded or mem != wanted and strategy is Strategy.EXEC,
-        )
-
+    """The strategy, and the memory policy it can apply, for a placement that wants
+    BIND on its memory nodes (NONE without any)."""
     if not policy.bind_v2:
         why = (
             "SGLANG_NUMA_BIND_V2=0: legacy V1 bind inside the child "
             "(numa_run_on_node + numa_set_preferred)"
         )
-        preferred = MemPolicy.PREFERRED if placed.mem_nodes else MemPolicy.NONE
-        return applied(Strategy.V1, preferred, why)
+        mem = MemPolicy.PREFERRED if placed.mem_nodes else MemPolicy.NONE
+        return _applied(placed, Strategy.V1, mem, why)
     numactl = facts.capabilities.numactl
-    if policy.exec_supported and numactl is not None:
+    if not policy.exec_supported:
+        why = f"the {policy.launcher} launcher cannot start this rank under numactl"
+    elif numactl is None:
+        why = "numactl is not installed"
+    else:
+        node = placed.numa_node
         whole = tuple(n.node_id for n in where.nodes) if where.whole else None
         outcome = numactl.ladder(
             cpu_args=(cpu_option(cpus=placed.cpus, whole_nodes=whole),),
-            mem_policy=wanted,
+            mem_policy=placed.mem_policy,
             mem_nodes=placed.mem_nodes,
             preferred_node=node if placed.mem_nodes else None,
         )
         if outcome.ok:
             how = f"exec under numactl {' '.join(outcome.args)}"
-            return applied(
-                Strategy.EXEC,
-                outcome.mem_policy,
-                *outcome.reasons,
-                how,
-                args=outcome.args,
+            got = outcome.mem_policy
+            return _applied(
+                placed, Strategy.EXEC, got, *outcome.reasons, how, args=outcome.args
             )
-        reasons += (
+        why = (
             f"numactl could not apply NUMA binding for node {node} (e.g. "
             "set_mempolicy/sched_setaffinity blocked by seccomp, or cpuset rejects "
-            f"the policy): {outcome.reasons[0]}",
+            f"the policy): {outcome.reasons[0]}"
         )
-    elif policy.exec_supported:
-        reasons += ("numactl is not installed",)
-    else:
-        reasons += (
-            f"the {policy.launcher} launcher cannot start this rank under numactl",
-        )
-    return _in_process(placed, reasons, facts=facts, policy=policy)
-
-
-def _in_process(
-    placed: ProcessPlacement,
-    reasons: tuple[str, ...],
-    *,
-    facts: HostFacts,
-    policy: PlacementPolicy,
-) -> ProcessPlacement:
     # A Ray actor binds itself once started; sglang's spawned child runs only sglang's
     # own code, so nothing there would apply an in-process bind.
     if policy.launcher != Launcher.RAY:
-        why = f"the {policy.launcher} launcher binds only by exec: running unbound"
+        only = f"the {policy.launcher} launcher binds only by exec: running unbound"
         return ProcessPlacement.unbound(
             placed.rank,
-            reasons=(*reasons, why),
+            reasons=(*placed.reasons, why, only),
             launcher=policy.launcher,
             degraded=True,
             pci=placed.pci,
         )
     if facts.capabilities.libnuma:
-        why = "in-process bind with libnuma"
-        return replace(placed, strategy=Strategy.IN_PROCESS, reasons=(*reasons, why))
-    why = "libnuma is not available: in-process CPU affinity only"
+        how = "in-process bind with libnuma"
+        return _applied(placed, Strategy.IN_PROCESS, placed.mem_policy, why, how)
+    how = "libnuma is not available: in-process CPU affinity only"
+    return _applied(placed, Strategy.IN_PROCESS, MemPolicy.NONE, why, how)
+
+
+def _applied(
+    placed: ProcessPlacement,
+    strategy: Strategy,
+    mem: MemPolicy,
+    *why: str,
+    args: tuple[str, ...] = (),
+) -> ProcessPlacement:
+    """``placed`` applied by ``strategy`` with memory policy ``mem``: less than wanted
+    is degraded, except under V1, upstream's own preferred policy."""
+    nodes = {MemPolicy.BIND: placed.mem_nodes, MemPolicy.PREFERRED: {placed.numa_node}}
     return replace(
         placed,
-        strategy=Strategy.IN_PROCESS,
-        mem_policy=MemPolicy.NONE,
-        mem_nodes=frozenset(),
-        reasons=(*reasons, why),
-        degraded=placed.degraded or bool(placed.mem_nodes),
+        strategy=strategy,
+        mem_policy=mem,
+        mem_nodes=frozenset(nodes.get(mem, ())),
+        reasons=(*placed.reasons, *why),
+        numactl_args=args,
+        degraded=placed.degraded
+        or (mem != placed.mem_policy and strategy != Strategy.V1),
     )
