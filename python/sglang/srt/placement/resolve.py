@@ -95,11 +95,13 @@ def choose_node(
         return Where(node, (f"node {node} from --numa-node (GPU {gpu_id})",))
     pci, gpu, source = accelerator.pci, accelerator.physical_id, accelerator.source
     if pci is None:
-        return Where(None, (f"GPU {gpu_id} ({gpu}): no PCI address ({source})",), True)
+        return Where(
+            None, (f"GPU {gpu_id} ({gpu}): no PCI address ({source})",), degraded=True
+        )
     via = f"GPU {gpu_id} is {gpu} at PCI {pci} ({source})"
     device = topology.pci_device(pci)
     if device is None:
-        return Where(None, (via, f"PCI {pci} is not in {topology.root}"), True)
+        return Where(None, (via, f"PCI {pci} is not in {topology.root}"), degraded=True)
     if device.numa_node is not None:
         why = f"node {device.numa_node} from PCI {pci}"
         return Where(device.numa_node, (via, why))
