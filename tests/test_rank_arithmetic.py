@@ -1,4 +1,4 @@
-"""``ranks.local_ranks`` against sglang 0.5.23's own launchers, over a grid of engines.
+"""``placement_tools.engine.local_ranks`` against sglang 0.5.23's own launchers, over a grid of engines.
 
 ``Engine._launch_scheduler_processes`` runs as installed, with a published
 ``ServerArgs``; where it starts the data-parallel controller, the controller runs
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang.srt.placement import ranks
+from sglang.srt.placement_tools import engine as ranks
 
 TINY_MODEL = str(Path(__file__).resolve().parent / "data" / "tiny_llama")
 
