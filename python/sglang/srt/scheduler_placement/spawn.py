@@ -23,7 +23,7 @@ from sglang.srt.placement.apply import enforce_failure_policy, handle_bind_failu
 from sglang.srt.placement.numactl import run_numactl, true_program
 from sglang.srt.placement.plan import HostFacts, place_gpu_id
 from sglang.srt.placement.policy import PlacementPolicy, placement_view
-from sglang.srt.placement.types import ProcessPlacement, Strategy
+from sglang.srt.placement.types import Strategy
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
