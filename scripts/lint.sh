@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# sglang's own linters (black, isort, codespell at the versions and settings of its pre-commit config) on
-# every file the overlay writes into a pristine sglang 0.5.23, and on the ported upstream tests; exits
-# non-zero on any finding. An upstream file the overlay rewrites is held to a linter only where the
-# pristine file passes it (upstream's own findings are upstream's). scripts/setup.sh installs the linters
-# (requirements/lint.txt). Usage: bash scripts/lint.sh [REPO_PYTHON_DIR]   (default: python/)
+# sglang's own linters (black, isort, ruff's F401, codespell at the versions and settings of its
+# pre-commit config) on every file the overlay writes into a pristine sglang 0.5.23, and on the ported
+# upstream tests; exits non-zero on any finding. An upstream file the overlay rewrites is held to a
+# linter only where the pristine file passes it (upstream's own findings are upstream's).
+# scripts/setup.sh installs the linters (requirements/lint.txt).
+# Usage: bash scripts/lint.sh [REPO_PYTHON_DIR]   (default: python/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
@@ -27,6 +28,7 @@ mapfile -t ported < <(find tests/upstream -name '*.py' ! -name '__init__.py' | s
 
 black=("$py" -m black --check)
 isort=("$py" -m isort --check-only --quiet --profile black -p sglang)
+ruff=("$py" -m ruff check --quiet --no-cache --isolated --select=F401)
 codespell=("$py" -m codespell_lib -L cann,thi,makro,wil,rouge,PRIS)
 
 held_to() {  # the written files a linter applies to, then the ported tests
@@ -41,14 +43,14 @@ held_to() {  # the written files a linter applies to, then the ported tests
 }
 
 status=0
-for name in black isort codespell; do
+for name in black isort ruff codespell; do
     mapfile -t files < <(held_to "$name")
     declare -n run=$name
     "${run[@]}" "${files[@]}" || status=1
     unset -n run
 done
 if [ "$status" -ne 0 ]; then
-    echo "lint: sglang's linters report the findings above (fix: run black, and isort --profile black" \
-        "-p sglang, on python/ and tests/upstream/)" >&2
+    echo "lint: sglang's linters report the findings above (fix: run black, isort --profile black" \
+        "-p sglang and ruff check --select=F401 --fix on python/ and tests/upstream/)" >&2
 fi
 exit "$status"

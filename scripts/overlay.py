@@ -12,8 +12,9 @@ checkout's ``python/sglang``), or an sglang checkout (a dir holding
 ``python/sglang`` and ``test/``). For a checkout, upstream's own tests as this
 repo ports them (``tests/upstream/``, beside ``--repo-python``) go to the same
 paths under the checkout's ``test/`` as well, and ``--diff`` names every file
-by its path in the checkout. ``--series OUT`` writes the change as patches that
-apply in order to a pristine TARGET (see ``overlay_series``).
+by its path in the checkout. ``--series OUT`` writes the upstream fixes and then
+the change as patches that apply in order to a pristine checkout (see
+``overlay_series``).
 
 Exit status: 0 done (or nothing to do), 2 refused (upstream is not the shape
 this script knows, or bad input; nothing is written), 1 I/O error.
@@ -731,8 +732,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         "--series",
         type=Path,
         metavar="OUT",
-        help="write the change as a patch series into OUT (new or empty); TARGET, a pristine "
-        "checkout (each patch with its tests) or package, is left untouched",
+        help="write the change as a patch series into OUT (new or empty): the upstream fixes, "
+        "then the refactor; TARGET, a pristine checkout, is left untouched",
     )
     parser.add_argument(
         "--repo-python",
@@ -767,6 +768,11 @@ def run(args: argparse.Namespace) -> int:
         )
         changes += test_changes
     if args.series is not None:
+        if target.tests is None:
+            raise Refusal(
+                f"--series needs an sglang checkout (python/sglang and test/), the "
+                f"fixes' and the tests' layout; {args.target} is a package dir"
+            )
         if (pkg / MANIFEST_NAME).exists():
             raise Refusal(
                 f"--series needs a pristine sglang package; {pkg} holds an earlier overlay "
@@ -776,28 +782,11 @@ def run(args: argparse.Namespace) -> int:
             raise FileExistsError(
                 f"{args.series} is not empty; give a new or empty directory"
             )
+        sys.modules.setdefault("overlay", sys.modules[__name__])  # one Refusal class
         import overlay_series
 
-        ported = changes
-        if (
-            target.tests is None
-        ):  # the ported tests' imports shape the series all the same
-            ported = (
-                changes
-                + plan_tests(
-                    pkg / ".no-test-dir",
-                    args.repo_python.resolve().parent / UPSTREAM_TESTS,
-                    Manifest(),
-                )[0]
-            )
-        built = overlay_series.build(
-            ported,
-            with_tests=target.tests is not None,
-            change_type=Change,
-            unified_diff=unified_diff,
-            refuse=Refusal,
-        )
-        for line in overlay_series.write(args.series, built):
+        fixes = args.repo_python.resolve().parent / overlay_series.FIXES
+        for line in overlay_series.write(args.series, target, changes, fixes):
             print(line)
     elif args.diff:
         print(print_diff(changes), file=sys.stderr)
