@@ -14,7 +14,6 @@ import shutil
 import stat
 import tempfile
 import threading
-import time
 import unittest
 from contextlib import ExitStack
 from types import SimpleNamespace
