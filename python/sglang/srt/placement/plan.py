@@ -62,7 +62,7 @@ def device_node(
         return None, problem
     policy = PlacementPolicy(launcher=Launcher.MP, device=device)
     choice = choose_node(topology, RankIdentity.of_gpu(gpu_id), found, policy)
-    return choice.node, "; ".join(choice.reasons)
+    return choice.node_id, "; ".join(choice.reasons)
 
 
 def _why_unbound(policy: PlacementPolicy, topology: HostTopology) -> Optional[str]:
