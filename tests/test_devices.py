@@ -69,7 +69,8 @@ def cuda(gpu_ids, env, **kw) -> tuple[Accelerator, ...]:
 def identify(gpu_ids, env, *, device, topology, gpus=None, runtime=None):
     """As placement identifies them; ``gpus`` as the tools' --gpus hands them over."""
     if gpus is not None:
-        found = check_gpus(gpus, topology=topology, gpu_ids=gpu_ids)
+        text = gpus if isinstance(gpus, str) else ",".join(gpus)
+        found = check_gpus(text, topology=topology, gpu_ids=gpu_ids)
         runtime = ListedGpus(found)
         env = {k: v for k, v in env.items() if "VISIBLE" not in k and "MASK" not in k}
     return identify_accelerators(
@@ -222,8 +223,8 @@ def test_gpus_option_as_comma_string():
     [
         ("0000:81:00.0,cuda:1", "'cuda:1'"),
         ("0000:81:00", "'0000:81:00'"),
-        ("0000:81:00.0,,0000:17:00.0", "''"),
-        ("", "empty"),
+        ("0000:81:00.0,,0000:17:00.0", "is not valid: give up to 4096 PCI addresses"),
+        ("", "--gpus='' is not valid"),
     ],
 )
 def test_gpus_option_malformed(value, bad):

@@ -550,7 +550,7 @@ def test_any_parser_failure_is_one_line_and_exit_2(tree, capsys, monkeypatch, er
     def fail(root, **_):
         raise error
 
-    monkeypatch.setattr("sglang.srt.placement.topology.read_topology", fail)
+    monkeypatch.setattr("sglang.srt.placement_tools.__main__.read_topology", fail)
     assert main(["plan", "--sysfs-root", str(tree)]) == 2
     line = assert_one_line(capsys.readouterr().err)
     assert type(error).__name__ in line or str(error).split("\n")[0] in line

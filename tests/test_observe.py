@@ -14,6 +14,7 @@ import pytest
 
 from sglang.srt.placement.cpulist import parse_cpulist
 from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
+from sglang.srt.placement_tools import verify
 from sglang.srt.placement_tools.verify import (
     ObservedBinding,
     compare_binding,
@@ -140,16 +141,22 @@ def test_numa_maps_sums_pages_per_node_in_kb():
     assert anon == {0: (100 + 5) * 4, 1: 200 * 4 + 2 * 2048}
 
 
-def test_observe_from_a_crafted_proc_tree(tmp_path):
+def crafted(monkeypatch, tmp_path, policy=("default", frozenset())):
+    """observe_self reads ``tmp_path/self`` and is told ``policy`` by get_mempolicy."""
+    monkeypatch.setattr(verify, "_PROC_SELF", str(tmp_path / "self"))
+    if policy is not None:
+        monkeypatch.setattr(verify, "read_mempolicy", lambda: policy)
+
+
+def test_observe_from_a_crafted_proc_tree(tmp_path, monkeypatch):
     pid_dir = tmp_path / "self"
     pid_dir.mkdir()
     (pid_dir / "status").write_text(
         "Name:\tpython\nCpus_allowed:\t0c\nCpus_allowed_list:\t2-3\nMems_allowed:\t3\nMems_allowed_list:\t0-1\n"
     )
     (pid_dir / "numa_maps").write_text(NUMA_MAPS)
-    obs = observe_self(
-        proc_root=str(tmp_path), mempolicy=lambda: ("bind", frozenset({1}))
-    )
+    crafted(monkeypatch, tmp_path, ("bind", frozenset({1})))
+    obs = observe_self()
     assert obs.cpus == {2, 3} and obs.mems == {0, 1}
     assert (obs.policy, obs.policy_nodes) == ("bind", {1})
     total = sum(kb for _, kb in obs.resident_kb)
@@ -162,13 +169,12 @@ def test_observe_from_a_crafted_proc_tree(tmp_path):
     assert ObservedBinding.from_dict(obs.to_dict()) == obs
 
 
-def test_crafted_tree_without_numa_maps_counts_nothing(tmp_path):
+def test_crafted_tree_without_numa_maps_counts_nothing(tmp_path, monkeypatch):
     pid_dir = tmp_path / "self"
     pid_dir.mkdir()
     (pid_dir / "status").write_text("Cpus_allowed_list:\t0\nMems_allowed_list:\t0\n")
-    obs = observe_self(
-        proc_root=str(tmp_path), mempolicy=lambda: ("default", frozenset())
-    )
+    crafted(monkeypatch, tmp_path)
+    obs = observe_self()
     assert obs.cpus == {0} and obs.local_page_ratio([0]) is None
 
 
@@ -184,18 +190,20 @@ def test_a_host_without_libnuma_reads_back_policy_unknown(tmp_path, monkeypatch)
     (tmp_path / "self" / "status").write_text(
         "Cpus_allowed_list:\t0-1\nMems_allowed_list:\t0\n"
     )
-    obs = observe_self(proc_root=str(tmp_path))
+    crafted(monkeypatch, tmp_path, policy=None)
+    obs = observe_self()
     assert (obs.cpus, obs.policy, obs.policy_nodes) == ({0, 1}, "unknown", set())
     assert ObservedBinding.from_dict(obs.to_dict()) == obs
 
 
-def test_a_status_without_the_cpu_list_is_an_error_naming_the_file(tmp_path):
+def test_a_status_without_the_cpu_list_is_an_error_naming_the_file(
+    tmp_path, monkeypatch
+):
     (tmp_path / "self").mkdir()
     (tmp_path / "self" / "status").write_text("Mems_allowed_list:\t0\n")
+    crafted(monkeypatch, tmp_path)
     with pytest.raises(PlacementError, match="status: has no Cpus_allowed_list line"):
-        observe_self(
-            proc_root=str(tmp_path), mempolicy=lambda: ("default", frozenset())
-        )
+        observe_self()
 
 
 # -- compare ----------------------------------------------------------------------------------

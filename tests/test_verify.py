@@ -77,13 +77,15 @@ def test_ranks_spawned_inside_configure_subprocess_are_where_plan_says(
     assert len({row["observed_pid"] for row in rows}) == 2
 
 
-def test_a_launch_that_bypasses_configure_subprocess_is_caught(cpu_groups):
+def test_a_launch_that_bypasses_configure_subprocess_is_caught(
+    cpu_groups, monkeypatch
+):
     """verify fails when the ranks are not started through sglang's configure_subprocess."""
-    rows = verify_mp(
-        args(device="cpu", tp_size=2),
-        timeout_s=120,
-        configure=lambda a, g: contextlib.nullcontext(),
-    )
+    from sglang.srt.utils import numa_utils
+
+    bypass = lambda server_args, gpu_id: contextlib.nullcontext()  # noqa: E731
+    monkeypatch.setattr(numa_utils, "configure_subprocess", bypass)
+    rows = verify_mp(args(device="cpu", tp_size=2), timeout_s=120)
     assert [row["ok"] for row in rows] == [False, False]
     assert all(
         "cpus" in row["differences"][0] and "planned" in row["differences"][0]

@@ -1,15 +1,14 @@
 """The physical accelerator, and PCI address, that a rank's logical device index names.
 
-A driver is asked only through an ``AcceleratorRuntime`` (NVML, optional); never
-torch, whose CUDA initialisation in a launcher breaks the children it forks later.
-"""
+Drivers are asked only through an ``AcceleratorRuntime`` (NVML, optional), never torch:
+its CUDA initialisation in a launcher breaks the children it forks later."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import glob
-import itertools
 import logging
 import os
 import re
@@ -24,15 +23,12 @@ from sglang.srt.placement.types import (
 
 logger = logging.getLogger(__name__)
 
-
-# (vendor, PCI class) of GPUs: display, 3D, processing accelerator; not a card's
-# audio function or an NVSwitch bridge.
+# (vendor, PCI class) of GPUs (display, 3D, processing accelerator): no audio, NVSwitch.
 _GPUS = {
     "cuda": {("10de", "0300"), ("10de", "0302")},
     "xpu": {("8086", kind) for kind in ("0300", "0380", "1200")},
 }
 _PCI_RE = re.compile(r"(?:([0-9a-f]{4,8}):)?([0-9a-f]{2}):([01][0-9a-f])\.([0-7])")
-_INDEX_RE = re.compile(r"[+-]?[0-9]{1,18}")
 _ZE_ENTRY_RE = re.compile(r"([0-9]{1,9})(?:\.[0-9]{1,9})?")
 _PCI_ID_ORDER = "ZE_ENABLE_PCI_ID_DEVICE_ORDER"
 
@@ -40,11 +36,8 @@ _PCI_ID_ORDER = "ZE_ENABLE_PCI_ID_DEVICE_ORDER"
 def canonical_pci_address(text: str) -> Optional[str]:
     """``dddd:bb:dd.f`` in lower case (domain 0 when absent, NVML's 8-digit domain
     shortened, VMD's above ffff kept as sysfs writes it), or None."""
-    match = _PCI_RE.fullmatch(text.strip().lower())
-    if match is None:
-        return None
-    domain, bus, dev, fn = match.groups()
-    return f"{int(domain or '0', 16):04x}:{bus}:{dev}.{fn}"
+    m = _PCI_RE.fullmatch(text.strip().lower())
+    return None if m is None else f"{int(m[1] or '0', 16):04x}:{m[2]}:{m[3]}.{m[4]}"
 
 
 class AcceleratorRuntime(Protocol):
@@ -67,18 +60,15 @@ class NvmlRuntime:
         import pynvml  # optional dependency: nvidia-ml-py
 
         self._nvml = pynvml
-        self._error = getattr(pynvml, "NVMLError", Exception)
         pynvml.nvmlInit()
 
     def close(self) -> None:
         self._ask("nvmlShutdown")
 
     def _ask(self, call: str, *args: Any) -> Any:  # None: no answer, or asked of None
-        try:
+        with contextlib.suppress(self._nvml.NVMLError):
             return None if None in args else getattr(self._nvml, call)(*args)
-        except self._error as exc:
-            logger.debug(f"NVML {call} failed: {exc}")
-            return None
+        return None
 
     def pci_by_index(self, index: int) -> Optional[str]:
         return self._pci_of(self._ask("nvmlDeviceGetHandleByIndex", index))
@@ -100,6 +90,10 @@ class NvmlRuntime:
         return None if info is None else canonical_pci_address(_text(info.busId))
 
 
+def _text(value: Any) -> str:
+    return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+
+
 def is_live(topology: HostTopology) -> bool:
     """Whether ``topology`` is this host's own /sys (not a snapshot or a fake)."""
     return os.path.realpath(topology.root) == "/sys"
@@ -109,78 +103,62 @@ def is_live(topology: HostTopology) -> bool:
 def open_runtime(
     device: str, topology: HostTopology
 ) -> Iterator[Optional[AcceleratorRuntime]]:
-    """NVML for CUDA on this host's own /sys when it imports and initialises, shut
-    down after, as upstream does; else None (sysfs order)."""
+    """NVML for CUDA on this host's own /sys if it starts (shut down after); or None."""
     runtime = None
     if device == "cuda" and is_live(topology):
         try:
             runtime = NvmlRuntime()
         except Exception as exc:  # ImportError; NVMLError: no driver, library, access
-            logger.debug(
-                f"NVML unavailable ({exc!r}); GPU addresses follow sysfs order"
-            )
-    try:
+            logger.debug(f"NVML unavailable ({exc!r}); GPUs follow sysfs order")
+    with contextlib.closing(runtime) if runtime else contextlib.nullcontext():
         yield runtime
-    finally:
-        if runtime is not None:
-            runtime.close()
 
 
 def usable_nvidia_gpus() -> int:
-    """The NVIDIA GPUs this process may open: a container given some of a host's GPUs
-    has only their /dev/nvidiaN, while sysfs lists every GPU of the host."""
+    """The NVIDIA GPUs this process may open: in a container, fewer than sysfs lists."""
     return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def accelerator_pci_devices(
     topology: HostTopology, *, device: str
 ) -> tuple[PciDevice, ...]:
-    ids, bare = _GPUS.get(device, ()), lambda v: v.lower().removeprefix("0x")
-    # sysfs writes "0x10de"; a snapshot or --gpus-built tree may not.
-    found = [
-        d
-        for d in topology.pci_devices
-        if (bare(d.vendor), bare(d.pci_class)[:4]) in ids
-    ]
+    bare = lambda value: value.lower().removeprefix("0x")  # a snapshot may lack "0x"
+    ids, pci = _GPUS.get(device, ()), topology.pci_devices
+    found = [d for d in pci if (bare(d.vendor), bare(d.pci_class)[:4]) in ids]
     return tuple(sorted(found, key=lambda d: (int(d.address[:-8], 16), d.address)))
 
 
-class _Physical(NamedTuple):
-    text: str  # as the runtime names it: "3", "GPU-8932f937...", "MIG-..."
-    index: Optional[int]  # None for a UUID
-    origin: str
-
-
-class _Order(NamedTuple):
-    listed: tuple[PciDevice, ...]  # the host's GPUs, in the runtime's index order
+class _Order(NamedTuple):  # the host's GPUs as the runtime numbers them, in words
+    listed: tuple[PciDevice, ...]  # in its index order
     vendor: str
-    text: str
+    text: str  # "PCI bus order"
+    lists: str  # "sysfs under /sys lists 4 NVIDIA GPU(s)"
     note: str = ""  # why CUDA's index may not be the one counted here
-    flat: str = ""  # how Level Zero counts tiles
+    unusable: str = ""  # why sysfs order cannot tell which GPU is which
 
 
 def _order(device: str, topology: HostTopology, env: Mapping[str, str]) -> _Order:
     listed = accelerator_pci_devices(topology, device=device)
+    lists = f"sysfs under {topology.root} lists {len(listed)}"
     if device == "xpu":
         value = env.get(_PCI_ID_ORDER, "").strip()
-        flat = "; in Level Zero's FLAT hierarchy each tile of a card counts as a device"
-        if value in ("", "0"):
-            # Level Zero numbers integrated GPUs (domain 0, bus 0) last: a runtime
-            # that leaves them out numbers the others the same.
+        value = f"{_PCI_ID_ORDER}={value}" if value not in ("", "0") else ""
+        if not value:  # integrated GPUs (domain 0, bus 0) last, the others in order
             listed = tuple(sorted(listed, key=lambda d: d.address[:8] == "0000:00:"))
-            value = "integrated GPUs last"
-        else:
-            value = f"{_PCI_ID_ORDER}={value}"
-        text = f"Level Zero order (PCI bus order, {value})"
-        return _Order(listed, "Intel", text, flat=flat)
-    note = ""
+        text = f"Level Zero order (PCI bus order, {value or 'integrated GPUs last'})"
+        flat = "in Level Zero's FLAT hierarchy each tile of a card counts as a device"
+        return _Order(listed, "Intel", text, f"{lists} Intel GPU(s) ({flat})")
+    note = unusable = ""
     if len(listed) != 1 and env.get("CUDA_DEVICE_ORDER", "").strip() != "PCI_BUS_ID":
-        note = (
-            "; NVML and sysfs count GPUs in PCI bus order but CUDA_DEVICE_ORDER is not "
-            "PCI_BUS_ID, so CUDA's fastest-first order may differ (set "
-            "CUDA_DEVICE_ORDER=PCI_BUS_ID)"
+        note = "; CUDA_DEVICE_ORDER is not PCI_BUS_ID, so CUDA may count fastest first"
+    usable = usable_nvidia_gpus() if is_live(topology) else len(listed)
+    if usable < len(listed):
+        unusable = (
+            f"sysfs lists {len(listed)} NVIDIA GPUs but this process may use {usable} "
+            "(/dev/nvidiaN), as in a container: without NVML which is which is unknown"
         )
-    return _Order(listed, "NVIDIA", "PCI bus order", note)
+    lists = f"{lists} NVIDIA GPU(s)"
+    return _Order(listed, "NVIDIA", "PCI bus order", lists, note, unusable)
 
 
 def identify_accelerators(
@@ -196,110 +174,74 @@ def identify_accelerators(
     if device == "cpu":
         return ()
     if device not in _GPUS:
-        raise SettingError(
-            f"--device {device!r} has no accelerator identity; expected cuda, xpu "
-            "or cpu."
-        )
-    for gpu_id in gpu_ids:
-        if gpu_id < 0:
-            raise SettingError(
-                f"GPU id {gpu_id!r} is not a device index; check --base-gpu-id and "
-                "--gpu-id-step."
-            )
+        raise SettingError(f"--device {device!r}: expected cuda, xpu or cpu.")
     order = _order(device, topology, env)
-    locate = functools.partial(
-        _locate, device=device, topology=topology, env=env, runtime=runtime, order=order
-    )
-    return tuple(map(locate, gpu_ids))
+    found = (_physical(device, i, env, len(order.listed)) for i in gpu_ids)
+    return tuple(_locate(acc, runtime, order) for acc in found)
 
 
 def _locate(
-    gpu_id: int,
-    *,
-    device: str,
-    topology: HostTopology,
-    env: Mapping[str, str],
-    runtime: Optional[AcceleratorRuntime],
-    order: _Order,
+    acc: Accelerator, runtime: Optional[AcceleratorRuntime], order: _Order
 ) -> Accelerator:
-    text, index, origin = _physical(device, gpu_id, env, len(order.listed))
-    made = functools.partial(Accelerator, gpu_id, text)  # (pci, source)
-    if runtime is not None and index is None:
-        pci, found = runtime.pci_by_uuid(text), f"{text} ({origin})"
-        if pci is None:
-            why = "; an abbreviated UUID must match exactly one GPU"
-            return made(None, f"unknown: {runtime.name} knows no device {found}{why}")
-        return made(pci, f"{runtime.name}: {found}")
-    missed = ""
-    if runtime is not None:
-        pci = runtime.pci_by_index(index)
-        if pci is not None:
-            source = f"physical device {index} ({origin}){order.note}"
-            return made(pci, f"{runtime.name}: {source}")
-        missed = f"{runtime.name} has no device {index}; "
-    if index is None:
+    """``acc`` with its address from ``runtime``, else sysfs order; how, or why not."""
+    text, origin, name = acc.physical_id, f"({acc.source})", runtime and runtime.name
+    made = functools.partial(dataclasses.replace, acc)
+    if not text.isdigit():  # a UUID: only a runtime knows its address
+        pci = runtime and runtime.pci_by_uuid(text)
+        if pci:
+            return made(pci=pci, source=f"{name}: {text} {origin}")
         mig = " is a MIG instance: it" * text.upper().startswith("MIG-")
-        why = f"{mig} needs NVML to map a UUID to a PCI address"
-        return made(None, f"unknown: {text} ({origin}){why}")
-    count = len(order.listed)
-    if device == "cuda" and is_live(topology):
-        usable = usable_nvidia_gpus()
-        if usable < count:
-            return made(
-                None,
-                f"unknown: sysfs lists {count} NVIDIA GPUs but this process may use "
-                f"{usable} (/dev/nvidiaN), as in a container given some of the "
-                "host's GPUs: without NVML (nvidia-ml-py) which is which cannot be "
-                "told, and another GPU's node would be guessed",
-            )
-    if index >= count:
-        return made(
-            None,
-            f"unknown: {missed}sysfs under {topology.root} lists {count} "
-            f"{order.vendor} GPU(s), none at index {index} ({origin}){order.flat}",
-        )
-    source = f"{missed}{order.vendor} GPU {index} in {order.text} ({origin})"
-    source += order.note
-    return made(order.listed[index].address, f"sysfs: {source}")
+        why = f"{text} {origin}{mig} needs NVML to map a UUID to a PCI address"
+        if runtime:
+            why = f"{name} knows no device {text} {origin}; an abbreviated UUID must "
+            why += "match exactly one GPU"
+        return made(source=f"unknown: {why}")
+    index, told = int(text), f"{origin}{order.note}"
+    pci = runtime and runtime.pci_by_index(index)
+    if pci:
+        return made(pci=pci, source=f"{name}: physical device {index} {told}")
+    missed = f"{name} has no device {index}; " if runtime else ""
+    if not order.unusable and index < len(order.listed):
+        source = f"sysfs: {missed}{order.vendor} GPU {index} in {order.text} {told}"
+        return made(pci=order.listed[index].address, source=source)
+    why = order.unusable or f"{order.lists}, none at index {index} {origin}"
+    return made(source=f"unknown: {missed}{why}")
 
 
 def parse_cuda_visible_devices(text: str) -> tuple[str, ...]:
     """The entries of ``CUDA_VISIBLE_DEVICES`` that CUDA honours: it stops at the
     first invalid one (``"0,2,-1,1"`` shows 0 and 2)."""
-    found = (_cuda_entry(part.strip(), "") for part in text.split(","))
-    return tuple(e.text for e in itertools.takewhile(lambda e: e is not None, found))
+    entries = []
+    for entry in map(str.strip, text.split(",")):
+        if re.fullmatch(r"[+-]?[0-9]{1,18}", entry) and int(entry) >= 0:
+            entry = str(int(entry))
+        elif entry[:4].upper() not in ("GPU-", "MIG-") or len(entry) <= 4:
+            break
+        entries.append(entry)
+    return tuple(entries)
 
 
-def _cuda_entry(entry: str, origin: str) -> Optional[_Physical]:
-    if _INDEX_RE.fullmatch(entry) and int(entry) >= 0:
-        return _Physical(str(int(entry)), int(entry), origin)
-    if entry[:4].upper() in ("GPU-", "MIG-") and len(entry) > 4:
-        return _Physical(entry, None, origin)
-    return None
-
-
-def _physical(
-    device: str, gpu_id: int, env: Mapping[str, str], count: int
-) -> _Physical:
+def _physical(device: str, gpu_id: int, env: Mapping[str, str], n: int) -> Accelerator:
+    """The device ``gpu_id`` names, no address yet (``source``: how), of ``n`` here."""
     var = "CUDA_VISIBLE_DEVICES" if device == "cuda" else "ZE_AFFINITY_MASK"
     value = env.get(var)
+    if gpu_id < 0:
+        fix = "check --base-gpu-id and --gpu-id-step"
+        raise SettingError(f"GPU id {gpu_id!r} is not a device index; {fix}.")
     if value is None or device == "xpu" and value.strip() in ("", "default"):
-        return _Physical(str(gpu_id), gpu_id, f"no {var}")
-    word, note = "GPU", ""
+        return Accelerator(gpu_id, str(gpu_id), None, f"no {var}")
     if device == "cuda":
-        entries: Sequence[Any] = parse_cuda_visible_devices(value)
+        entries, word, note = parse_cuda_visible_devices(value), "GPU", ""
         if 0 < len(entries) <= value.count(","):
             note = " (CUDA ignores the entries from the first invalid one on)"
     else:
         # Level Zero's mask filters, it does not permute ("3,1" shows 1 and 3, as 0
         # and 1); card.tile shows its card; no index, or a card not listed, is skipped.
-        word, value = "device", value.strip()
+        value, word = value.strip(), "device"
         parts = [part.strip() for part in value.split(",")]
-        numbers = [
-            int(m[1]) if (m := _ZE_ENTRY_RE.fullmatch(p)) else None for p in parts
-        ]
-        entries = sorted({n for n in numbers if n is not None and n < count})
-        skipped = [repr(p) for p, n in zip(parts, numbers) if n not in entries]
+        cards = [int(m[1]) if (m := _ZE_ENTRY_RE.fullmatch(p)) else n for p in parts]
+        entries = tuple(map(str, sorted({card for card in cards if card < n})))
+        skipped = [repr(p) for p, card in zip(parts, cards) if str(card) not in entries]
         note = f"; entries {', '.join(skipped)} skipped" if skipped else ""
     if gpu_id >= len(entries):
         shows = f"makes {len(entries)} {word}(s) visible{note}"
@@ -310,13 +252,8 @@ def _physical(
         raise SettingError(
             f"{var}={value!r} {shows}, but a rank uses GPU id {gpu_id}; {fix}."
         )
-    if device == "cuda":
-        return _cuda_entry(entries[gpu_id], f"{var}={value!r} entry {gpu_id}")
-    card = entries[gpu_id]
-    listing = ",".join(map(str, entries))
-    origin = f"shows devices {listing} in index order, device {gpu_id} is {card}"
-    return _Physical(str(card), card, f"{var}={value!r} {origin}{note}")
-
-
-def _text(value: Any) -> str:
-    return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+    origin = f"{var}={value!r} entry {gpu_id}"
+    if device == "xpu":
+        shown = f"{','.join(entries)} in index order, device {gpu_id} is"
+        origin = f"{var}={value!r} shows devices {shown} {entries[gpu_id]}{note}"
+    return Accelerator(gpu_id, entries[gpu_id], None, origin)

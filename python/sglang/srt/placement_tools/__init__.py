@@ -1,8 +1,6 @@
-"""Operator tools over placement (plan, verify, capture); nothing below imports them.
-
+"""Operator tools over placement (plan, verify, capture), which nothing below imports.
 ``PlanArgs`` stands in for sglang's ``ServerArgs`` (seconds to import): placement reads
-the same field names from either.
-"""
+the same field names from either."""
 
 from __future__ import annotations
 
@@ -13,13 +11,12 @@ from typing import Callable, List, Optional
 
 from sglang.srt.placement.cpulist import shown
 
-MAX_RANKS = 65536
-"""The most ranks one engine may have (tp x pp x dp): each size flag's ceiling."""
+MAX_RANKS = 65536  # the most ranks one engine may have (tp x pp x dp)
 MAX_GPU_ID = 4095
-MAX_NUMA_NODE = 1023
-"""Linux's MAX_NUMNODES at its largest (CONFIG_NODES_SHIFT=10), less one."""
+MAX_NUMA_NODE = 1023  # Linux's MAX_NUMNODES at its largest (CONFIG_NODES_SHIFT=10) - 1
 DEVICES = ("cuda", "xpu", "cpu")
 
+# Each integer field's sglang flags (messages name the second, if any) and range.
 FLAGS = {
     "tp_size": (("--tensor-parallel-size", "--tp-size", "--tp"), 1, MAX_RANKS),
     "pp_size": (("--pipeline-parallel-size", "--pp-size"), 1, MAX_RANKS),
@@ -30,7 +27,6 @@ FLAGS = {
     "gpu_id_step": (("--gpu-id-step",), 1, MAX_GPU_ID),
     "numa_node": (("--numa-node",), 0, MAX_NUMA_NODE),
 }
-"""Each integer field's sglang flags (messages name the second, if any) and range."""
 
 _INT = re.compile(r"[+-]?[0-9]+")
 
@@ -102,20 +98,17 @@ class PlanArgs:
         ):
             if problem:
                 raise UsageError(problem)
-        numa = self.numa_node
-        if numa is not None:
-            if not isinstance(numa, (list, tuple)) or not numa:
-                raise UsageError(
-                    f"--numa-node={numa!r} is not valid: give one NUMA node id per "
-                    "GPU, e.g. --numa-node 0 0 1 1."
-                )
-            bad = [node for node in numa if _range_problem("numa_node", node)]
-            if bad:
-                raise UsageError(
-                    f"--numa-node contains {bad[0]!r}: NUMA node ids are integers "
-                    f"from 0 to {MAX_NUMA_NODE}, e.g. --numa-node 0 0 1 1."
-                )
-            self.numa_node = list(numa)
+        numa, example = self.numa_node, "e.g. --numa-node 0 0 1 1."
+        if numa is None:
+            return
+        if not isinstance(numa, (list, tuple)) or not numa:
+            why = f"is not valid: give one NUMA node id per GPU, {example}"
+            raise UsageError(f"--numa-node={numa!r} {why}")
+        bad = [node for node in numa if _range_problem("numa_node", node)]
+        if bad:
+            why = f"NUMA node ids are integers from 0 to {MAX_NUMA_NODE}, {example}"
+            raise UsageError(f"--numa-node contains {bad[0]!r}: {why}")
+        self.numa_node = list(numa)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -12,18 +12,26 @@ import os
 import re
 import sys
 import warnings
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import elide, format_cpulist, parse_cpulist, shown
+from sglang.srt.placement.devices import is_live
 from sglang.srt.placement.modes import AffinityMode
+from sglang.srt.placement.numactl import NumactlProber
+from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.resolve import HostCapabilities, HostFacts
+from sglang.srt.placement.topology import read_process_affinity, read_topology
 from sglang.srt.placement.types import PlacementError, ProcessAffinity
-from sglang.srt.placement_tools import MAX_GPU_ID, PlanArgs, UsageError
+from sglang.srt.placement_tools import PlanArgs, UsageError
+from sglang.srt.placement_tools.capture import capture_sysfs
+from sglang.srt.placement_tools.engine import describe, plan_engine, to_dict
+from sglang.srt.placement_tools.verify import format_verify_rows, verify_mp
 
 PROG = "python -m sglang.srt.placement_tools"
 MAX_TIMEOUT_S = 86400.0
-MAX_MESSAGE_CHARS = 2000
-"""An error line longer than this is cut in the middle."""
+MAX_MESSAGE_CHARS = 2000  # an error line longer than this is cut in the middle
+# Bad input of any kind, even what no bound foresaw: one line, exit status 2.
 BAD_INPUT = (
     PlacementError,
     ValueError,
@@ -32,7 +40,6 @@ BAD_INPUT = (
     MemoryError,
     RecursionError,
 )
-"""Bad input of any kind, even what no bound foresaw: one line, exit status 2."""
 PLAN_JSON_KEYS = (
     "dp_rank pp_rank tp_rank gpu_id pci numa_node cpus mem_policy strategy reasons "
     "numactl_args mem_nodes"
@@ -79,9 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         PlanArgs.add_cli_args(command)
         command.add_argument("--launcher", choices=launchers, default="mp")
         command.add_argument(
-            "--sysfs-root",
-            type=_path("--sysfs-root"),
-            help="plan from this snapshot (made by `capture`), probing nothing here",
+            "--sysfs-root", type=_path("--sysfs-root"), help="a `capture` to plan from"
         )
         command.add_argument("--gpus", help="PCI addresses in device-index order")
         command.add_argument("--allowed-cpus", help="CPUs the ranks may use, e.g. 0-15")
@@ -97,57 +102,35 @@ def build_parser() -> argparse.ArgumentParser:
     capture.add_argument("--sysfs-root", default="/sys", type=_path("--sysfs-root"))
     for command in sub.choices.values():
         command.add_argument(
-            "-v",
-            "--verbose",
-            action="store_true",
-            help="also show upstream sglang's import-time warnings and Ray's notices",
+            "-v", "--verbose", action="store_true", help="show warnings and Ray notices"
         )
     return parser
 
 
-def _gpus(text: str, *, topology, server_args: PlanArgs) -> tuple[str, ...]:
-    """Bounded before it is parsed; ``check_gpus`` refuses what the host lacks."""
-    from sglang.srt.placement_tools.engine import check_gpus, local_ranks
-
-    parts = text.split(",")
-    if len(parts) > MAX_GPU_ID + 1 or not all(part.strip() for part in parts):
-        raise UsageError(
-            f"--gpus={shown(text)} is not valid: give up to {MAX_GPU_ID + 1} PCI "
-            "addresses separated by commas, e.g. --gpus 0000:17:00.0,0000:65:00.0"
-        )
-    ids = [rank.gpu_id for rank in local_ranks(server_args) if rank.gpu_id is not None]
-    return check_gpus(parts, topology=topology, gpu_ids=ids)
+class _Unprobed(NumactlProber):  # a snapshot's host: its numactl is assumed to agree
+    def probe(self, args: Sequence[str]) -> Optional[str]:
+        return None
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from sglang.srt.placement.policy import PlacementPolicy
-    from sglang.srt.placement.resolve import HostCapabilities, HostFacts
-    from sglang.srt.placement.topology import read_process_affinity, read_topology
-    from sglang.srt.placement_tools.engine import (
-        describe,
-        plan_engine,
-        snapshot_capabilities,
-        to_dict,
-    )
-
-    server_args = PlanArgs.from_cli_args(args)
+def _plan_facts(args: argparse.Namespace) -> HostFacts:
+    """This host's, or a snapshot's (all its online CPUs, numactl not probed), narrowed
+    to ``--allowed-cpus``."""
     root = args.sysfs_root or settings.sysfs_root()
     if args.sysfs_root is None and not os.path.isdir(root):
         raise UsageError(
             f"SGLANG_SYSFS_ROOT={shown(root)} is not a directory: unset it, or set it "
             f"to /sys or to a snapshot made with `{PROG} capture DIR`"
         )
-    snapshot = os.path.realpath(root) != "/sys"
-    topology = read_topology(
-        root, setting="--sysfs-root" if args.sysfs_root else "SGLANG_SYSFS_ROOT"
-    )
-    if snapshot:
+    setting = "--sysfs-root" if args.sysfs_root else "SGLANG_SYSFS_ROOT"
+    topology = read_topology(root, setting=setting)
+    if is_live(topology):
+        affinity, capabilities = read_process_affinity(), HostCapabilities.live()
+    else:
         mems = frozenset(n.node_id for n in topology.nodes if n.has_memory)
         source = "the snapshot (all online CPUs)"
         affinity = ProcessAffinity(topology.online_cpus, mems, source)
-        capabilities = snapshot_capabilities(root)
-    else:
-        affinity, capabilities = read_process_affinity(), HostCapabilities.live()
+        unprobed = _Unprobed(numactl_path="numactl")
+        capabilities = HostCapabilities(numactl=unprobed, libnuma=True)
     if args.allowed_cpus is not None:
         cpus = parse_cpulist(args.allowed_cpus, what="--allowed-cpus")
         unknown = cpus - topology.online_cpus
@@ -158,15 +141,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"(online: {format_cpulist(topology.online_cpus)})"
             )
         affinity = ProcessAffinity(cpus, affinity.mems, "--allowed-cpus")
-    gpus = None
-    if args.gpus is not None:
-        gpus = _gpus(args.gpus, topology=topology, server_args=server_args)
+    return HostFacts(topology=topology, affinity=affinity, capabilities=capabilities)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    server_args, facts = PlanArgs.from_cli_args(args), _plan_facts(args)
     # A Ray actor binds itself in-process once running: Ray starts its workers.
     policy = PlacementPolicy.from_env(server_args, launcher=args.launcher)
     if args.numa_affinity_mode is not None:
         policy = dataclasses.replace(policy, affinity_mode=args.numa_affinity_mode)
-    facts = HostFacts(topology=topology, affinity=affinity, capabilities=capabilities)
-    placements = plan_engine(server_args, policy=policy, facts=facts, gpus=gpus)
+    placements = plan_engine(server_args, policy=policy, facts=facts, gpus=args.gpus)
+    if not is_live(facts.topology):
+        assumed = (
+            f"planned from the snapshot {facts.topology.root}: assumes numactl there "
+            "accepts these options (not probed)"
+        )
+        placements = tuple(
+            (
+                dataclasses.replace(p, reasons=(*p.reasons, assumed))
+                if p.numactl_args
+                else p
+            )
+            for p in placements
+        )
     if args.json:
         rows = [{key: to_dict(p)[key] for key in PLAN_JSON_KEYS} for p in placements]
         print(json.dumps({"ranks": rows}, indent=2))
@@ -183,8 +180,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from sglang.srt.placement_tools.verify import format_verify_rows, verify_mp
-
     server_args = PlanArgs.from_cli_args(args)
     launchers = ("mp", "ray") if args.launcher == "both" else (args.launcher,)
     # verify drives sglang's own launch path, which reads its settings from the env.
@@ -210,9 +205,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             server_args, timeout_s=args.timeout, dp_threads=args.dp_threads
         )
     if "ray" in launchers:
-        with _ray_cluster(server_args, verbose=args.verbose):
-            from sglang.srt.placement_tools.verify_ray import verify_ray
+        if importlib.util.find_spec("ray") is None:
+            raise UsageError("--launcher ray needs Ray (pip install 'ray==2.60.*')")
+        from sglang.srt.placement_tools.verify_ray import ray_cluster, verify_ray
 
+        with ray_cluster(server_args, verbose=args.verbose):
             rows += verify_ray(server_args, timeout_s=args.timeout)
     print(
         json.dumps({"ranks": rows}, indent=2) if args.json else format_verify_rows(rows)
@@ -220,76 +217,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(row["ok"] for row in rows) else 1
 
 
-@contextlib.contextmanager
-def _ray_cluster(server_args: PlanArgs, *, verbose: bool) -> Iterator[None]:
-    """The connected Ray cluster, else RAY_ADDRESS's, else a new local one; unless
-    ``verbose``, without Ray's notices (such as token authentication's) below errors."""
-    try:
-        import ray
-    except ImportError:
-        raise UsageError(
-            "--launcher ray needs Ray (pip install 'ray==2.60.*')"
-        ) from None
-    if ray.is_initialized():
-        yield
-        return
-    # sglang's actors read the engine's settings where they run: hand them to the
-    # job's workers, as an operator hands them to RayEngine's.
-    from sglang.srt.placement_tools.engine import ENGINE_POLICY_VARS
-
-    env = {k: os.environ[k] for k in ENGINE_POLICY_VARS if k in os.environ}
-    options = dict(configure_logging=False, log_to_driver=False)
-    options["runtime_env"] = {"env_vars": env} if env else None
-    address = os.environ.get("RAY_ADDRESS", "").strip()
-    if not address:
-        from sglang.srt.placement_tools.engine import local_ranks
-
-        # "local": never join a cluster that someone else's `ray start` recorded on this
-        # machine. RayEngine asks one GPU per scheduler actor whatever the device: a CPU
-        # engine needs GPUs declared.
-        ranks = len(local_ranks(server_args))
-        options.update(
-            num_cpus=max(ranks, len(os.sched_getaffinity(0))),
-            num_gpus=ranks if server_args.device == "cpu" else None,
-            include_dashboard=False,
-        )
-    ray_logger = logging.getLogger("ray")  # what `import ray` set: INFO
-    level = ray_logger.level
-    if not verbose:
-        ray_logger.setLevel(logging.ERROR)
-    try:
-        ray.init(address=address or "local", **options)
-        try:
-            yield
-        finally:
-            ray.shutdown()
-    finally:
-        ray_logger.setLevel(level)
-
-
 def cmd_capture(args: argparse.Namespace) -> int:
-    from sglang.srt.placement_tools.capture import capture_sysfs
-
     count = capture_sysfs(args.dir, root=args.sysfs_root)
     print(
         f"copied {count} files from {args.sysfs_root} to {args.dir}; "
         f"plan with: {PROG} plan --sysfs-root {args.dir}"
     )
     return 0
-
-
-@contextlib.contextmanager
-def _upstream_warnings(shown: bool) -> Iterator[None]:
-    """Unless ``shown``, warnings raised in this process while the command runs are
-    ignored, such as upstream's import-time ones (sglang's Ray engine imports its AWQ,
-    GGUF and Triton kernels); the filters in force before are back afterwards."""
-    if shown:
-        yield
-        return
-    with warnings.catch_warnings():
-        # All but sglang's settings': a value it cannot read is about the tool's input.
-        warnings.filterwarnings("ignore", module=r"(?!sglang\.srt\.environ$)")
-        yield
 
 
 def one_line(exc: BaseException) -> str:
@@ -311,7 +245,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         command = args.command
         run = {"plan": cmd_plan, "verify": cmd_verify, "capture": cmd_capture}
-        with _upstream_warnings(args.verbose):
+        with warnings.catch_warnings():  # the filters in force before are back after
+            if not args.verbose:
+                # Upstream's import-time warnings (sglang's Ray engine imports its AWQ,
+                # GGUF and Triton kernels), not sglang's settings': those are input.
+                warnings.filterwarnings("ignore", module=r"(?!sglang\.srt\.environ$)")
             return run[command](args)
     except BAD_INPUT as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import json
@@ -51,9 +52,6 @@ def capture_sysfs(dest: str | os.PathLike, *, root: str | os.PathLike = "/sys") 
         raise
     finally:
         out.close()
-    logger.info(
-        f"Captured {len(read.files)} files from {read.topology.root} into {out.path}"
-    )
     return len(read.files)
 
 
@@ -79,30 +77,24 @@ class _Destination:
                 "directory; create it first or choose another place"
             ) from None
         try:
-            try:
+            with contextlib.suppress(FileExistsError):
                 os.mkdir(name, mode=0o755, dir_fd=self.parent_fd)
                 self.created_top = True
-            except FileExistsError:
-                pass
             self.fds[""] = fd = os.open(name, _OPEN_DIR, dir_fd=self.parent_fd)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise UsageError(f"{self.path}: exists and is not a directory; {fix}")
             raise UsageError(f"{self.path}: cannot be used ({exc.strerror}); {fix}")
-        st = os.fstat(fd)
         # Created here or not, it must be this user's alone: into a directory that
         # another user owns or may write to, links could be planted meanwhile.
-        mine = "a capture writes only into a directory of its own"
-        if st.st_uid != os.geteuid():
-            raise UsageError(
-                f"{self.path}: belongs to uid {st.st_uid}, not to this user "
-                f"(uid {os.geteuid()}); {mine}: {fix}"
-            )
-        if stat.S_IMODE(st.st_mode) & 0o022:
-            raise UsageError(
-                f"{self.path}: may be written by other users "
-                f"(mode {stat.S_IMODE(st.st_mode):o}); {mine}: {fix}"
-            )
+        st, uid, why = os.fstat(fd), os.geteuid(), ""
+        if st.st_uid != uid:
+            why = f"belongs to uid {st.st_uid}, not to this user (uid {uid})"
+        elif stat.S_IMODE(st.st_mode) & 0o022:
+            why = f"may be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+        if why:
+            mine = "a capture writes only into a directory of its own"
+            raise UsageError(f"{self.path}: {why}; {mine}: {fix}")
         if not self.created_top and os.listdir(fd):
             raise UsageError(
                 f"{self.path}: is not empty; choose a new or empty directory for the "
@@ -114,12 +106,11 @@ class _Destination:
         if rel_dir not in self.fds:
             parent_rel, name = posixpath.split(rel_dir)
             parent_fd = self._dir_fd(parent_rel)
-            try:
-                # os.makedirs would give intermediate directories the umask's mode.
+            # Made for an earlier file, it is opened below without following a link;
+            # os.makedirs would give intermediate directories the umask's mode.
+            with contextlib.suppress(FileExistsError):
                 os.mkdir(name, mode=0o755, dir_fd=parent_fd)
                 self.created.append((rel_dir, True))
-            except FileExistsError:
-                pass  # made for an earlier file; opened below without following a link
             self.fds[rel_dir] = os.open(name, _OPEN_DIR, dir_fd=parent_fd)
         return self.fds[rel_dir]
 

@@ -9,8 +9,11 @@ import os
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Iterable, Iterator, Mapping, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
@@ -23,22 +26,25 @@ from sglang.srt.placement.types import (
     RankIdentity,
     Strategy,
 )
-from sglang.srt.placement_tools.engine import to_dict  # noqa: E402
+from sglang.srt.placement_tools import PlanArgs
+from sglang.srt.placement_tools.engine import local_ranks, plan_engine, to_dict
 
 _NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
+_PROC_SELF = "/proc/self"
+# Share of a rank's own (anonymous) resident memory that must sit on its bound node(s):
+# in-process migrates what was touched before binding, and a few pages may stay behind.
+MIN_LOCAL_PAGE_RATIO = {"exec": 0.99, "in-process": 0.95}
+Started = tuple[RankIdentity, BaseProcess, Connection]
 
 
 @dataclass(frozen=True)
 class ObservedBinding:
     cpus: frozenset[int]
-    mems: frozenset[int]
-    """Nodes the process may allocate from at all (``Mems_allowed_list``)."""
-    policy: str
-    """As get_mempolicy names it: "default", "bind", "preferred", "interleave", ..."""
+    mems: frozenset[int]  # nodes it may allocate from at all (Mems_allowed_list)
+    policy: str  # as get_mempolicy names it: "default", "bind", "preferred", ...
     policy_nodes: frozenset[int]
-    resident_kb: tuple[tuple[int, int], ...] = ()
-    """(node, kB resident on it) over every mapping, sorted by node."""
-    anon_kb: tuple[tuple[int, int], ...] = ()
+    resident_kb: tuple[tuple[int, int], ...] = ()  # (node, kB on it), every mapping
+    anon_kb: tuple[tuple[int, int], ...] = ()  # the same, anonymous mappings only
 
     def local_page_ratio(
         self, nodes: Iterable[int], *, anon_only: bool = False
@@ -50,7 +56,7 @@ class ObservedBinding:
         on_nodes = sum(kb for n, kb in counts if n in wanted)
         return on_nodes / total if total and wanted else None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "cpus": format_cpulist(self.cpus),
             "mems": format_cpulist(self.mems),
@@ -61,7 +67,7 @@ class ObservedBinding:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ObservedBinding":
+    def from_dict(cls, data: Mapping[str, object]) -> "ObservedBinding":
         def counts(key: str) -> tuple[tuple[int, int], ...]:
             return tuple(
                 sorted((int(n), int(kb)) for n, kb in data.get(key, {}).items())
@@ -96,32 +102,20 @@ def parse_numa_maps(text: str) -> tuple[dict[int, int], dict[int, int]]:
     return resident, anon
 
 
-def observe_self(
-    *,
-    proc_root: str = "/proc",
-    mempolicy: Optional[Callable[[], "tuple[str, frozenset[int]]"]] = None,
-) -> ObservedBinding:
-    """This process's binding as the kernel sees it (tests replace both readers)."""
-    base = os.path.join(proc_root, "self")
-    allowed = read_process_affinity(os.path.join(base, "status"))
+def observe_self() -> ObservedBinding:
+    """This process's binding as the kernel sees it."""
+    allowed = read_process_affinity(os.path.join(_PROC_SELF, "status"))
     try:
-        with open(os.path.join(base, "numa_maps"), errors="replace") as f:
+        with open(os.path.join(_PROC_SELF, "numa_maps"), errors="replace") as f:
             resident, anon = parse_numa_maps(f.read())
-    except FileNotFoundError:
-        # Kernels built without CONFIG_NUMA have no numa_maps: nothing to count.
+    except FileNotFoundError:  # a kernel built without CONFIG_NUMA: nothing to count
         resident, anon = {}, {}
     try:
-        policy, policy_nodes = (mempolicy or read_mempolicy)()
+        policy, policy_nodes = read_mempolicy()
     except OSError:  # no libnuma.so.1, or a kernel without NUMA: nothing reads it
         policy, policy_nodes = "unknown", frozenset()
-    return ObservedBinding(
-        cpus=allowed.cpus,
-        mems=allowed.mems,
-        policy=policy,
-        policy_nodes=policy_nodes,
-        resident_kb=tuple(sorted(resident.items())),
-        anon_kb=tuple(sorted(anon.items())),
-    )
+    kb = (tuple(sorted(counts.items())) for counts in (resident, anon))
+    return ObservedBinding(allowed.cpus, allowed.mems, policy, policy_nodes, *kb)
 
 
 def compare_binding(
@@ -163,12 +157,7 @@ def _policy_text(policy: str, nodes: frozenset[int]) -> str:
     return f"{policy} on node(s) {format_cpulist(nodes)}" if nodes else policy
 
 
-# Share of a rank's own (anonymous) resident memory that must sit on its bound node(s):
-# in-process migrates what was touched before binding, and a few pages may stay behind.
-MIN_LOCAL_PAGE_RATIO = {"exec": 0.99, "in-process": 0.95}
-
-
-def probe_main(writer: Any) -> None:
+def probe_main(writer: Connection) -> None:
     """A probe rank's target; a failure shows as an exit before reporting."""
     writer.send({"pid": os.getpid(), "observed": observe_self().to_dict()})
 
@@ -217,7 +206,11 @@ def differences(
 
 
 def verify_row(
-    placement: ProcessPlacement, report: dict, *, launcher: str, unbound_cpus: frozenset
+    placement: ProcessPlacement,
+    report: dict,
+    *,
+    launcher: str,
+    unbound_cpus: frozenset[int],
 ) -> dict:
     """The plan's fields, what the rank observed, and whether they agree."""
     observed = ObservedBinding.from_dict(report["observed"])
@@ -251,58 +244,36 @@ def _reindexed(gpu_id: int, *, device: str) -> Iterator[int]:
 
 
 def run_mp_probes(
-    server_args: Any,
-    *,
-    timeout_s: float,
-    dp_threads: bool = False,
-    configure: Any = None,
+    server_args: PlanArgs, *, timeout_s: float, dp_threads: bool = False
 ) -> list[tuple[RankIdentity, dict]]:
-    """(rank, report) per local rank, spawned as sglang's engine (or its data-parallel
-    controller) spawns schedulers; tests of a bypass replace ``configure``."""
-    from sglang.srt.placement_tools.engine import local_ranks
+    """(rank, report) per local rank, spawned as sglang's engine (or with
+    ``dp_threads`` its data-parallel controller) spawns schedulers."""
+    from sglang.srt.utils import numa_utils
 
-    if configure is None:
-        from sglang.srt.utils import numa_utils
-
-        configure = numa_utils.configure_subprocess
     ctx = multiprocessing.get_context("spawn")
-    device = getattr(server_args, "device", "cuda")
-    started: list[tuple[RankIdentity, Any, Any]] = []
     lock = threading.Lock()  # the data-parallel controller's env_lock
-    errors: list[BaseException] = []
+    started: list[Started] = []
 
-    def spawn(group: list[RankIdentity]) -> None:
-        try:
-            for rank in group:
-                with lock:
-                    reader, writer = ctx.Pipe(duplex=False)
-                    with _reindexed(rank.gpu_id, device=device) as gpu_id:
-                        name = f"verify-{rank.label}"
-                        proc = ctx.Process(target=probe_main, args=(writer,), name=name)
-                        with configure(server_args, gpu_id):
-                            proc.start()
-                    writer.close()
-                    started.append((rank, proc, reader))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the launching thread
-            errors.append(exc)
+    def spawn(group: Sequence[RankIdentity]) -> None:
+        for rank in group:
+            with lock:
+                reader, writer = ctx.Pipe(duplex=False)
+                with _reindexed(rank.gpu_id, device=server_args.device) as gpu_id:
+                    name = f"verify-{rank.label}"
+                    proc = ctx.Process(target=probe_main, args=(writer,), name=name)
+                    with numa_utils.configure_subprocess(server_args, gpu_id):
+                        proc.start()
+                writer.close()
+                started.append((rank, proc, reader))
 
-    ranks = list(local_ranks(server_args))
+    ranks, dp_size = local_ranks(server_args), server_args.dp_size
     try:
-        if dp_threads:
-            groups: dict[int, list[RankIdentity]] = {}
-            for rank in ranks:
-                groups.setdefault(rank.dp_rank, []).append(rank)
-            threads = [
-                threading.Thread(target=spawn, args=(g,)) for g in groups.values()
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+        if dp_threads:  # each dp rank's group from a thread of its own, all at once
+            groups = [[r for r in ranks if r.dp_rank == dp] for dp in range(dp_size)]
+            with ThreadPoolExecutor(len(groups)) as pool:
+                list(pool.map(spawn, groups))  # the first error, once all have run
         else:
             spawn(ranks)  # from this thread, as the engine does
-        if errors:
-            raise errors[0]
         return _collect(started, timeout_s=timeout_s)
     finally:
         for _, proc, reader in started:
@@ -314,7 +285,7 @@ def run_mp_probes(
 
 
 def _collect(
-    started: Sequence[tuple[RankIdentity, Any, Any]], *, timeout_s: float
+    started: Sequence[Started], *, timeout_s: float
 ) -> list[tuple[RankIdentity, dict]]:
     deadline = time.monotonic() + timeout_s
     reports = []
@@ -336,12 +307,12 @@ def _collect(
     return reports
 
 
-def verify_mp(server_args: Any, **probe_args: Any) -> list[dict]:
+def verify_mp(
+    server_args: PlanArgs, *, timeout_s: float, dp_threads: bool = False
+) -> list[dict]:
     """A row per local rank: what ``plan`` says sglang's spawn does, and what it did."""
-    from sglang.srt.placement_tools.engine import plan_engine
-
     placements = {p.label: p for p in plan_engine(server_args, launcher="mp")}
-    reports = run_mp_probes(server_args, **probe_args)
+    reports = run_mp_probes(server_args, timeout_s=timeout_s, dp_threads=dp_threads)
     unbound = read_process_affinity().cpus
     return [
         verify_row(placements[rank.label], report, launcher="mp", unbound_cpus=unbound)

@@ -9,10 +9,13 @@ import logging
 import os
 import re
 import time
-from typing import Any, Iterator, Optional, Sequence
+import types
+from dataclasses import asdict
+from typing import Iterator, Optional, Sequence
 
 import ray
 from ray.util.placement_group import (
+    PlacementGroup,
     placement_group,
     placement_group_table,
     remove_placement_group,
@@ -26,10 +29,11 @@ from sglang.srt.placement.types import (
     ProcessPlacement,
     RankIdentity,
 )
+from sglang.srt.placement_tools import PlanArgs
 from sglang.srt.placement_tools.engine import (
-    engine_gpu_id,
     from_dict,
-    rank_ranges,
+    local_ranks,
+    node_ranks,
     to_dict,
 )
 from sglang.srt.placement_tools.verify import observe_self, verify_row
@@ -39,6 +43,44 @@ logger = logging.getLogger(__name__)
 
 # The last line of a traceback: "package.module.SomeError: message".
 _EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(\w+(?:Error|Exception)): (.*)$")
+# The engine's settings, which sglang's actors read where they run: verify hands them
+# to its job's workers, as an operator hands them to RayEngine's.
+_ENGINE_VARS = (
+    "SGLANG_NUMA_BIND_V2 SGLANG_AUTO_NUMA_BIND SGLANG_CRASH_ON_NUMA_BIND_FAILURE "
+    "SGLANG_NUMA_AFFINITY_MODE SGLANG_CPU_OMP_THREADS_BIND"
+).split()
+
+
+@contextlib.contextmanager
+def ray_cluster(server_args: PlanArgs, *, verbose: bool) -> Iterator[None]:
+    """The connected Ray cluster, else RAY_ADDRESS's, else a new local one; unless
+    ``verbose``, without Ray's notices (such as token authentication's) below errors."""
+    if ray.is_initialized():
+        yield
+        return
+    env = {k: os.environ[k] for k in _ENGINE_VARS if k in os.environ}
+    options = dict(configure_logging=False, log_to_driver=False)
+    options["runtime_env"] = {"env_vars": env} if env else None
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if not address:
+        # "local": never join a cluster that someone else's `ray start` recorded on this
+        # machine. RayEngine asks one GPU per scheduler actor whatever the device: a CPU
+        # engine needs GPUs declared.
+        ranks = len(local_ranks(server_args))
+        options.update(
+            num_cpus=max(ranks, len(os.sched_getaffinity(0))),
+            num_gpus=ranks if server_args.device == "cpu" else None,
+            include_dashboard=False,
+        )
+    ray_logger = logging.getLogger("ray")  # what `import ray` set: INFO
+    level = ray_logger.level
+    ray_logger.setLevel(level if verbose else logging.ERROR)
+    try:
+        ray.init(address=address or "local", **options)
+        yield
+    finally:
+        ray.shutdown()  # nothing to do when init failed
+        ray_logger.setLevel(level)
 
 
 class PlacementProbe:
@@ -46,8 +88,8 @@ class PlacementProbe:
 
     def __init__(
         self,
-        server_args: Any,
-        port_args: Any,
+        server_args: PlanArgs,
+        port_args: object,
         gpu_id: int,
         tp_rank: int,
         pp_rank: int,
@@ -96,7 +138,7 @@ ProbeActor = ray.remote(PlacementProbe)
 
 
 @contextlib.contextmanager
-def probe_as_scheduler_actor(engine: Any) -> Iterator[None]:
+def probe_as_scheduler_actor(engine: types.ModuleType) -> Iterator[None]:
     """``engine._create_scheduler_actor`` creates ``ProbeActor``s within the block."""
     real = engine.SchedulerActor
     engine.SchedulerActor = ProbeActor
@@ -107,25 +149,19 @@ def probe_as_scheduler_actor(engine: Any) -> Iterator[None]:
 
 
 def ray_engine_ranks(
-    server_args: Any, bundle_for_node: Sequence[int]
+    server_args: PlanArgs, bundle_for_node: Sequence[int]
 ) -> list[tuple[RankIdentity, int]]:
-    """(rank with the gpu_id RayEngine passes, bundle index) in RayEngine's launch
-    order; Ray picks which GPU of the bundle each actor gets."""
-    sizes = dict(tp_size=server_args.tp_size, pp_size=server_args.pp_size)
-    out = []
-    for dp_rank, (node_rank, bundle) in itertools.product(
-        range(server_args.dp_size), enumerate(bundle_for_node)
-    ):
-        r = rank_ranges(**sizes, nnodes=server_args.nnodes, node_rank=node_rank)
-        for pp_rank, tp_rank in itertools.product(r.pp_ranks, r.tp_ranks):
-            # RayEngine's per-node GPU index: the engine's formula from 0, step 1.
-            ids = dict(pp_rank=pp_rank, tp_rank=tp_rank)
-            gpu_id = engine_gpu_id(base_gpu_id=0, gpu_id_step=1, **ids, ranges=r)
-            out.append((RankIdentity(dp_rank=dp_rank, **ids, gpu_id=gpu_id), bundle))
-    return out
+    """(rank, bundle index) in RayEngine's launch order, with the gpu_id it passes (the
+    engine's from 0, step 1, on each node); Ray picks the bundle's GPU it gets."""
+    nodes = enumerate(bundle_for_node)
+    return [
+        (rank, bundle)
+        for dp, (node, bundle) in itertools.product(range(server_args.dp_size), nodes)
+        for rank in node_ranks(server_args, node, dp, base_gpu_id=0, gpu_id_step=1)
+    ]
 
 
-def _engine_bundle_order(pg: Any, nnodes: int) -> tuple[list[int], str]:
+def _engine_bundle_order(pg: PlacementGroup, nnodes: int) -> tuple[list[int], str]:
     """RayEngine's ``_find_engine_bundle``: the driver node's bundle first."""
     node_of = placement_group_table(pg)["bundles_to_node_id"]
     address = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
@@ -174,7 +210,46 @@ def _row(rank: RankIdentity, report: dict, *, expected_actor: str) -> dict:
     return row
 
 
-def verify_ray(server_args: Any, *, timeout_s: float) -> list[dict]:
+def _start(
+    engine: types.ModuleType, server_args: PlanArgs, pg: PlacementGroup, nnodes: int
+) -> Iterator[tuple[RankIdentity, ray.actor.ActorHandle, str]]:
+    """Each rank as upstream's ``_create_scheduler_actor`` creates it, one at a time,
+    with the name it gives the actor."""
+    order, rank0_ip = _engine_bundle_order(pg, nnodes)
+    # The probe makes no process group: any address of rank 0's node will do.
+    address = dict(dist_init_addr=f"{rank0_ip}:0", rank0_node_ip=rank0_ip)
+    shared = dict(pg=pg, server_args=server_args, port_args=None, **address)
+    with probe_as_scheduler_actor(engine):
+        for rank, bundle in ray_engine_ranks(server_args, order):
+            # A rank's fields are the call's: gpu_id, tp_rank, pp_rank, dp_rank.
+            handle = engine._create_scheduler_actor(
+                bundle_idx=bundle, **shared, **asdict(rank)
+            )
+            name = (
+                f"sglang_scheduler_node{rank0_ip}_dp{rank.dp_rank}_pp{rank.pp_rank}"
+                f"_tp{rank.tp_rank}_pg{pg.id.hex()[:8]}_bundle{bundle}"
+            )
+            yield rank, handle, name
+
+
+def _report(
+    rank: RankIdentity, ref: ray.ObjectRef, deadline: float, timeout_s: float
+) -> dict:
+    try:
+        return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+    except ray.exceptions.GetTimeoutError:
+        raise PlacementError(
+            f"{rank.label}: no report within {timeout_s:g} s "
+            "(see the raylet's worker logs)"
+        ) from None
+    except ray.exceptions.RayError as exc:
+        # What the actor raised: the last "Type: message" line of Ray's text.
+        found = [m for m in map(_EXCEPTION_LINE.match, str(exc).splitlines()) if m]
+        why = f"{found[-1][1]}: {found[-1][2]}" if found else str(exc)
+        raise PlacementError(f"{rank.label}: the probe rank failed: {why}") from exc
+
+
+def verify_ray(server_args: PlanArgs, *, timeout_s: float) -> list[dict]:
     """One row per rank as RayEngine starts it: observed against what it bound to."""
     import sglang.srt.ray.engine as engine
 
@@ -185,7 +260,7 @@ def verify_ray(server_args: Any, *, timeout_s: float) -> list[dict]:
     bundles = [{"CPU": 1, "GPU": total_gpus // nnodes}] * nnodes
     strategy = "STRICT_PACK" if nnodes == 1 else "SPREAD"
     pg = placement_group(bundles, strategy=strategy)
-    started: list[tuple[RankIdentity, Any, str]] = []
+    started: list[tuple[RankIdentity, ray.actor.ActorHandle, str]] = []
     try:
         if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
             raise PlacementError(
@@ -194,48 +269,13 @@ def verify_ray(server_args: Any, *, timeout_s: float) -> list[dict]:
                 f"{ray.cluster_resources()}: RayEngine asks one GPU per rank, for "
                 "--device cpu too (declare GPUs with `ray start --num-gpus N`)"
             )
-        order, rank0_ip = _engine_bundle_order(pg, nnodes)
-        with probe_as_scheduler_actor(engine):
-            for rank, bundle in ray_engine_ranks(server_args, order):
-                handle = engine._create_scheduler_actor(
-                    pg=pg,
-                    bundle_idx=bundle,
-                    gpu_id=rank.gpu_id,
-                    server_args=server_args,
-                    port_args=None,
-                    tp_rank=rank.tp_rank,
-                    pp_rank=rank.pp_rank,
-                    dp_rank=rank.dp_rank,
-                    # The probe makes no process group: any address of rank 0's node.
-                    dist_init_addr=f"{rank0_ip}:0",
-                    rank0_node_ip=rank0_ip,
-                )
-                # The name sglang's _create_scheduler_actor gives the actor.
-                name = (
-                    f"sglang_scheduler_node{rank0_ip}_dp{rank.dp_rank}_pp{rank.pp_rank}"
-                    f"_tp{rank.tp_rank}_pg{pg.id.hex()[:8]}_bundle{bundle}"
-                )
-                started.append((rank, handle, name))
+        for actor in _start(engine, server_args, pg, nnodes):
+            started.append(actor)  # each killed below, even if a later one fails
         refs = [handle.get_info.remote() for _, handle, _ in started]
-        rows = []
-        for (rank, _, name), ref in zip(started, refs):
-            try:
-                report = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-            except ray.exceptions.GetTimeoutError:
-                raise PlacementError(
-                    f"{rank.label}: no report within {timeout_s:g} s "
-                    "(see the raylet's worker logs)"
-                ) from None
-            except ray.exceptions.RayError as exc:
-                # What the actor raised: the last "Type: message" line of Ray's text.
-                lines = str(exc).splitlines()
-                found = [m for m in map(_EXCEPTION_LINE.match, lines) if m]
-                why = f"{found[-1][1]}: {found[-1][2]}" if found else str(exc)
-                raise PlacementError(
-                    f"{rank.label}: the probe rank failed: {why}"
-                ) from exc
-            rows.append(_row(rank, report, expected_actor=name))
-        return rows
+        return [
+            _row(rank, _report(rank, ref, deadline, timeout_s), expected_actor=name)
+            for (rank, _, name), ref in zip(started, refs)
+        ]
     finally:
         for rank, handle, _ in started:
             try:
