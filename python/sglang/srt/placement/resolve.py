@@ -5,7 +5,7 @@ V1): numactl is asked once per option set, on the rank's own host."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Union
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
@@ -239,25 +239,10 @@ def _how(
     elif numactl is None:
         why = "numactl is not installed"
     else:
-        node = placed.numa_node
-        whole = tuple(n.node_id for n in where.nodes) if where.whole else None
-        outcome = numactl.ladder(
-            cpu_args=(cpu_option(cpus=placed.cpus, whole_nodes=whole),),
-            mem_policy=placed.mem_policy,
-            mem_nodes=placed.mem_nodes,
-            preferred_node=node if placed.mem_nodes else None,
-        )
-        if outcome.ok:
-            how = f"exec under numactl {' '.join(outcome.args)}"
-            got = outcome.mem_policy
-            return _applied(
-                placed, Strategy.EXEC, got, *outcome.reasons, how, args=outcome.args
-            )
-        why = (
-            f"numactl could not apply NUMA binding for node {node} (e.g. "
-            "set_mempolicy/sched_setaffinity blocked by seccomp, or cpuset rejects "
-            f"the policy): {outcome.reasons[0]}"
-        )
+        execed = _exec(placed, where, numactl)
+        if isinstance(execed, ProcessPlacement):
+            return execed
+        why = execed
     # A Ray actor binds itself once started; sglang's spawned child runs only sglang's
     # own code, so nothing there would apply an in-process bind.
     if policy.launcher != Launcher.RAY:
@@ -274,6 +259,29 @@ def _how(
         return _applied(placed, Strategy.IN_PROCESS, placed.mem_policy, why, how)
     how = "libnuma is not available: in-process CPU affinity only"
     return _applied(placed, Strategy.IN_PROCESS, MemPolicy.NONE, why, how)
+
+
+def _exec(
+    placed: ProcessPlacement, where: Where, numactl: NumactlProber
+) -> Union[ProcessPlacement, str]:
+    """Under the strongest numactl form the kernel accepts, or why none."""
+    node = placed.numa_node
+    whole = tuple(n.node_id for n in where.nodes) if where.whole else None
+    outcome = numactl.ladder(
+        cpu_args=(cpu_option(cpus=placed.cpus, whole_nodes=whole),),
+        mem_policy=placed.mem_policy,
+        mem_nodes=placed.mem_nodes,
+        preferred_node=node if placed.mem_nodes else None,
+    )
+    if outcome.ok:
+        how = f"exec under numactl {' '.join(outcome.args)}"
+        got, args = outcome.mem_policy, outcome.args
+        return _applied(placed, Strategy.EXEC, got, *outcome.reasons, how, args=args)
+    return (
+        f"numactl could not apply NUMA binding for node {node} (e.g. "
+        "set_mempolicy/sched_setaffinity blocked by seccomp, or cpuset rejects "
+        f"the policy): {outcome.reasons[0]}"
+    )
 
 
 def _applied(
