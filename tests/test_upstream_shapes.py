@@ -200,12 +200,17 @@ def test_numa_bind_to_node_of_a_missing_node_follows_the_failure_policy(caplog):
         numa_bind_to_node(63)
 
 
-def test_get_libnuma_is_a_cdll_or_none():
+def test_get_libnuma_is_a_cdll_or_none(monkeypatch):
     from sglang.srt.placement import libnuma
     from sglang.srt.utils.numa_utils import get_libnuma
 
     assert isinstance(get_libnuma(), ctypes.CDLL)
-    assert libnuma.load_libnuma(name="libnuma-absent.so.1") is None
+    monkeypatch.setattr(libnuma, "LIBRARY", "libnuma-absent.so.1")
+    libnuma.load_libnuma.cache_clear()
+    try:
+        assert get_libnuma() is None
+    finally:
+        libnuma.load_libnuma.cache_clear()
 
 
 # --------------------------------------------------------------------------- init_threads_binding

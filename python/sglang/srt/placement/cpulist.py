@@ -35,8 +35,7 @@ def parse_cpulist(text: str, *, what: str = "cpulist") -> frozenset[int]:
             f"{what}: {shown(stripped)} is {len(stripped)} characters long; a list "
             f"of CPUs below {MAX_CPUS} needs at most {MAX_CPULIST_CHARS}"
         )
-    present = bytearray(MAX_CPUS)  # many overlapping ranges cost nothing: C marks them
-    top = 0  # reading back only up to the highest CPU keeps a short list cheap
+    present = bytearray(MAX_CPUS)  # ranges marked in C, read back to the last CPU only
     for part in stripped.split(",") if stripped else ():
         try:
             cpus = _parse_part(part.strip())
@@ -46,36 +45,29 @@ def parse_cpulist(text: str, *, what: str = "cpulist") -> frozenset[int]:
                 f"number or range; expected a list such as '0-3,8' ({exc})"
             ) from exc
         present[cpus.start : cpus.stop : cpus.step] = b"\x01" * len(cpus)
-        top = max(top, cpus.stop)
-    return frozenset(itertools.compress(range(top), present[:top]))
+    return frozenset(itertools.compress(range(MAX_CPUS), present.rstrip(b"\x00")))
 
 
 def _parse_part(part: str) -> range:
     match = _PART_RE.fullmatch(part)
     if match is None:
         raise ValueError("expected N, N-M or N-M:STRIDE in ASCII digits")
-    lo, hi, stride = match.groups()
-    lo, hi, stride = map(_cpu_number, (lo, hi or lo, stride or "1"))
+    lo, hi, stride = map(_cpu_number, (match[1], match[2] or match[1], match[3] or "1"))
     if stride == 0 or hi < lo:
         raise ValueError("a range must ascend, with a positive stride")
     return range(lo, hi + 1, stride)
 
 
 def _cpu_number(digits: str) -> int:
-    significant = digits.lstrip("0") or "0"
-    if len(significant) > len(str(MAX_CPUS)) or int(significant) >= MAX_CPUS:
-        raise ValueError(
-            f"{shown(significant, quote=False)} is above the largest CPU id Linux "
-            f"supports ({MAX_CPUS - 1})"
-        )
-    return int(significant)
+    number = digits.lstrip("0") or "0"
+    if len(number) <= len(str(MAX_CPUS)) and int(number) < MAX_CPUS:
+        return int(number)
+    largest = f"the largest CPU id Linux supports ({MAX_CPUS - 1})"
+    raise ValueError(f"{shown(number, quote=False)} is above {largest}")
 
 
 def format_cpulist(cpus: Iterable[int]) -> str:
     """The shortest ascending cpulist: ``{0, 1, 2, 3, 8}`` -> ``"0-3,8"``."""
     runs = itertools.groupby(enumerate(sorted(set(cpus))), lambda p: p[1] - p[0])
-    parts = []
-    for _, run in runs:
-        first, *rest = (cpu for _, cpu in run)
-        parts.append(f"{first}-{rest[-1]}" if rest else str(first))
-    return ",".join(parts)
+    spans = [[cpu for _, cpu in run] for _, run in runs]
+    return ",".join(f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0]) for s in spans)

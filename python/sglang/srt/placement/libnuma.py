@@ -9,21 +9,19 @@ import errno
 import functools
 import logging
 import os
-from typing import Iterable, Optional
+from typing import Collection, Iterable, Optional
 
 logger = logging.getLogger(__name__)
 
+LIBRARY = "libnuma.so.1"
 MPOL_PREFERRED, MPOL_BIND = 1, 2  # <linux/mempolicy.h>
 _MODE_NAMES = ("default", "preferred", "bind", "interleave", "local")
 _MODE_NAMES += ("preferred_many", "weighted_interleave")
-# MPOL_F_STATIC_NODES, MPOL_F_RELATIVE_NODES, MPOL_F_NUMA_BALANCING: a mode's high bits
-_MODE_FLAGS = (1 << 15) | (1 << 14) | (1 << 13)
-# Above any kernel's MAX_NUMNODES, so no call fails for the size of its mask.
-MASK_BITS = 4096
+_MODE_FLAGS = 7 << 13  # MPOL_F_STATIC_NODES, _RELATIVE_NODES, _NUMA_BALANCING
+MASK_BITS = 4096  # above any kernel's MAX_NUMNODES: no call fails for its mask's size
 _ULONG_BITS = ctypes.sizeof(ctypes.c_ulong) * 8
 _Mask = ctypes.c_ulong * (MASK_BITS // _ULONG_BITS)
-# The kernel reads one bit fewer than the maxnode it is given (libnuma passes size + 1).
-_MAXNODE = ctypes.c_ulong(MASK_BITS + 1)
+_MAXNODE = ctypes.c_ulong(MASK_BITS + 1)  # the kernel reads maxnode - 1 bits
 
 
 class _Bitmask(ctypes.Structure):
@@ -34,22 +32,15 @@ def _mask(nodes: Iterable[int]) -> ctypes.Array:
     mask = _Mask()
     for node in nodes:
         if not 0 <= node < MASK_BITS:
-            raise OSError(
-                errno.EINVAL,
-                f"libnuma nodemask: node {node} is outside 0-{MASK_BITS - 1}",
-            )
+            why = f"libnuma nodemask: node {node} is outside 0-{MASK_BITS - 1}"
+            raise OSError(errno.EINVAL, why)
         mask[node // _ULONG_BITS] |= 1 << node % _ULONG_BITS
     return mask
 
 
 def _nodes(words: Iterable[int]) -> frozenset[int]:
-    return frozenset(
-        index * _ULONG_BITS + bit
-        for index, word in enumerate(words)
-        if word
-        for bit in range(_ULONG_BITS)
-        if word >> bit & 1
-    )
+    bits = "".join(format(word, f"0{_ULONG_BITS}b")[::-1] for word in words)
+    return frozenset(node for node, bit in enumerate(bits) if bit == "1")
 
 
 def _check(result: int, call: str, nodes: Iterable[int]) -> int:
@@ -77,24 +68,21 @@ class LibNuma:
     def _set_policy(self, mode: int, nodes: frozenset[int], call: str) -> None:
         _check(self.cdll.set_mempolicy(mode, _mask(nodes), _MAXNODE), call, nodes)
 
-    def migrate_pages(
-        self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]
-    ) -> int:
-        src, dst = _mask(from_nodes), _mask(to_nodes)
-        result = self.cdll.migrate_pages(pid, _MAXNODE, src, dst)
-        return _check(result, "migrate_pages", _nodes(dst))  # pages that stayed
+    def migrate_pages(self, pid: int, old: Iterable[int], new: Collection[int]) -> int:
+        result = self.cdll.migrate_pages(pid, _MAXNODE, _mask(old), _mask(new))
+        return _check(result, "migrate_pages", new)  # pages that stayed
 
 
-@functools.lru_cache(maxsize=None)
-def load_libnuma(*, name: str = "libnuma.so.1") -> Optional[LibNuma]:
+@functools.cache
+def load_libnuma() -> Optional[LibNuma]:
     """None (logged once) when it is missing or the kernel refuses NUMA calls."""
     try:
-        cdll = ctypes.CDLL(name, use_errno=True)
+        cdll = ctypes.CDLL(LIBRARY, use_errno=True)
     except OSError as exc:
-        logger.info(f"libnuma not loaded ({name}: {exc}): no in-process memory binding")
+        logger.info(f"{LIBRARY} not loaded ({exc}): no in-process memory binding")
         return None
     if cdll.numa_available() < 0:
-        logger.info(f"{name}: numa_available() < 0: the kernel refuses NUMA calls here")
+        logger.info(f"{LIBRARY}: numa_available() < 0: the kernel refuses NUMA calls")
         return None
     return LibNuma(cdll)
 
