@@ -77,9 +77,7 @@ def test_ranks_spawned_inside_configure_subprocess_are_where_plan_says(
     assert len({row["observed_pid"] for row in rows}) == 2
 
 
-def test_a_launch_that_bypasses_configure_subprocess_is_caught(
-    cpu_groups, monkeypatch
-):
+def test_a_launch_that_bypasses_configure_subprocess_is_caught(cpu_groups, monkeypatch):
     """verify fails when the ranks are not started through sglang's configure_subprocess."""
     from sglang.srt.utils import numa_utils
 

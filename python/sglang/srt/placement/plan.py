@@ -114,11 +114,9 @@ def place_gpu_id(
                 facts=facts, rank=rank, accelerator=found, policy=policy
             )
     degraded = why is None
-    return ProcessPlacement.unbound(
-        rank,
-        reasons=[why or f"GPU {gpu_id} cannot be identified: {problem}"],
-        launcher=policy.launcher,
-        degraded=degraded,
+    why = why or f"GPU {gpu_id} cannot be identified: {problem}"
+    return ProcessPlacement(
+        rank, reasons=(why,), launcher=policy.launcher, degraded=degraded
     )
 
 

@@ -247,12 +247,13 @@ def _how(
     # own code, so nothing there would apply an in-process bind.
     if policy.launcher != Launcher.RAY:
         only = f"the {policy.launcher} launcher binds only by exec: running unbound"
-        return ProcessPlacement.unbound(
+        reasons = (*placed.reasons, why, only)
+        return ProcessPlacement(
             placed.rank,
-            reasons=(*placed.reasons, why, only),
+            placed.pci,
+            reasons=reasons,
             launcher=policy.launcher,
             degraded=True,
-            pci=placed.pci,
         )
     if facts.capabilities.libnuma:
         how = "in-process bind with libnuma"

@@ -1,6 +1,6 @@
 """Host facts read from a sysfs root: the live /sys, a ``capture`` snapshot or a fake.
-Node ids may be sparse; a node may lack CPUs or memory. A kernel without NUMA is node 0
-with its online memory blocks, else live sysconf's (a snapshot's marker carries it)."""
+Node ids may be sparse; a node may lack CPUs or memory. A kernel without NUMA is one
+node 0 with all the host's CPUs and memory."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ _TREE = f"a sysfs tree (the live /sys, or a snapshot made with `{_CAPTURE}`)"
 LIVE_SYSFS = "/sys"
 CPU_ONLINE = "devices/system/cpu/online"
 NODE_DIR = "devices/system/node"
-MEMORY_DIR = "devices/system/memory"
 PCI_DIR = "bus/pci/devices"
 MAX_FILE_BYTES = 64 * 1024  # a sysfs attribute holds a page (4 KiB), a marker less
 _PCI_ADDRESS_RE = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
@@ -115,7 +114,6 @@ class _Reader:
         self.files: dict[str, str] = {}
         self.snapshot = _read_marker(root)
         self.fix = _fix(setting, self.snapshot)
-        self.memory_kb_from_sysconf: Optional[int] = None
         self.online = online = self.cpulist(CPU_ONLINE)
         if not online:
             raise self.error(CPU_ONLINE, "lists no online CPU")
@@ -157,7 +155,7 @@ class _Reader:
 
     def nodes(self) -> tuple[NumaNode, ...]:
         if not os.path.exists(self.path(NODE_DIR)):  # a kernel without NUMA
-            return (NumaNode(0, self.online, self.memory_without_numa()),)
+            return (NumaNode(0, self.online, memory_kb=None),)
         names = [n for n in self.listdir(NODE_DIR) if re.fullmatch(r"node[0-9]+", n)]
         ids = sorted(int(name[4:]) for name in names)
         if not ids:
@@ -174,37 +172,8 @@ class _Reader:
             if total is None:
                 problem = "has no 'Node N MemTotal: <size> kB' line"
                 raise self.error(f"{base}/meminfo", problem)
-            words = self.read(f"{base}/distance").split()
-            row = [int(word) for word in words if re.fullmatch(_INTEGER[10], word)]
-            # The kernel prints one distance per online node, in node id order.
-            if len(row) != len(words) or len(row) != len(ids):
-                raise self.error(
-                    f"{base}/distance",
-                    f"has {len(row)} distances but there are {len(ids)} nodes "
-                    f"({', '.join(map(str, ids))})",
-                )
-            nodes.append(NumaNode(node_id, cpus, int(total[1]), tuple(zip(ids, row))))
+            nodes.append(NumaNode(node_id, cpus, int(total[1])))
         return tuple(nodes)
-
-    def memory_without_numa(self) -> int:
-        if os.path.exists(self.path(MEMORY_DIR)):
-            block_bytes = self.integer(f"{MEMORY_DIR}/block_size_bytes", base=16)
-            blocks = sum(
-                self.integer(f"{MEMORY_DIR}/{name}/online") == 1
-                for name in self.listdir(MEMORY_DIR)
-                if re.fullmatch(r"memory[0-9]+", name)
-            )
-            if blocks == 0:
-                raise self.error(MEMORY_DIR, "holds no online memory block")
-            return blocks * block_bytes // 1024
-        memory_kb = (self.snapshot or {}).get("memory_kb")
-        if self.snapshot is None and os.path.realpath(self.root) == LIVE_SYSFS:
-            memory_kb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 1024
-        if type(memory_kb) is not int or memory_kb <= 0:
-            missing = f"missing, and so is {self.path(MEMORY_DIR)}"
-            raise self.error(NODE_DIR, f"{missing}: the tree says nothing about memory")
-        self.memory_kb_from_sysconf = memory_kb
-        return memory_kb
 
     def cpu(self, cpu: int, node_id: Optional[int]) -> Cpu:
         topology = f"devices/system/cpu/cpu{cpu}/topology"

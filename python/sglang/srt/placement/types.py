@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 
 class PlacementError(RuntimeError):
@@ -59,12 +59,11 @@ class Launcher(enum.StrEnum):
 class NumaNode:
     node_id: int
     cpus: frozenset[int]  # online CPUs; empty for a memory-only (GPU, CXL) node
-    memory_kb: int
-    distances: tuple[tuple[int, int], ...] = ()  # (other node id, distance)
+    memory_kb: Optional[int]  # None: a kernel without NUMA, all the host's memory
 
     @property
     def has_memory(self) -> bool:
-        return self.memory_kb > 0
+        return self.memory_kb is None or self.memory_kb > 0
 
 
 @dataclass(frozen=True)
@@ -175,18 +174,3 @@ class ProcessPlacement:  # where a rank runs, how and why; the defaults: unbound
     @property
     def label(self) -> str:
         return self.rank.label
-
-    @classmethod
-    def unbound(
-        cls,
-        rank: RankIdentity,
-        *,
-        reasons: Sequence[str],
-        launcher: Launcher,
-        degraded: bool,
-        pci: Optional[str] = None,
-    ) -> "ProcessPlacement":
-        # What being degraded costs (a warning or an error) is decided where applied.
-        return cls(
-            rank, pci, reasons=tuple(reasons), launcher=launcher, degraded=degraded
-        )

@@ -36,9 +36,6 @@ def capture_sysfs(dest: str | os.PathLike, *, root: str | os.PathLike = "/sys") 
             "captured_at": now.isoformat(timespec="seconds"),
             "source_root": read.topology.root,
         }
-        if read.memory_kb_from_sysconf is not None:
-            # Such a kernel has no file stating the memory size; the marker carries it.
-            marker["memory_kb"] = read.memory_kb_from_sysconf
         marker_text = json.dumps(marker, indent=2, sort_keys=True) + "\n"
         for rel, text in sorted({**read.files, SNAPSHOT_MARKER: marker_text}.items()):
             out.write_new(rel, text)

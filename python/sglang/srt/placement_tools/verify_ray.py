@@ -185,9 +185,7 @@ def _row(rank: RankIdentity, report: dict, *, expected_actor: str) -> dict:
             "SGLANG_NUMA_BIND_V2=0: the legacy bind runs in sglang's "
             "configure_scheduler_process, which the probe does not run"
         )
-        placement = ProcessPlacement.unbound(
-            rank, reasons=[why], launcher=Launcher.RAY, degraded=False
-        )
+        placement = ProcessPlacement(rank, reasons=(why,), launcher=Launcher.RAY)
     unbound = parse_cpulist(report["unbound_cpus"])
     row = verify_row(placement, report, launcher="ray", unbound_cpus=unbound)
     for key in "node_id actor accelerator_ids threads_bound pages_not_migrated".split():

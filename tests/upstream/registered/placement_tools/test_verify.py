@@ -10,11 +10,8 @@ from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="base-a-test-cpu")
 
-UNBOUND = ProcessPlacement.unbound(
-    RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=0),
-    reasons=("one NUMA node",),
-    launcher="mp",
-    degraded=False,
+UNBOUND = ProcessPlacement(
+    RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=0), reasons=("one NUMA node",)
 )
 
 
