@@ -8,13 +8,12 @@ import shutil
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.types import MemPolicy, Refusal, descend
+from sglang.srt.placement.types import MemPolicy, descend
 
 PROBE_TIMEOUT_S = 10.0
-# Upstream's words for a weaker step, which operators search logs for.
 _FALLBACK = {
     MemPolicy.PREFERRED: ("hard memory binding", "soft preferred policy"),
     MemPolicy.NONE: ("memory binding", "CPU-only binding"),
@@ -110,23 +109,15 @@ class NumactlProber:
         got, refused = descend(mem_policy, lambda step: self.probe(argv(step)))
         if refused and refused[-1].policy is MemPolicy.NONE:
             return LadderOutcome(MemPolicy.NONE, (), (refused[-1].why,))
-        return LadderOutcome(got, argv(got), _fell_back(refused, argv, got))
-
-
-def _fell_back(
-    refused: Sequence[Refusal],
-    argv: Callable[[MemPolicy], tuple[str, ...]],
-    got: MemPolicy,
-) -> tuple[str, ...]:
-    if not refused:
-        return ()
-    first = refused[0]
-    shown, why = " ".join(argv(first.policy)), first.why
-    lost, kept = _FALLBACK[got]
-    return (
-        f"numactl rejected {lost} ({shown!r}){why and ': ' + why}; falling back "
-        f"to {kept} ({' '.join(argv(got))!r})",
-    )
+        reasons: tuple[str, ...] = ()
+        if refused:  # upstream's words for the step down, which operators search for
+            first, (lost, kept) = refused[0], _FALLBACK[got]
+            why = first.why and f": {first.why}"
+            reasons = (
+                f"numactl rejected {lost} ({' '.join(argv(first.policy))!r}){why}; "
+                f"falling back to {kept} ({' '.join(argv(got))!r})",
+            )
+        return LadderOutcome(got, argv(got), reasons)
 
 
 _probers: dict[str, NumactlProber] = {}

@@ -13,7 +13,12 @@ from sglang.srt.placement.devices import (
     open_runtime,
 )
 from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.resolve import HostFacts, choose_node, resolve_placement
+from sglang.srt.placement.resolve import (
+    HostFacts,
+    Where,
+    choose_node,
+    resolve_placement,
+)
 from sglang.srt.placement.types import (
     Accelerator,
     HostTopology,
@@ -36,33 +41,25 @@ def _identify(
     topology: HostTopology,
     env: Mapping[str, str],
     runtime: RuntimeOpener,
-) -> tuple[Optional[Accelerator], str]:
+) -> Accelerator:
     with runtime(device, topology) as opened:
-        try:
-            (found,) = identify_accelerators(
-                device=device,
-                topology=topology,
-                env=env,
-                gpu_ids=[gpu_id],
-                runtime=opened,
-            )
-        except SettingError as exc:
-            return None, str(exc)
-    return found, ""
+        found = identify_accelerators(
+            device=device, topology=topology, env=env, gpu_ids=[gpu_id], runtime=opened
+        )
+    return found[0]
 
 
 def device_node(
     gpu_id: int, *, device: str, topology: HostTopology, env: Mapping[str, str]
-) -> tuple[Optional[int], str]:
-    """Upstream's question: the node of ``gpu_id``'s device, or None and why."""
-    found, problem = _identify(
-        gpu_id, device=device, topology=topology, env=env, runtime=open_runtime
-    )
-    if found is None:
-        return None, problem
+) -> Where:
+    """Upstream's question: the node of ``gpu_id``'s device (None: no node, and why)."""
+    ask = dict(device=device, topology=topology, env=env, runtime=open_runtime)
+    try:
+        found = _identify(gpu_id, **ask)
+    except SettingError as exc:
+        return Where(None, (str(exc),))
     policy = PlacementPolicy(launcher=Launcher.MP, device=device)
-    choice = choose_node(topology, RankIdentity.of_gpu(gpu_id), found, policy)
-    return choice.node_id, "; ".join(choice.reasons)
+    return choose_node(topology, RankIdentity.of_gpu(gpu_id), found, policy)
 
 
 def _why_unbound(policy: PlacementPolicy, topology: HostTopology) -> Optional[str]:
@@ -105,19 +102,19 @@ def place_gpu_id(
         note = shared_cpus(spec, index=gpu_id)
         return placement if not note else noted(placement, note)
     why = _why_unbound(policy, topology)
-    if why is None:
-        found, problem = _identify(
-            gpu_id, device=policy.device, topology=topology, env=env, runtime=runtime
-        )
-        if found is not None or policy.numa_nodes is not None:
-            return resolve_placement(
-                facts=facts, rank=rank, accelerator=found, policy=policy
+    if why is not None:
+        return ProcessPlacement(rank, reasons=(why,), launcher=policy.launcher)
+    ask = dict(device=policy.device, topology=topology, env=env, runtime=runtime)
+    try:
+        found = _identify(gpu_id, **ask)
+    except SettingError as exc:
+        if policy.numa_nodes is None:
+            why = f"GPU {gpu_id} cannot be identified: {exc}"
+            return ProcessPlacement(
+                rank, reasons=(why,), launcher=policy.launcher, degraded=True
             )
-    degraded = why is None
-    why = why or f"GPU {gpu_id} cannot be identified: {problem}"
-    return ProcessPlacement(
-        rank, reasons=(why,), launcher=policy.launcher, degraded=degraded
-    )
+        found = None  # the --numa-node list needs no device
+    return resolve_placement(facts=facts, rank=rank, accelerator=found, policy=policy)
 
 
 def noted(placement: ProcessPlacement, note: str) -> ProcessPlacement:

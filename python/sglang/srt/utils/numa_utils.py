@@ -303,13 +303,11 @@ def _query_numa_node_for_gpu(device_id: int) -> list[int]:
         else "cuda"
     )
     env = settings.device_env()
-    node, why = device_node(
-        device_id, device=device, topology=_host_topology(), env=env
-    )
-    if node is None:
+    where = device_node(device_id, device=device, topology=_host_topology(), env=env)
+    if where.node_id is None:
         logger.warning(
-            f"GPU {device_id}: no NUMA node ({why}), skipping NUMA node configuration "
-            "for GPU"
+            f"GPU {device_id}: no NUMA node ({'; '.join(where.reasons)}), skipping "
+            "NUMA node configuration for GPU"
         )
         return []
-    return [node]
+    return [where.node_id]
