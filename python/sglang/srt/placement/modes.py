@@ -116,15 +116,11 @@ def _shared(
         if not node.cpus:
             return node
         if gpu.pci not in gpus:
-            return replace(
+            return _whole_node(
                 node,
-                reasons=node.reasons
-                + (
-                    f"{mode} mode: GPU {gpu.pci or '(no PCI address)'} is not among "
-                    f"node {gpu.node.node_id}'s {gpu.device} devices in sysfs "
-                    f"({', '.join(gpus) or 'none'}): bound to the whole node",
-                ),
-                degraded=True,
+                f"{mode} mode: GPU {gpu.pci or '(no PCI address)'} is not among node "
+                f"{gpu.node.node_id}'s {gpu.device} devices in sysfs "
+                f"({', '.join(gpus) or 'none'})",
             )
         index, count = gpus.index(gpu.pci), len(gpus)
         gets = (
@@ -136,14 +132,18 @@ def _shared(
     return decide
 
 
+def _whole_node(node: Share, why: str) -> Share:
+    reasons = (*node.reasons, f"{why}: bound to the whole node")
+    return replace(node, reasons=reasons, degraded=True)
+
+
 def _l3_group(gpu: GpuNode, node: Share, gets: str, index: int, count: int) -> Share:
     infos = [gpu.topology.cpu(cpu_id) for cpu_id in sorted(node.cpus)]
     if any(info is None or info.l3_cpus is None for info in infos):
         why = (
-            f"core-complex mode: sysfs has no L3 groups (cache/index3) for node "
-            f"{gpu.node.node_id}'s CPUs: bound to the whole node"
+            f"sysfs has no L3 groups (cache/index3) for node {gpu.node.node_id}'s CPUs"
         )
-        return replace(node, reasons=node.reasons + (why,), degraded=True)
+        return _whole_node(node, f"core-complex mode: {why}")
     groups = sorted({info.l3_cpus & node.cpus for info in infos}, key=min)
     chosen = index % len(groups)
     reasons = (f"{gets} L3 group {chosen + 1} of {len(groups)}",)
