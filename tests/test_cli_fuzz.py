@@ -294,7 +294,6 @@ SNAPSHOT_FILES = [
     "devices/system/cpu/cpu5/topology/physical_package_id",
     "devices/system/node/node1/cpulist",
     "devices/system/node/node1/meminfo",
-    "devices/system/node/node1/distance",
     "bus/pci/devices/0000:28:00.0/numa_node",
     SNAPSHOT_MARKER,
 ]
