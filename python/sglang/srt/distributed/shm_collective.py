@@ -1,15 +1,14 @@
 """The CPU collective's set-up: sgl_kernel's ``initialize`` given this engine's
 :class:`ShmNamespace`.
 
-A kernel whose ``initialize`` takes a namespace (``int size, int rank, str
-namespace``) creates its own segment exclusively, waits for its peers with a deadline
-and unlinks its name once every peer has mapped it: it is handed the namespace and
-nothing else. The released kernel (``int size, int rank``) names its segments from
-``MASTER_ADDR``/``MASTER_PORT``, creates them with ``O_CREAT`` and no ``O_EXCL``,
-waits for peers forever and never unlinks: it gets those variables for the call
-only, its segment is created here first (another user's file refused, room
-checked), and after a barrier on the stage's TP group, built after ``initialize``
-on every rank, each rank unlinks its own name.
+A kernel that takes the namespace (``initialize(int size, int rank, str namespace)``)
+creates its segment exclusively, waits for its peers with a deadline and unlinks its
+name once every peer has mapped it: it gets the namespace and nothing else. The
+released kernel (``initialize(int size, int rank)``) names its segments from
+``MASTER_ADDR``/``MASTER_PORT`` (set here for the call only), reuses a file of that
+name, waits for peers forever and never unlinks: each rank's segment is created here
+first (another user's file refused, room checked), and each rank unlinks its name
+after a barrier on the stage's TP group, built after ``initialize`` on every rank.
 """
 
 from __future__ import annotations
@@ -133,14 +132,19 @@ def _prepare(namespace: ShmNamespace, *, tp_size: int, rank: int) -> None:
         raise _full_error(rank, needed, own)
 
 
-def _initialize_op() -> tuple[Optional[Callable[..., None]], str]:
-    """``sgl_kernel::initialize`` and its kind, or ``(None, "")`` where it is absent."""
-    try:
+def init_shm_collective(namespace: ShmNamespace, *, tp_size: int, tp_rank: int) -> bool:
+    """True once ``sgl_kernel::initialize`` ran; False where no such op is registered.
+    With the released kernel, the caller unlinks once every rank is past it
+    (:func:`finish_shm_collective`)."""
+    check_int("tp_size", tp_size, 1, MAX_RANK + 1)
+    check_int("tp_rank", tp_rank, 0, tp_size - 1)
+    try:  # whoever wants the CPU kernel imports its package first
         import torch
 
         op = torch.ops.sgl_kernel.initialize
     except (ImportError, AttributeError, RuntimeError):
-        return None, ""
+        logger.debug(f"rank {tp_rank}: no sgl_kernel::initialize op, no shm collective")
+        return False
     schema = op.default._schema
     kind = _KINDS.get(tuple(str(argument.type) for argument in schema.arguments))
     if kind is None:
@@ -149,19 +153,6 @@ def _initialize_op() -> tuple[Optional[Callable[..., None]], str]:
             f"size, int rank) or initialize(int size, int rank, str namespace): "
             f"install the sgl-kernel CPU build that matches this sglang"
         )
-    return op, kind
-
-
-def init_shm_collective(namespace: ShmNamespace, *, tp_size: int, tp_rank: int) -> bool:
-    """True once ``sgl_kernel::initialize`` ran; False where no such op is registered.
-    With the released kernel, the caller unlinks once every rank is past it
-    (:func:`finish_shm_collective`)."""
-    check_int("tp_size", tp_size, 1, MAX_RANK + 1)
-    check_int("tp_rank", tp_rank, 0, tp_size - 1)
-    op, kind = _initialize_op()  # whoever wants the CPU kernel imports it first
-    if op is None:
-        logger.debug(f"rank {tp_rank}: no sgl_kernel::initialize op, no shm collective")
-        return False
     if kind == "namespaced":
         op(tp_size, tp_rank, namespace.prefix)
     else:
