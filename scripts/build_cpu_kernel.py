@@ -96,7 +96,13 @@ def copy_sources(checkout: Path, src: Path) -> Path:
 
 def torch_cmake_dir(work: Path) -> Path:
     """Torch's CMake package, as it is or (a CUDA build) as a copy without CUDA."""
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise BuildError(
+            f"{sys.executable} has no torch: run this script with the Python of the "
+            f"environment the kernel is for (e.g. .venv/bin/python)"
+        ) from None
 
     share = Path(torch.utils.cmake_prefix_path)
     if torch.version.cuda is None:
@@ -118,7 +124,10 @@ def build(checkout: Path, out: Path, jobs: int, work: Path) -> Path:
     for command in (configure, ["cmake", "--build", str(build_dir), "-j", str(jobs)]):
         if subprocess.run(command).returncode != 0:
             raise BuildError(f"`{' '.join(command[:2])}` failed; see its output above")
-    [library] = build_dir.glob("common_ops*.so")
+    libraries = sorted(build_dir.glob("common_ops*.so"))
+    if len(libraries) != 1:
+        raise BuildError(f"expected one common_ops*.so in {build_dir}: {libraries}")
+    [library] = libraries
     out.mkdir(parents=True, exist_ok=True)
     return Path(shutil.copy2(library, out / library.name))
 
