@@ -105,8 +105,10 @@ def test_two_colocated_engines_sum_through_their_own_segments(library, engines):
         assert (sums["count"], sums["wrong"]) == (ALL_REDUCES, [])
         # Every sum went through the kernel's shared-memory all-reduce.
         assert sums["ops"] == {"sgl_kernel.shm_allreduce.default": ALL_REDUCES}
-        # It maps its own engine's two segments, by the namespace's names, unlinked.
+        # It maps its own engine's two segments, by the namespace's names, unlinked
+        # by the kernel: sglang unlinked nothing.
         assert report["shm_maps"] == _maps_of(namespace)
+        assert not [line for line in report["logs"] if "unlinked" in line]
         for layer in ("py", "c"):
             after = report["environ_after"][layer]
             assert {k: after[k] for k in inherited} == inherited
