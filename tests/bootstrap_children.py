@@ -18,10 +18,18 @@ rank is past ``initialize`` and about to build its groups, and waits there.
 
 ``python bootstrap_children.py hold SCHEMA ADDR PORT TP_SIZE TP_RANK`` initialises one
 rank with ``init_shm_collective`` and holds its segment until stdin closes.
+
+A spec with ``"kernel": PATH`` loads that built CPU kernel instead of the stand-in,
+and ``"allreduces": N`` runs N checked sums through the TP group after the rest.
+``python bootstrap_children.py kernel < SPEC.json`` is one rank on a built kernel
+without bootstrap: ``initialize`` (through ``init_shm_collective`` when the spec has
+a ``"port"``, else the two-argument op from the environment), then its all-reduces
+straight through ``shm_allreduce``; it prints one JSON line.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import multiprocessing
@@ -38,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import shm_kernel_standin as kernel  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 TINY_MODEL = os.path.join(HERE, "data", "tiny_llama")
 WATCHED = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")
@@ -102,9 +111,12 @@ def rank_main(spec: dict, queue, linger: bool = False) -> None:
         logs = _capture_logs()
         step = logging.getLogger("sglang.srt.distributed.steps").info
         step(f"rank {spec['tp_rank']}: start")
-        kernel.register(spec["schema"], threads_env=True, all_reduce=True)
-
         import torch
+
+        if spec.get("kernel"):
+            torch.ops.load_library(spec["kernel"])
+        else:
+            kernel.register(spec["schema"], threads_env=True, all_reduce=True)
         import torch.distributed as dist
 
         import sglang.srt.utils.common as common
@@ -151,6 +163,7 @@ def rank_main(spec: dict, queue, linger: bool = False) -> None:
         world_tensor = torch.tensor([value])
         dist.all_reduce(world_tensor)  # WORLD, over gloo
 
+        sums = checked_all_reduces(group.all_reduce, spec)
         step(f"rank {spec['tp_rank']}: served")
         calls = [dict(c) for c in kernel.CALLS]
         initialize = [c for c in calls if c["op"] == "initialize"]
@@ -186,6 +199,8 @@ def rank_main(spec: dict, queue, linger: bool = False) -> None:
             "shm_available": shm_available,
             "tp_sum": tp_tensor.tolist(),
             "world_sum": world_tensor.item(),
+            "all_reduces": sums,
+            "shm_maps": shm_maps(),
             "affinity": sorted(os.sched_getaffinity(0)),
             "num_threads": torch.get_num_threads(),
         }
@@ -197,6 +212,79 @@ def rank_main(spec: dict, queue, linger: bool = False) -> None:
     dist.barrier()  # no rank leaves while a peer still reads its segment
     while linger:
         time.sleep(1)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched while it is active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def checked_all_reduces(all_reduce, spec: dict) -> dict:
+    """``spec["allreduces"]`` sums, each compared with the expected one: fp32 and bf16
+    in turn, every tenth of 1 Mi elements (the kernel's large-message path), the others
+    of 4 Ki; values are small integers, exact in bf16."""
+    import torch
+
+    counter, wrong = _OpCounter(), []
+    for i in range(spec.get("allreduces", 0)):
+        dtype = (torch.float32, torch.bfloat16)[i % 2]
+        base = torch.arange((1 << 20) if i % 10 == 0 else 4096) % 5
+        data = ((base + spec["value"]) * (i % 7 + 1)).to(dtype)
+        with counter:
+            result = all_reduce(data)
+        result = data if result is None else result
+        expected = (base * spec["tp_size"] + spec["value_sum"]) * (i % 7 + 1)
+        if not torch.equal(result.to(torch.int64), expected):
+            wrong.append(i)
+    return {"count": spec.get("allreduces", 0), "wrong": wrong, "ops": counter.counts}
+
+
+def shm_maps() -> list[str]:
+    """The collective's /dev/shm segments this process maps, as /proc/self/maps
+    names them (multiprocessing's semaphores left out)."""
+    mark = "/dev/shm/deepspeed_allreduce_buffer_"
+    with open("/proc/self/maps") as maps:
+        found = {line.split(None, 5)[5].strip() for line in maps if mark in line}
+    return sorted(found)
+
+
+def kernel_rank(spec: dict) -> dict:
+    """One rank on a built kernel, without bootstrap; its report (or error)."""
+    import resource
+
+    import torch
+
+    from sglang.srt.distributed.shm_collective import ShmNamespace, init_shm_collective
+
+    torch.ops.load_library(spec["kernel"])
+    started, used = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+    report: dict = {"rank": spec["tp_rank"]}
+    try:
+        if "port" in spec:
+            namespace = ShmNamespace(addr="127.0.0.1", port=spec["port"])
+            init_shm_collective(
+                namespace, tp_size=spec["tp_size"], tp_rank=spec["tp_rank"]
+            )
+        else:
+            torch.ops.sgl_kernel.initialize(spec["tp_size"], spec["tp_rank"])
+    except RuntimeError as exc:
+        report["error"] = str(exc)
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    report["wall_s"] = time.monotonic() - started
+    report["cpu_s"] = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
+    report["shm_maps"] = shm_maps()
+    if "error" not in report:
+        op = torch.ops.sgl_kernel.shm_allreduce
+        reduce = lambda data: op(data, int(torch.distributed.ReduceOp.SUM))  # noqa
+        report["all_reduces"] = checked_all_reduces(reduce, spec)
+    return report
 
 
 def run_ranks(
@@ -264,6 +352,10 @@ def _hold(schema: str, addr: str, port: int, tp_size: int, tp_rank: int) -> None
 def _main(argv: list[str]) -> None:
     if argv[1] == "hold":
         _hold(argv[2], argv[3], int(argv[4]), int(argv[5]), int(argv[6]))
+    elif argv[1] == "kernel":
+        report = kernel_rank(json.loads(sys.stdin.readline()))
+        print(json.dumps(report), flush=True)
+        sys.stdin.read()  # the mappings stay until the test is done with its peers
     elif argv[1] in ("ranks", "serve"):
         # By name, not as __main__, so that the fork server's children find it.
         import bootstrap_children

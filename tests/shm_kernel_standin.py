@@ -1,13 +1,15 @@
 """A stand-in for the CPU build of ``sgl_kernel``'s shared-memory collective.
 
-The real CPU kernel cannot be built here, so this module registers ops of the same
-names and schemas with ``torch.library`` and makes the same ``/dev/shm`` traffic:
+This module registers ops of the same names and schemas as the real CPU kernel with
+``torch.library`` (tests that need no compiler use it; tests/test_shm_kernel.py runs
+the real one) and makes the same ``/dev/shm`` traffic:
 
 * ``initialize(int size, int rank) -> ()`` (the released schema) reads
   ``LOCAL_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the C environment
   (``getenv``, as the C++ code does), and sets up shared memory only when
   ``LOCAL_SIZE == size``;
-* ``initialize(int size, int rank, str namespace) -> ()`` takes the segment prefix;
+* ``initialize(int size, int rank, str namespace) -> ()`` takes the segment prefix
+  (kernel/0001-shm-namespace.patch);
 * ``init_cpu_threads_env(str cpu_ids) -> str`` pins the process and sets the
   thread count;
 * ``shm_allreduce(Tensor(a!) data, int reduce_op) -> ()`` sums ``data`` over the
@@ -15,17 +17,21 @@ names and schemas with ``torch.library`` and makes the same ``/dev/shm`` traffic
   what ``parallel_state``'s ``GroupCoordinator.all_reduce`` calls when
   ``is_shm_available`` says yes.
 
-Set-up is the CPU build's ``shm.cpp``: its three ``shm_open`` calls, all in the
-one-time ``initialize`` (a second one in a process does nothing): this rank's
-segment with ``O_CREAT | O_RDWR`` and mode 0600 but no ``O_EXCL`` (a leftover file
-of that name is reused), a fresh workspace written into it, the same name opened
-again and mapped, then each peer's segment opened in a loop that retries at once
-on ENOENT and never gives up in the real kernel; here only a test deadline
-(``SHM_STANDIN_PEER_DEADLINE_S``, default 120 s) ends it, so that a test cannot
-hang. Mappings are ``mmap`` of the full size, whatever the file's size, as in C.
-Nothing is opened after ``initialize``, and nothing is ever unlinked. ``torch.library`` definitions live per process and one name can be defined
-once, so every process (the test process and each spawned child) calls
-:func:`register` itself, and :func:`unregister` before switching schema.
+Released set-up is the CPU build's ``shm.cpp``: its three ``shm_open`` calls, all in
+the one-time ``initialize`` (a second one in a process does nothing): this rank's
+segment with ``O_CREAT | O_RDWR`` and mode 0600 but no ``O_EXCL`` (a leftover file of
+that name is reused), a fresh workspace written into it, the same name opened again
+and mapped, then each peer's segment opened in a loop that retries at once on ENOENT
+and never gives up in the real kernel; here only a test deadline
+(``SHM_STANDIN_PEER_DEADLINE_S``, default 120 s) ends it, so that a test cannot hang.
+Nothing is ever unlinked. Namespaced set-up is the patched kernel's: its own segment
+with ``O_EXCL`` (an existing file is an error naming it), each peer's opened with a
+pause between tries until ``SGLANG_CPU_SHM_INIT_TIMEOUT`` (default 300 s), and its
+own name unlinked once every peer has marked it mapped. Mappings are ``mmap`` of the
+full size, whatever the file's size, as in C. ``torch.library`` definitions live per
+process and one name can be defined once, so every process (the test process and
+each spawned child) calls :func:`register` itself, and :func:`unregister` before
+switching schema.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ _HEADER = struct.Struct("<8sqii200s")
 # Two all-reduce slots (a sequence number, then up to 127 float64 values): a rank
 # writes call n into slot n % 2, so it never overwrites a slot a peer still reads.
 _SLOT_OFFSET = 1024
+# One byte per peer rank, set by that peer once it has mapped the segment.
+_MAPPED_OFFSET = 512
 _SLOT_BYTES = 1536
 _SLOT_VALUES = _SLOT_BYTES // 8 - 1
 _SEQUENCE = struct.Struct("<q")
@@ -99,16 +107,49 @@ def _map(fd: int) -> ctypes.Array:
     return (ctypes.c_char * WORKSPACE_BYTES).from_address(address)
 
 
-def _peer_deadline() -> float:
-    return time.monotonic() + float(
-        os.environ.get("SHM_STANDIN_PEER_DEADLINE_S", "120")
+def _peer_deadline(namespaced: bool) -> float:
+    name, default = (
+        ("SGLANG_CPU_SHM_INIT_TIMEOUT", "300")
+        if namespaced
+        else ("SHM_STANDIN_PEER_DEADLINE_S", "120")
     )
+    return time.monotonic() + float(os.environ.get(name, default))
 
 
-def _shm_initialize(size: int, rank: int, prefix: str) -> None:
+def _create(own: str, namespaced: bool) -> int:
+    # shm_open 1: no O_EXCL in the released kernel, so a leftover is reused.
+    flags = os.O_CREAT | os.O_RDWR | _SHM_OPEN_FLAGS | (os.O_EXCL if namespaced else 0)
+    try:
+        return os.open(own, flags, 0o600)
+    except FileExistsError:
+        raise RuntimeError(f"stand-in kernel: {own} already exists") from None
+
+
+def _open_peer(path: str, rank: int, deadline: float, namespaced: bool) -> int:
+    while True:
+        try:
+            # shm_open 3 (shared_open in a loop while errno == ENOENT).
+            fd = os.open(path, os.O_RDWR | _SHM_OPEN_FLAGS)
+            break
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"stand-in kernel: rank {rank} still waits for {path} at the "
+                    f"deadline"
+                ) from None
+            # The released loop does not even yield; the namespaced one pauses.
+            time.sleep(0.001) if namespaced else os.sched_yield()
+    # Mapped only once written: touching a mapping past a file's end is a SIGBUS.
+    while namespaced and os.fstat(fd).st_size < WORKSPACE_BYTES:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"stand-in kernel: {path} was never set up")
+        time.sleep(0.001)
+    return fd
+
+
+def _shm_initialize(size: int, rank: int, prefix: str, namespaced: bool) -> None:
     own = os.path.join(SHM_DIR, f"{prefix}_{rank}")
-    # shm_open 1 (shared_create): no O_EXCL, so a leftover of this name is reused.
-    fd = os.open(own, os.O_CREAT | os.O_RDWR | _SHM_OPEN_FLAGS, 0o600)
+    fd = _create(own, namespaced)
     _state["fds"].append(fd)
     workspace = bytearray(WORKSPACE_BYTES)
     _HEADER.pack_into(workspace, 0, _MAGIC, os.getpid(), rank, size, prefix.encode())
@@ -117,25 +158,27 @@ def _shm_initialize(size: int, rank: int, prefix: str) -> None:
     fd = os.open(own, os.O_RDWR | _SHM_OPEN_FLAGS)
     _state["fds"].append(fd)
     maps = {rank: _map(fd)}
-    deadline = _peer_deadline()
-    for peer in range(size):
-        if peer == rank:
-            continue
-        path = os.path.join(SHM_DIR, f"{prefix}_{peer}")
-        while True:
-            try:
-                # shm_open 3 (shared_open in a loop while errno == ENOENT).
-                fd = os.open(path, os.O_RDWR | _SHM_OPEN_FLAGS)
-                break
-            except FileNotFoundError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"stand-in kernel: rank {rank} still waits for {path} at the "
-                        f"test deadline (the real kernel would wait forever)"
-                    ) from None
-                os.sched_yield()  # the real loop does not even yield
-        _state["fds"].append(fd)
-        maps[peer] = _map(fd)
+    deadline = _peer_deadline(namespaced)
+    try:
+        for peer in (p for p in range(size) if p != rank):
+            path = os.path.join(SHM_DIR, f"{prefix}_{peer}")
+            fd = _open_peer(path, rank, deadline, namespaced)
+            _state["fds"].append(fd)
+            maps[peer] = _map(fd)
+            if namespaced:  # this rank has mapped the peer's segment
+                maps[peer][_MAPPED_OFFSET + rank] = b"\x01"
+        while namespaced and any(
+            maps[rank][_MAPPED_OFFSET + p] != b"\x01" for p in maps if p != rank
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"stand-in kernel: {own} was not mapped by all")
+            time.sleep(0.001)
+    except BaseException:
+        if namespaced:
+            os.unlink(own)
+        raise
+    if namespaced:
+        os.unlink(own)  # every peer has mapped it
     _state.update(prefix=prefix, rank=rank, maps=maps)
 
 
@@ -165,7 +208,7 @@ def _initialize_released(size: int, rank: int) -> None:
         return
     local_size = int(seen["LOCAL_SIZE"]) if seen["LOCAL_SIZE"] else 0
     if size >= 1 and size == local_size:
-        _shm_initialize(size, rank, prefix)
+        _shm_initialize(size, rank, prefix, namespaced=False)
 
 
 def _initialize_namespaced(size: int, rank: int, namespace: str) -> None:
@@ -183,7 +226,7 @@ def _initialize_namespaced(size: int, rank: int, namespace: str) -> None:
         }
     )
     if _state["prefix"] is None:
-        _shm_initialize(size, rank, namespace)
+        _shm_initialize(size, rank, namespace, namespaced=True)
 
 
 def _parse_cpulist(text: str) -> set[int]:

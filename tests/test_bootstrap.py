@@ -136,20 +136,21 @@ def test_malformed_init_methods_get_clear_errors(method, needle):
 
 
 def test_env_init_method_reads_master_variables_without_writing_them(monkeypatch):
-    environ = {"MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "4000"}
-    ns = ShmNamespace.from_init_method("env://", environ=environ)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
+    monkeypatch.setenv("MASTER_PORT", "4000")
+    before = dict(os.environ)
+    ns = ShmNamespace.from_init_method("env://")
     assert (ns.addr, ns.port) == ("10.0.0.5", 4000)
-    assert environ == {"MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "4000"}
-    bracketed = {"MASTER_ADDR": "[::1]", "MASTER_PORT": "9"}
-    assert ShmNamespace.from_init_method("env://", environ=bracketed).addr == "::1"
-    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert dict(os.environ) == before
+    monkeypatch.setenv("MASTER_ADDR", "[::1]")
+    assert ShmNamespace.from_init_method("env://").addr == "::1"
+    monkeypatch.setenv("MASTER_PORT", "x")
+    with pytest.raises(ShmCollectiveError, match="MASTER_PORT"):
+        ShmNamespace.from_init_method("env://")
+    monkeypatch.delenv("MASTER_PORT")
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
     with pytest.raises(ShmCollectiveError, match="MASTER_PORT=''"):
         ShmNamespace.from_init_method("env://")
-    with pytest.raises(ShmCollectiveError, match="MASTER_PORT"):
-        ShmNamespace.from_init_method(
-            "env://", environ={"MASTER_ADDR": "h", "MASTER_PORT": "x"}
-        )
 
 
 def test_file_init_method_falls_back_to_a_path_digest(tmp_path):
@@ -286,15 +287,26 @@ def test_released_schema_restores_environment_on_error(namespace, master_env):
 
 def test_namespaced_schema_gets_the_prefix_and_no_environment(namespace, master_env):
     stage = dataclasses.replace(namespace, pp_rank=2)
-    try:
-        with kernel.registered("namespaced") as calls:
-            assert init_shm_collective(stage, tp_size=1, tp_rank=0) is True
-            [call] = calls
-            assert call["segment"] == stage.segment_name(0)
-            assert call["env"] == master_env
-            assert os.path.exists(os.path.join(SHM, stage.segment_name(0)))
-    finally:
-        unlink_shm_segments()
+    segment = os.path.join(SHM, stage.segment_name(0))
+    with kernel.registered("namespaced") as calls:
+        assert init_shm_collective(stage, tp_size=1, tp_rank=0) is True
+        [call] = calls
+        assert call["segment"] == stage.segment_name(0)
+        assert call["env"] == master_env
+        # The kernel created its segment and unlinked it once mapped by all; this
+        # side created, sized and unlinked nothing.
+        assert kernel.peer_prefixes() == {0: stage.prefix}
+        assert not os.path.exists(segment)
+        assert unlink_shm_segments() == []
+
+
+def test_namespaced_schema_refuses_a_file_under_its_name(namespace):
+    planted = os.path.join(SHM, namespace.segment_name(0))
+    os.close(os.open(planted, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    with kernel.registered("namespaced"):
+        with pytest.raises(RuntimeError, match=f"{planted} already exists"):
+            init_shm_collective(namespace, tp_size=1, tp_rank=0)
+    assert os.path.getsize(planted) == 0 and unlink_shm_segments() == []
 
 
 def test_unknown_kernel_schema_is_refused(namespace):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from unittest import mock
 
 import pytest
 import shm_kernel_standin as kernel
@@ -28,6 +29,11 @@ SHM = "/dev/shm"
 UID = os.getuid()
 
 
+def _from_env(addr: str, port: str) -> ShmNamespace:
+    with mock.patch.dict(os.environ, {"MASTER_ADDR": addr, "MASTER_PORT": port}):
+        return ShmNamespace.from_init_method("env://")
+
+
 # ------------------------------------------------------------------------------ name length
 
 
@@ -39,7 +45,7 @@ def test_longest_accepted_host_makes_a_segment_and_one_more_character_is_rejecte
     assert ShmNamespace.from_init_method(f"tcp://{longest}:65535") == ns
     assert len(ns.segment_name(99999)) == NAME_MAX
     segment = os.path.join(SHM, ns.segment_name(0))
-    with kernel.registered("namespaced"):
+    with kernel.registered("released"):
         try:
             assert init_shm_collective(ns, tp_size=1, tp_rank=0)
             assert os.path.exists(segment)
@@ -69,10 +75,10 @@ def test_port_must_be_ascii_digits_and_the_error_shows_the_value(port_text):
     assert message.startswith(f"dist_init_method={method!r}: ")
     assert repr(port_text)[1:-1] in message.partition(": ")[2]
     assert message.isprintable()
+    if "\x00" in port_text:
+        return  # no environment variable can hold a NUL
     with pytest.raises(ShmCollectiveError) as info:
-        ShmNamespace.from_init_method(
-            "env://", environ={"MASTER_ADDR": "h", "MASTER_PORT": port_text}
-        )
+        _from_env("h", port_text)
     assert "MASTER_PORT" in str(info.value) and repr(port_text) in str(info.value)
 
 
@@ -129,12 +135,8 @@ def test_file_init_method_uses_torchs_path_whatever_the_working_directory(
         lambda: ShmNamespace.from_init_method("tcp://h:" + "9" * 250),
         lambda: ShmNamespace.from_init_method("tcp://h\x00:1"),
         lambda: ShmNamespace.from_init_method("bad\x00://x"),
-        lambda: ShmNamespace.from_init_method(
-            "env://", environ={"MASTER_ADDR": "a\u2028b", "MASTER_PORT": "1"}
-        ),
-        lambda: ShmNamespace.from_init_method(
-            "env://", environ={"MASTER_ADDR": "", "MASTER_PORT": "\x00"}
-        ),
+        lambda: _from_env("a\u2028b", "1"),
+        lambda: _from_env("", "\x1b"),
         lambda: ShmNamespace(addr="\n", port=1),
     ],
 )

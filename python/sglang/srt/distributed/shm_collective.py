@@ -1,10 +1,14 @@
-"""The CPU collective's segments: named by a :class:`ShmNamespace`, unlinked once
-every rank of the stage has mapped them.
+"""The CPU collective's set-up: sgl_kernel's ``initialize`` given this engine's
+:class:`ShmNamespace`.
 
-``shm.cpp`` opens names only in its one-time ``initialize`` (its own segment with
-``O_CREAT`` and no ``O_EXCL``, then each peer's in a loop that retries on ENOENT
-forever), so after a barrier on the stage's TP group, built after ``initialize``
-on every rank, each rank unlinks its own name and a killed engine leaves nothing.
+A kernel that takes the namespace (``initialize(int size, int rank, str namespace)``)
+creates its segment exclusively, waits for its peers with a deadline and unlinks its
+name once every peer has mapped it: it gets the namespace and nothing else. The
+released kernel (``initialize(int size, int rank)``) names its segments from
+``MASTER_ADDR``/``MASTER_PORT`` (set here for the call only), reuses a file of that
+name, waits for peers forever and never unlinks: each rank's segment is created here
+first (another user's file refused, room checked), and each rank unlinks its name
+after a barrier on the stage's TP group, built after ``initialize`` on every rank.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import errno
 import logging
 import os
 import threading
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from sglang.srt.distributed.shm_namespace import (
     MAX_RANK,
@@ -35,6 +39,7 @@ _SCOPED_ENVIRON_LOCK = threading.RLock()
 # (pid, path) of the segments this process created and has not unlinked yet; the
 # pid keeps a forked child from unlinking its parent's.
 _PENDING: list[tuple[int, str]] = []
+_KINDS = {("int", "int"): "released", ("int", "int", "str"): "namespaced"}
 
 
 @contextlib.contextmanager
@@ -105,6 +110,17 @@ def _prepare(namespace: ShmNamespace, *, tp_size: int, rank: int) -> None:
     except PermissionError:
         _check_owner(rank, own, _lstat(own))
         raise
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise ShmCollectiveError(
+                f"rank {rank}: cannot create {own!r}: {SHM_DIR!r} is mounted "
+                f"read-only, and the CPU shared-memory all-reduce keeps its segments "
+                f"there. Mount it read-write (as root, `mount -o remount,rw "
+                f"{SHM_DIR}`); in a container, do not mount it read-only"
+            ) from exc
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _full_error(rank, KERNEL_SEGMENT_BYTES, own) from exc
+        raise
     try:
         _check_owner(rank, own, os.fstat(fd))
     finally:
@@ -118,60 +134,52 @@ def _prepare(namespace: ShmNamespace, *, tp_size: int, rank: int) -> None:
 
 def init_shm_collective(namespace: ShmNamespace, *, tp_size: int, tp_rank: int) -> bool:
     """True once ``sgl_kernel::initialize`` ran; False where no such op is registered.
-    The caller unlinks once every rank is past it (:func:`finish_shm_collective`)."""
+    With the released kernel, the caller unlinks once every rank is past it
+    (:func:`finish_shm_collective`)."""
     check_int("tp_size", tp_size, 1, MAX_RANK + 1)
     check_int("tp_rank", tp_rank, 0, tp_size - 1)
-    op = None  # whoever wants the CPU kernel imports its package first
-    with contextlib.suppress(ImportError, AttributeError, RuntimeError):
+    try:  # whoever wants the CPU kernel imports its package first
         import torch
 
         op = torch.ops.sgl_kernel.initialize
-    if op is None:
+    except (ImportError, AttributeError, RuntimeError):
         logger.debug(f"rank {tp_rank}: no sgl_kernel::initialize op, no shm collective")
         return False
     schema = op.default._schema
-    types = tuple(str(argument.type) for argument in schema.arguments)
-    kind = {("int", "int"): "released", ("int", "int", "str"): "namespaced"}.get(types)
+    kind = _KINDS.get(tuple(str(argument.type) for argument in schema.arguments))
     if kind is None:
         raise ShmCollectiveError(
             f"sgl_kernel::initialize has schema {schema}; expected initialize(int "
             f"size, int rank) or initialize(int size, int rank, str namespace): "
             f"install the sgl-kernel CPU build that matches this sglang"
         )
-    segment = os.path.join(SHM_DIR, namespace.segment_name(tp_rank))
+    if kind == "namespaced":
+        op(tp_size, tp_rank, namespace.prefix)
+    else:
+        _init_released(op, namespace, tp_size=tp_size, tp_rank=tp_rank)
+    logger.info(
+        f"rank {tp_rank}: CPU shared-memory collective initialised (segment "
+        f"{SHM_DIR}/{namespace.segment_name(tp_rank)}, tp_size={tp_size}, {kind} "
+        f"kernel schema)"
+    )
+    return True
+
+
+def _init_released(
+    op: Callable[..., None], namespace: ShmNamespace, *, tp_size: int, tp_rank: int
+) -> None:
+    kernel_environ = {
+        "MASTER_ADDR": namespace.kernel_addr,
+        "MASTER_PORT": str(namespace.port),
+        "LOCAL_SIZE": str(tp_size),
+    }
     try:
-        try:
-            _prepare(namespace, tp_size=tp_size, rank=tp_rank)
-        except OSError as exc:
-            if exc.errno == errno.EROFS:
-                raise ShmCollectiveError(
-                    f"rank {tp_rank}: cannot create {segment!r}: {SHM_DIR!r} is "
-                    f"mounted read-only, and the CPU shared-memory all-reduce keeps "
-                    f"its segments there. Mount it read-write (as root, `mount -o "
-                    f"remount,rw {SHM_DIR}`); in a container, do not mount it read-only"
-                ) from exc
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _full_error(tp_rank, KERNEL_SEGMENT_BYTES, segment) from exc
-            raise
-        if kind == "namespaced":
-            op(tp_size, tp_rank, namespace.prefix)
-        else:
-            with scoped_environ(
-                {
-                    "MASTER_ADDR": namespace.kernel_addr,
-                    "MASTER_PORT": str(namespace.port),
-                    "LOCAL_SIZE": str(tp_size),
-                }
-            ):
-                op(tp_size, tp_rank)
+        _prepare(namespace, tp_size=tp_size, rank=tp_rank)
+        with scoped_environ(kernel_environ):
+            op(tp_size, tp_rank)
     except BaseException:
         unlink_shm_segments()
         raise
-    logger.info(
-        f"rank {tp_rank}: CPU shared-memory collective initialised (segment "
-        f"{segment}, tp_size={tp_size}, {kind} kernel schema)"
-    )
-    return True
 
 
 def unlink_shm_segments() -> list[str]:

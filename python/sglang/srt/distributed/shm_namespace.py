@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import os
 import re
-from typing import Mapping, Optional
+from typing import Optional
 from urllib.parse import urlparse
 
 from sglang.srt.utils.network import NetworkAddress
@@ -94,6 +94,31 @@ def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
     return address.host, parse_port(rest.rpartition(":")[2], what=what)
 
 
+def _env_address(what: str) -> tuple[str, int]:
+    # torch reads the rendezvous address from MASTER_ADDR/MASTER_PORT.
+    host = os.environ.get("MASTER_ADDR", "")
+    port_text = os.environ.get("MASTER_PORT", "")
+    if not host or not port_text:
+        raise ShmCollectiveError(
+            f"{what} takes the address from MASTER_ADDR and MASTER_PORT, but "
+            f"MASTER_ADDR={quoted(host)}, MASTER_PORT={quoted(port_text)}; set both, "
+            f"or use a tcp://host:port init method"
+        )
+    port = parse_port(port_text, what="MASTER_PORT")
+    # NetworkAddress drops an IPv6 MASTER_ADDR's brackets, as upstream does.
+    return NetworkAddress(host, port).host, port
+
+
+def _file_address(method: str, what: str) -> tuple[str, int]:
+    # The path torch's _file_rendezvous_handler opens, as it is (file://tmp/x is
+    # /x): the same for every rank, whatever its working directory.
+    path = urlparse(method).path
+    if not path:
+        raise ShmCollectiveError(f"{what} names no file; expected 'file:///path'")
+    digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"file.{digest[:16]}", 0
+
+
 @dataclasses.dataclass(frozen=True)
 class ShmNamespace:
     """Names one engine's (one pipeline stage's) shared-memory segments.
@@ -130,18 +155,13 @@ class ShmNamespace:
 
     @classmethod
     def from_init_method(
-        cls,
-        method: str,
-        *,
-        uid: Optional[int] = None,
-        pp_rank: int = 0,
-        environ: Optional[Mapping[str, str]] = None,
+        cls, method: str, *, uid: Optional[int] = None, pp_rank: int = 0
     ) -> "ShmNamespace":
         """The namespace of the engine whose init method is ``method``.
 
         ``tcp://host:port`` and ``tcp://[ipv6]:port`` give ``(host, port)``; ``env://``
-        reads (never writes) ``MASTER_ADDR``/``MASTER_PORT`` from ``environ``, as torch
-        does; ``file:///path`` gives ``file.<16 hex of sha256(path)>`` and port 0.
+        reads (never writes) ``MASTER_ADDR``/``MASTER_PORT``, as torch does;
+        ``file:///path`` gives ``file.<16 hex of sha256(path)>`` and port 0.
         """
         what = f"dist_init_method={quoted(method)}"
         if not isinstance(method, str) or not method.strip():
@@ -151,29 +171,9 @@ class ShmNamespace:
         if scheme == "tcp":
             host, port = _tcp_address(method, what=what)
         elif scheme == "env":
-            # torch reads the rendezvous address from MASTER_ADDR/MASTER_PORT.
-            environ = os.environ if environ is None else environ
-            host = environ.get("MASTER_ADDR", "")
-            port_text = environ.get("MASTER_PORT", "")
-            if not host or not port_text:
-                raise ShmCollectiveError(
-                    f"{what} takes the address from MASTER_ADDR and MASTER_PORT, but "
-                    f"MASTER_ADDR={quoted(host)}, MASTER_PORT={quoted(port_text)}; set "
-                    f"both, or use a tcp://host:port init method"
-                )
-            port = parse_port(port_text, what="MASTER_PORT")
-            # NetworkAddress drops an IPv6 MASTER_ADDR's brackets, as upstream does.
-            host = NetworkAddress(host, port).host
+            host, port = _env_address(what)
         elif scheme == "file":
-            # The path torch's _file_rendezvous_handler opens, as it is (file://tmp/x
-            # is /x): the same for every rank, whatever its working directory.
-            path = urlparse(method).path
-            if not path:
-                raise ShmCollectiveError(
-                    f"{what} names no file; expected 'file:///path'"
-                )
-            digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()
-            host, port = f"file.{digest[:16]}", 0
+            host, port = _file_address(method, what)
         else:
             raise ShmCollectiveError(
                 f"{what}: unsupported scheme; expected {_ALL_FORMS}"

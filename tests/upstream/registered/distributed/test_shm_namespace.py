@@ -1,7 +1,9 @@
 """Each engine's CPU shared-memory segments are named by its own init address, never
 by MASTER_ADDR/PORT."""
 
+import os
 import unittest
+from unittest import mock
 
 from sglang.srt.distributed.shm_namespace import ShmCollectiveError, ShmNamespace
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -16,9 +18,10 @@ class TestShmNamespace(unittest.TestCase):
         self.assertEqual((first.addr, first.port), ("127.0.0.1", 29500))
         self.assertNotEqual(first.segment_name(0), second.segment_name(0))
 
-    def test_env_init_reads_master_addr_from_the_environment_it_is_given(self):
+    def test_env_init_reads_master_addr_from_the_environment(self):
         environ = {"MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29501"}
-        namespace = ShmNamespace.from_init_method("env://", uid=0, environ=environ)
+        with mock.patch.dict(os.environ, environ):
+            namespace = ShmNamespace.from_init_method("env://", uid=0)
         self.assertEqual((namespace.addr, namespace.port), ("10.0.0.7", 29501))
 
     def test_an_address_a_segment_name_cannot_hold_is_refused_with_the_fix(self):
