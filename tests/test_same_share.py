@@ -30,7 +30,7 @@ SHARES = ["0-1,8-9", "2-3,10-11", "4-5,12-13", "6-7,14-15"]
 
 @pytest.fixture
 def l3_host(tmp_path, monkeypatch):
-    from sglang.srt.placement import topology
+    from sglang.srt.placement import resolve
 
     monkeypatch.setenv(
         "SGLANG_SYSFS_ROOT", str(fakesys.write_sysfs(tmp_path / "sys", SHAPE))
@@ -38,7 +38,7 @@ def l3_host(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     # This host has fewer CPUs than the tree: the process may use all 16.
     monkeypatch.setattr(
-        topology,
+        resolve,
         "read_process_affinity",
         lambda: ProcessAffinity(
             cpus=frozenset(range(16)), mems=frozenset({0, 1}), source="test"

@@ -9,9 +9,11 @@ from typing import Optional, Union
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
+from sglang.srt.placement.libnuma import load_libnuma
 from sglang.srt.placement.modes import GpuNode, share_of
-from sglang.srt.placement.numactl import NumactlProber, cpu_option
+from sglang.srt.placement.numactl import NumactlProber, cpu_option, default_prober
 from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.topology import read_process_affinity, read_topology_cached
 from sglang.srt.placement.types import (
     Accelerator,
     HostTopology,
@@ -33,9 +35,6 @@ class HostCapabilities:  # what can apply a binding here
 
     @classmethod
     def live(cls) -> "HostCapabilities":
-        from sglang.srt.placement.libnuma import load_libnuma
-        from sglang.srt.placement.numactl import default_prober
-
         return cls(numactl=default_prober(), libnuma=load_libnuma() is not None)
 
 
@@ -47,11 +46,6 @@ class HostFacts:
 
     @classmethod
     def live(cls) -> "HostFacts":
-        from sglang.srt.placement.topology import (
-            read_process_affinity,
-            read_topology_cached,
-        )
-
         return cls(
             topology=read_topology_cached(settings.sysfs_root()),
             affinity=read_process_affinity(),

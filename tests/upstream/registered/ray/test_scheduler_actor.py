@@ -117,7 +117,7 @@ class EightCpuHost(unittest.TestCase):
             cpus=frozenset(range(8)), mems=frozenset({0, 1}), source="test"
         )
         affinity = patch(
-            "sglang.srt.placement.topology.read_process_affinity", return_value=every
+            "sglang.srt.placement.resolve.read_process_affinity", return_value=every
         )
         affinity.start()
         self.addCleanup(affinity.stop)

@@ -14,7 +14,7 @@ import unittest
 from concurrent.futures import ProcessPoolExecutor
 from unittest import mock
 
-from sglang.srt.placement import apply, devices, libnuma, topology
+from sglang.srt.placement import apply, devices, libnuma, resolve
 from sglang.srt.placement.types import ProcessAffinity
 from sglang.srt.ray import scheduler_actor
 from sglang.srt.server_args import ServerArgs
@@ -113,8 +113,8 @@ class TestSchedulerActorNumaBind(unittest.TestCase):
             mock.patch("sglang.srt.managers.scheduler.configure_scheduler_process"),
             # The tree is this host's /sys, and libnuma acts on its two nodes.
             mock.patch.object(devices, "is_live", lambda t: t.root == self.root),
-            mock.patch.object(topology, "read_process_affinity", lambda: every),
-            mock.patch.object(libnuma, "load_libnuma", lambda: self.libnuma),
+            mock.patch.object(resolve, "read_process_affinity", lambda: every),
+            mock.patch.object(resolve, "load_libnuma", lambda: self.libnuma),
             mock.patch.object(apply, "load_libnuma", lambda: self.libnuma),
             # Ray's GPU ids; the host's /dev/nvidiaN.
             mock.patch("ray.get_runtime_context", lambda: mock.Mock(**ray)),
