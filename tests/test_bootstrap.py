@@ -108,7 +108,7 @@ def test_ipv6_and_stages():
         ("tcp://127.0.0.1", "Missing port"),
         ("tcp://127.0.0.1:", "Invalid port number: ''"),
         ("tcp://127.0.0.1:port", "Invalid port number: 'port'"),
-        ("tcp://127.0.0.1:0", "out of range; expected 1 to 65535"),
+        ("tcp://127.0.0.1:0", "expected 1 to 65535"),
         ("tcp://127.0.0.1:65536", "Port out of range"),
         ("tcp://[::1]", "Expected ':port' after closing bracket"),
         ("tcp://[::1:29500", "Missing closing bracket"),

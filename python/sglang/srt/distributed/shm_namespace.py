@@ -1,8 +1,4 @@
-"""The names of one engine's ``/dev/shm`` segments, from its own init address.
-
-The CPU kernel names them ``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``,
-so co-located engines must never hand it the same address and port.
-"""
+"""One engine's ``/dev/shm`` segment names, from its own init address and stage."""
 
 from __future__ import annotations
 
@@ -10,44 +6,32 @@ import dataclasses
 import hashlib
 import os
 import re
-from typing import Optional
 from urllib.parse import urlparse
 
 from sglang.srt.utils.network import NetworkAddress
 
-SHM_SEGMENT_PREFIX = "deepspeed_allreduce_buffer"
 NAME_MAX = 255
-# Room for ranks up to 99999 is reserved in every name, so a namespace that passes
-# validation never yields an over-long name later.
-MAX_RANK = 99999
-# Reserved for the pipeline-stage suffix; never valid in a host name or address.
-_STAGE_MARK = "@pp"
+MAX_RANK = 99999  # room for it is kept in every name: a valid namespace never overflows
 _ADDR_RE = re.compile(r"[A-Za-z0-9._:%-]+")
-_MAX_PORT = 65535
-# ASCII only: str.isdigit() and int() also accept '٨٠' (read as 80), int() also
-# ' 80', '+80' and '8_0'.
-_PORT_RE = re.compile(r"[0-9]+")
-_SHOWN_MAX = 80
+# ASCII, and at most 5 digits before int(): int() also takes '٨٠', '+80' and '8_0'.
+_PORT_RE = re.compile(r"[1-9][0-9]{0,4}")
 _TCP_FORMS = "'tcp://host:port' or 'tcp://[ipv6]:port'"
 _ALL_FORMS = f"{_TCP_FORMS}, 'env://' or 'file:///path'"
 _SHORTER = "give --dist-init-addr (or --host) as an IP address or a shorter host name"
 
 
 class ShmCollectiveError(RuntimeError):
-    """The CPU collective's segments cannot be named (a bad address, port or rank) or
-    set up (another user's file under their names, a full or read-only /dev/shm)."""
+    """The CPU collective's segments cannot be named or set up."""
 
 
 def quoted(value: object) -> str:
-    """A NUL or control character stays visible; a huge value cannot flood the line."""
+    """repr (control characters stay visible), cut short (no flooded line)."""
     text = repr(value)
-    short = len(text) <= _SHOWN_MAX
-    return text if short else f"{text[:_SHOWN_MAX]}... ({len(text)} characters)"
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
 
 
 def check_int(name: str, value: object, low: int, high: int) -> int:
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if not is_int or not low <= value <= high:
+    if type(value) is not int or not low <= value <= high:  # bool is no rank
         raise ShmCollectiveError(
             f"{name}={quoted(value)}: expected an integer from {low} to {high}"
         )
@@ -55,27 +39,18 @@ def check_int(name: str, value: object, low: int, high: int) -> int:
 
 
 def parse_port(text: str, *, what: str) -> int:
-    stripped = text.strip() if isinstance(text, str) else ""
-    if not _PORT_RE.fullmatch(stripped):
+    digits = text.strip().lstrip("0")
+    if not _PORT_RE.fullmatch(digits) or int(digits) > 65535:
         raise ShmCollectiveError(
-            f"{what}: port {quoted(text)} is not a number; expected an integer from 1 "
-            f"to {_MAX_PORT} in ASCII digits"
-        )
-    # Bounded before int(), which is slow on long strings and refuses 4300+ digits.
-    digits = stripped.lstrip("0")
-    if len(digits) > len(str(_MAX_PORT)) or not 0 < int(digits or "0") <= _MAX_PORT:
-        raise ShmCollectiveError(
-            f"{what}: port {quoted(text)} is out of range; expected 1 to {_MAX_PORT}"
+            f"{what}: port {quoted(text)}: expected 1 to 65535 in ASCII digits"
         )
     return int(digits)
 
 
-def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
-    # The query string and a trailing "/" are ignored, as torch's rendezvous does.
-    rest = method[len("tcp://") :].partition("?")[0]
-    rest = rest[:-1] if rest.endswith("/") else rest
-    # No longer address fits a segment name; upstream's messages show it whole.
-    if len(rest) > NAME_MAX:
+def _tcp_address(method: str, what: str) -> tuple[str, int]:
+    # As torch's rendezvous: the query string and a trailing "/" are ignored.
+    rest = method[len("tcp://") :].partition("?")[0].removesuffix("/")
+    if len(rest) > NAME_MAX:  # upstream's messages below would show it whole
         raise ShmCollectiveError(
             f"{what} is too long: no /dev/shm segment name can hold a {len(rest)}-"
             f"character address; {_SHORTER}"
@@ -83,7 +58,6 @@ def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
     try:
         address = NetworkAddress.parse(rest)
     except ValueError as exc:
-        # Upstream's message shows the value as it is: escape what is unprintable.
         shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(exc))
         raise ShmCollectiveError(f"{what}: {shown}; expected {_TCP_FORMS}") from None
     if ":" in address.host and not rest.startswith("["):
@@ -94,24 +68,20 @@ def _tcp_address(method: str, *, what: str) -> tuple[str, int]:
     return address.host, parse_port(rest.rpartition(":")[2], what=what)
 
 
-def _env_address(what: str) -> tuple[str, int]:
-    # torch reads the rendezvous address from MASTER_ADDR/MASTER_PORT.
-    host = os.environ.get("MASTER_ADDR", "")
+def _env_address(method: str, what: str) -> tuple[str, int]:
+    host = os.environ.get("MASTER_ADDR", "")  # read, never written, as torch does
     port_text = os.environ.get("MASTER_PORT", "")
     if not host or not port_text:
         raise ShmCollectiveError(
-            f"{what} takes the address from MASTER_ADDR and MASTER_PORT, but "
-            f"MASTER_ADDR={quoted(host)}, MASTER_PORT={quoted(port_text)}; set both, "
-            f"or use a tcp://host:port init method"
+            f"{what} reads MASTER_ADDR={quoted(host)} and MASTER_PORT="
+            f"{quoted(port_text)}: set both, or use a tcp://host:port init method"
         )
     port = parse_port(port_text, what="MASTER_PORT")
-    # NetworkAddress drops an IPv6 MASTER_ADDR's brackets, as upstream does.
-    return NetworkAddress(host, port).host, port
+    return NetworkAddress(host, port).host, port  # an IPv6 address's [] dropped
 
 
 def _file_address(method: str, what: str) -> tuple[str, int]:
-    # The path torch's _file_rendezvous_handler opens, as it is (file://tmp/x is
-    # /x): the same for every rank, whatever its working directory.
+    # The path torch opens (file://tmp/x is /x), whatever each rank's working dir.
     path = urlparse(method).path
     if not path:
         raise ShmCollectiveError(f"{what} names no file; expected 'file:///path'")
@@ -119,14 +89,13 @@ def _file_address(method: str, what: str) -> tuple[str, int]:
     return f"file.{digest[:16]}", 0
 
 
+_SCHEMES = {"tcp": _tcp_address, "env": _env_address, "file": _file_address}
+
+
 @dataclasses.dataclass(frozen=True)
 class ShmNamespace:
-    """Names one engine's (one pipeline stage's) shared-memory segments.
-
-    ``addr``/``port`` come from the engine's init address (``port`` 0: not over TCP);
-    ``uid`` is the real user id the kernel puts in the name; ``pp_rank`` > 0 gives
-    each pipeline stage its own segments (stage 0 keeps the released kernel's names).
-    """
+    """One engine stage's segments: its init address (port 0: not TCP), the uid the
+    kernel names, and ``pp_rank`` (stage 0 keeps the released kernel's names)."""
 
     addr: str
     port: int
@@ -138,12 +107,12 @@ class ShmNamespace:
         if not isinstance(self.addr, str) or not self.addr:
             raise ShmCollectiveError(f"{what}: expected a host name or address")
         if not _ADDR_RE.fullmatch(self.addr):
-            bad = sorted({c for c in self.addr if not _ADDR_RE.fullmatch(c)})
+            bad = "".join(sorted(set(_ADDR_RE.sub("", self.addr))))
             raise ShmCollectiveError(
-                f"{what} contains {quoted(''.join(bad))}; only letters, digits and "
-                f". _ - : % are allowed in a /dev/shm segment name"
+                f"{what} contains {quoted(bad)}; only letters, digits and . _ - : % "
+                f"are allowed in a /dev/shm segment name"
             )
-        check_int("ShmNamespace.port", self.port, 0, _MAX_PORT)
+        check_int("ShmNamespace.port", self.port, 0, 65535)
         check_int("ShmNamespace.uid", self.uid, 0, 2**32 - 1)
         check_int("ShmNamespace.pp_rank", self.pp_rank, 0, MAX_RANK)
         longest = len(self.segment_name(MAX_RANK))
@@ -154,45 +123,29 @@ class ShmNamespace:
             )
 
     @classmethod
-    def from_init_method(
-        cls, method: str, *, uid: Optional[int] = None, pp_rank: int = 0
-    ) -> "ShmNamespace":
-        """The namespace of the engine whose init method is ``method``.
-
-        ``tcp://host:port`` and ``tcp://[ipv6]:port`` give ``(host, port)``; ``env://``
-        reads (never writes) ``MASTER_ADDR``/``MASTER_PORT``, as torch does;
-        ``file:///path`` gives ``file.<16 hex of sha256(path)>`` and port 0.
-        """
+    def from_init_method(cls, method: str, *, pp_rank: int = 0) -> ShmNamespace:
+        """tcp://host:port, tcp://[ipv6]:port, env:// (MASTER_*) or file:///path."""
         what = f"dist_init_method={quoted(method)}"
-        if not isinstance(method, str) or not method.strip():
-            raise ShmCollectiveError(f"{what}: expected {_ALL_FORMS}")
-        method = method.strip()
-        scheme = method.split("://", 1)[0].lower() if "://" in method else ""
-        if scheme == "tcp":
-            host, port = _tcp_address(method, what=what)
-        elif scheme == "env":
-            host, port = _env_address(what)
-        elif scheme == "file":
-            host, port = _file_address(method, what)
-        else:
-            raise ShmCollectiveError(
-                f"{what}: unsupported scheme; expected {_ALL_FORMS}"
-            )
-        uid = os.getuid() if uid is None else uid
+        method = method.strip() if isinstance(method, str) else ""
+        scheme, sep, _ = method.partition("://")
+        address = _SCHEMES.get(scheme.lower()) if sep else None
+        if address is None:
+            problem = "unsupported scheme; " if method else ""
+            raise ShmCollectiveError(f"{what}: {problem}expected {_ALL_FORMS}")
+        host, port = address(method, what)
         try:
-            return cls(addr=host, port=port, uid=uid, pp_rank=pp_rank)
+            return cls(addr=host, port=port, pp_rank=pp_rank)
         except ShmCollectiveError as exc:
             raise ShmCollectiveError(f"{what}: {exc}") from None
 
     @property
-    def kernel_addr(self) -> str:  # MASTER_ADDR for the released kernel
-        stage = f"{_STAGE_MARK}{self.pp_rank}" if self.pp_rank else ""
-        return self.addr + stage
+    def kernel_addr(self) -> str:
+        """MASTER_ADDR for the released kernel ("@pp" is in no host or address)."""
+        return f"{self.addr}@pp{self.pp_rank}" if self.pp_rank else self.addr
 
     @property
     def prefix(self) -> str:
-        """Every segment name of this namespace is ``prefix + "_" + rank``."""
-        return f"{SHM_SEGMENT_PREFIX}_{self.uid}_{self.kernel_addr}_{self.port}"
+        return f"deepspeed_allreduce_buffer_{self.uid}_{self.kernel_addr}_{self.port}"
 
     def segment_name(self, rank: int) -> str:
         return f"{self.prefix}_{check_int('rank', rank, 0, MAX_RANK)}"

@@ -13,15 +13,15 @@ register_cpu_ci(est_time=2, suite="base-a-test-cpu")
 
 class TestShmNamespace(unittest.TestCase):
     def test_two_engines_on_one_host_never_share_a_segment_name(self):
-        first = ShmNamespace.from_init_method("tcp://127.0.0.1:29500", uid=1000)
-        second = ShmNamespace.from_init_method("tcp://127.0.0.1:29600", uid=1000)
+        first = ShmNamespace.from_init_method("tcp://127.0.0.1:29500")
+        second = ShmNamespace.from_init_method("tcp://127.0.0.1:29600")
         self.assertEqual((first.addr, first.port), ("127.0.0.1", 29500))
         self.assertNotEqual(first.segment_name(0), second.segment_name(0))
 
     def test_env_init_reads_master_addr_from_the_environment(self):
         environ = {"MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29501"}
         with mock.patch.dict(os.environ, environ):
-            namespace = ShmNamespace.from_init_method("env://", uid=0)
+            namespace = ShmNamespace.from_init_method("env://")
         self.assertEqual((namespace.addr, namespace.port), ("10.0.0.7", 29501))
 
     def test_an_address_a_segment_name_cannot_hold_is_refused_with_the_fix(self):
