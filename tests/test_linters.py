@@ -22,7 +22,7 @@ def test_sglangs_black_isort_and_codespell_find_nothing():
 def test_a_finding_fails_the_check(tmp_path):
     python = tmp_path / "python"
     shutil.copytree(REPO / "python", python)
-    module = python / "sglang" / "srt" / "placement" / "policy.py"
+    module = python / "sglang" / "srt" / "placement" / "settings.py"
     module.write_text(
         module.read_text() + "\nimport os,sys  # an unsorted, unformatted lien\n"
     )
@@ -30,7 +30,7 @@ def test_a_finding_fails_the_check(tmp_path):
     assert done.returncode == 1
     for needle in (
         "would reformat",
-        "policy.py",
+        "settings.py",
         "Imports are incorrectly sorted",
         "lien ==> line",
     ):

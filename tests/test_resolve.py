@@ -14,10 +14,8 @@ from conftest import setting
 from sglang.srt.environ import envs
 from sglang.srt.placement import settings
 from sglang.srt.placement.numactl import NumactlProber
-from sglang.srt.placement.plan import place_gpu_id
-from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.resolve import HostCapabilities, HostFacts
-from sglang.srt.placement.settings import SettingError
+from sglang.srt.placement.resolve import HostCapabilities, HostFacts, place_gpu_id
+from sglang.srt.placement.settings import PlacementPolicy, SettingError
 from sglang.srt.placement.topology import read_topology
 from sglang.srt.placement.types import (
     Cpu,
@@ -692,7 +690,7 @@ def test_rank_identity_label():
 
 
 def test_a_gpu_id_probes_only_its_own_options(two_sockets, monkeypatch):
-    from sglang.srt.placement.plan import place_gpu_id
+    from sglang.srt.placement.resolve import place_gpu_id
 
     fake = AcceptAll()
     facts = HostFacts(

@@ -455,7 +455,7 @@ def test_configure_subprocess_starts_a_gpu_on_its_share_of_the_node(
     GPU 1 (exclusive) and GPU 2 (core-complex) runs under that GPU's share alone."""
     import fakesys
 
-    from sglang.srt.placement import topology
+    from sglang.srt.placement import resolve
     from sglang.srt.placement.types import ProcessAffinity
 
     shape = fakesys.Shape(
@@ -468,7 +468,7 @@ def test_configure_subprocess_starts_a_gpu_on_its_share_of_the_node(
     monkeypatch.setenv("SGLANG_NUMA_AFFINITY_MODE", mode)
     # This host has 2 CPUs and one node; the process may use every CPU of the tree.
     monkeypatch.setattr(
-        topology,
+        resolve,
         "read_process_affinity",
         lambda: ProcessAffinity(
             cpus=frozenset(range(16)), mems=frozenset({0, 1}), source="test"

@@ -202,7 +202,7 @@ def test_kernel_without_numa(tmp_path):
 
 
 def test_real_sysfs_of_this_host():
-    topology = read_topology()
+    topology = read_topology("/sys")
     assert topology.root == "/sys"
     node_dirs = sorted(
         int(name[4:])
@@ -227,7 +227,7 @@ def test_real_sysfs_of_this_host():
 def test_process_affinity_of_this_process():
     affinity = read_process_affinity()
     assert affinity.cpus == frozenset(os.sched_getaffinity(0))
-    assert affinity.mems and affinity.mems <= set(read_topology().node_ids)
+    assert affinity.mems and affinity.mems <= set(read_topology("/sys").node_ids)
     assert affinity.source == "this process"
 
 

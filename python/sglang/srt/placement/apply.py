@@ -1,8 +1,7 @@
-"""The one failure policy, and the one in-process bind, for launchers that cannot exec
-a rank under numactl and for upstream's ``numa_bind_to_node``. Every running thread
-is moved (an import's pool would stay unbound) and touched pages migrate (late binding
-leaves them where they are); the memory policy holds for the calling thread and those
-it starts: bind first thing."""
+"""The one failure policy, and the one in-process bind, for launchers that cannot exec a
+rank under numactl and for upstream's ``numa_bind_to_node``. Every thread moves (an
+import's pool would stay unbound) and touched pages migrate (a late bind leaves them in
+place); the memory policy holds for the caller and threads it starts: bind first."""
 
 from __future__ import annotations
 
@@ -26,10 +25,7 @@ logger = logging.getLogger(__name__)
 
 TASKS_DIR = "/proc/self/task"
 _MAX_THREAD_PASSES = 5
-_CRASH_HINT = (
-    ". SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1 makes this fatal; fix the cause, or "
-    "unset it to run with the weaker binding."
-)
+_CRASH_HINT = ". Fix it, or unset SGLANG_CRASH_ON_NUMA_BIND_FAILURE to run less bound."
 
 
 def handle_bind_failure(
@@ -50,8 +46,7 @@ def enforce_failure_policy(
     if placement.degraded:
         weaker = f"bound less tightly than planned: {reasons}"
         unbound = f"{reasons}; skipping NUMA binding for {who}."
-        message = f"{who}: {weaker if placement.bound else unbound}"
-        handle_bind_failure(message, log=log)
+        handle_bind_failure(f"{who}: {weaker if placement.bound else unbound}", log=log)
 
 
 @dataclass(frozen=True)
@@ -72,8 +67,7 @@ class BindOutcome:
         parts.append(memory if self.mem_nodes else "memory policy unchanged")
         if self.pages_not_migrated is not None:
             parts.append(f"pages migrated ({self.pages_not_migrated} not moved)")
-        label = self.placement.label
-        return f"{label}: " + "; ".join([", ".join(parts), *self.notes])
+        return f"{self.placement.label}: " + "; ".join([", ".join(parts), *self.notes])
 
 
 def bind_in_process(placement: ProcessPlacement) -> BindOutcome:
@@ -100,8 +94,8 @@ def bind_in_process(placement: ProcessPlacement) -> BindOutcome:
             else:
                 degrade(
                     f"cpu affinity {format_cpulist(placement.cpus)} not applied "
-                    f"({refusal}); the CPUs may be offline or outside this "
-                    "process's cpuset"
+                    f"({refusal}); the CPUs may be offline or outside this process's "
+                    "cpuset"
                 )
         if lib is not None:
             policy, nodes = _set_memory_policy(placement, lib, degrade)
@@ -142,33 +136,26 @@ def _set_memory_policy(
     placement: ProcessPlacement, lib: LibNuma, degrade: Callable[[str], None]
 ) -> tuple[MemPolicy, frozenset[int]]:
     # A bound placement always names its node, which its memory nodes hold.
-    nodes, preferred = placement.mem_nodes, placement.numa_node
+    nodes, node = placement.mem_nodes, placement.numa_node
     where = ("node " if len(nodes) == 1 else "nodes ") + format_cpulist(nodes)
-    steps = {
-        MemPolicy.BIND: (
-            lambda: lib.set_membind(nodes),
-            f"membind to {where} rejected by the kernel ({{}}): falling back to "
-            f"preferred node {preferred}",
-        ),
-        MemPolicy.PREFERRED: (
-            lambda: lib.set_preferred(preferred),
-            f"preferred node {preferred} rejected by the kernel ({{}}): CPU binding "
-            "only",
-        ),
-    }
 
     def attempt(policy: MemPolicy) -> Optional[str]:
-        if policy not in steps:
-            return None  # leaving the policy alone always works
-        call, lost = steps[policy]
         try:
-            call()
+            if policy is MemPolicy.BIND:
+                lib.set_membind(nodes)
+            elif policy is MemPolicy.PREFERRED:
+                lib.set_preferred(node)
+            return None  # accepted (NONE leaves the policy alone)
         except OSError as exc:
             why = f"{errno.errorcode.get(exc.errno or 0, '')} {exc.strerror or exc}"
-            degrade(lost.format(why.strip()))  # may raise: nothing weaker is tried
-            return why
-        return None
+        if policy is MemPolicy.BIND:
+            lost, now = f"membind to {where}", f"falling back to preferred node {node}"
+        else:
+            lost, now = f"preferred node {node}", "CPU binding only"
+        # Under the crash setting this raises: nothing weaker is tried.
+        degrade(f"{lost} rejected by the kernel ({why.strip()}): {now}")
+        return why
 
     got, _ = descend(placement.mem_policy, attempt)
-    kept = {MemPolicy.BIND: nodes, MemPolicy.PREFERRED: frozenset([preferred])}
+    kept = {MemPolicy.BIND: nodes, MemPolicy.PREFERRED: frozenset([node])}
     return got, kept.get(got, frozenset())

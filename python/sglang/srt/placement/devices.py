@@ -1,5 +1,4 @@
 """The physical accelerator, and PCI address, that a rank's logical device index names.
-
 Drivers are asked only through an ``AcceleratorRuntime`` (NVML, optional), never torch:
 its CUDA initialisation in a launcher breaks the children it forks later."""
 
@@ -46,7 +45,6 @@ class AcceleratorRuntime(Protocol):
     name: str
 
     def pci_by_index(self, index: int) -> Optional[str]: ...
-
     def pci_by_uuid(self, uuid: str) -> Optional[str]: ...
 
 
@@ -95,7 +93,6 @@ def _text(value: Any) -> str:
 
 
 def is_live(topology: HostTopology) -> bool:
-    """Whether ``topology`` is this host's own /sys (not a snapshot or a fake)."""
     return os.path.realpath(topology.root) == "/sys"
 
 
@@ -103,7 +100,6 @@ def is_live(topology: HostTopology) -> bool:
 def open_runtime(
     device: str, topology: HostTopology
 ) -> Iterator[Optional[AcceleratorRuntime]]:
-    """NVML for CUDA on this host's own /sys if it starts (shut down after); or None."""
     runtime = None
     if device == "cuda" and is_live(topology):
         try:
@@ -183,7 +179,6 @@ def identify_accelerators(
 def _locate(
     acc: Accelerator, runtime: Optional[AcceleratorRuntime], order: _Order
 ) -> Accelerator:
-    """``acc`` with its address from ``runtime``, else sysfs order; how, or why not."""
     text, origin, name = acc.physical_id, f"({acc.source})", runtime and runtime.name
     made = functools.partial(dataclasses.replace, acc)
     if not text.isdigit():  # a UUID: only a runtime knows its address

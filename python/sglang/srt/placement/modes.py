@@ -42,6 +42,9 @@ class AffinityMode(enum.StrEnum):
     def idle_on_one_node(self) -> bool:  # binding all of a one-node host cannot help
         return self is AffinityMode.NODE
 
+    def share(self, gpu: GpuNode) -> Share:  # what this mode gives the GPU
+        return _MODES[self](gpu)
+
 
 @dataclass(frozen=True)
 class GpuNode:  # a GPU placed on ``node``: what a mode decides from
@@ -59,10 +62,6 @@ class Share:
     reasons: tuple[str, ...] = ()
     degraded: bool = False
     whole: bool = False  # every CPU of ``nodes``: numactl's --cpunodebind
-
-
-def share_of(mode: AffinityMode, gpu: GpuNode) -> Share:
-    return _MODES[mode](gpu)
 
 
 def _whole(gpu: GpuNode, nodes: tuple[NumaNode, ...], *reasons: str) -> Share:
@@ -93,16 +92,9 @@ def _socket(gpu: GpuNode) -> Share:
     return _whole(gpu, nodes, why)
 
 
-def _node_gpus(gpu: GpuNode) -> list[str]:
-    """The node's GPUs in PCI order (one of unknown node counts for the only node
-    with CPUs, as the node choice does)."""
-    cpu_nodes = gpu.topology.cpu_nodes
-    only = cpu_nodes[0].node_id if len(cpu_nodes) == 1 else None
-    return [
-        dev.address
-        for dev in accelerator_pci_devices(gpu.topology, device=gpu.device)
-        if (only if dev.numa_node is None else dev.numa_node) == gpu.node.node_id
-    ]
+def _node_gpus(gpu: GpuNode) -> list[str]:  # in PCI order
+    devices = accelerator_pci_devices(gpu.topology, device=gpu.device)
+    return [d.address for d in devices if gpu.topology.node_of(d) == gpu.node.node_id]
 
 
 def _shared(
@@ -140,10 +132,8 @@ def _whole_node(node: Share, why: str) -> Share:
 def _l3_group(gpu: GpuNode, node: Share, gets: str, index: int, count: int) -> Share:
     infos = [gpu.topology.cpu(cpu_id) for cpu_id in sorted(node.cpus)]
     if any(info is None or info.l3_cpus is None for info in infos):
-        why = (
-            f"sysfs has no L3 groups (cache/index3) for node {gpu.node.node_id}'s CPUs"
-        )
-        return _whole_node(node, f"core-complex mode: {why}")
+        why = f"no L3 groups (cache/index3) for node {gpu.node.node_id}'s CPUs"
+        return _whole_node(node, f"core-complex mode: sysfs has {why}")
     groups = sorted({info.l3_cpus & node.cpus for info in infos}, key=min)
     chosen = index % len(groups)
     reasons = (f"{gets} L3 group {chosen + 1} of {len(groups)}",)
@@ -158,14 +148,7 @@ def _l3_group(gpu: GpuNode, node: Share, gets: str, index: int, count: int) -> S
 def _core_slice(gpu: GpuNode, node: Share, gets: str, index: int, count: int) -> Share:
     """A contiguous slice of whole cores, sizes as even as possible; GPUs beyond the
     cores split SMT siblings, then share CPUs."""
-    cores: list[frozenset[int]] = []
-    seen: set[int] = set()
-    for cpu_id in sorted(node.cpus):
-        if cpu_id not in seen:
-            info = gpu.topology.cpu(cpu_id)
-            siblings = info.thread_siblings if info else frozenset()
-            cores.append((siblings & node.cpus) | {cpu_id})
-            seen |= cores[-1]
+    cores = sorted({gpu.topology.core_of(c) & node.cpus for c in node.cpus}, key=min)
     reasons = node.reasons + (
         f"{gets} slice {index + 1} of the node's {len(cores)} allowed cores",
     )

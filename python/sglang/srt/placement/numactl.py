@@ -8,12 +8,13 @@ import shutil
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from subprocess import DEVNULL, PIPE, TimeoutExpired
+from typing import Collection, Iterable, Optional, Sequence
 
 from sglang.srt.placement.cpulist import format_cpulist
 from sglang.srt.placement.types import MemPolicy, descend
 
-PROBE_TIMEOUT_S = 10.0
+TIMEOUT_S = 10.0
 _FALLBACK = {
     MemPolicy.PREFERRED: ("hard memory binding", "soft preferred policy"),
     MemPolicy.NONE: ("memory binding", "CPU-only binding"),
@@ -44,13 +45,9 @@ def run_numactl(argv: Sequence[str]) -> Optional[str]:
     """None when ``argv`` ran and exited 0; else why not, in numactl's words."""
     try:
         done = subprocess.run(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            timeout=PROBE_TIMEOUT_S,
+            list(argv), stdin=DEVNULL, stdout=DEVNULL, stderr=PIPE, timeout=TIMEOUT_S
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except (OSError, TimeoutExpired) as exc:
         return f"{argv[0]} could not be run: {exc}"
     if done.returncode == 0:
         return None
@@ -85,8 +82,7 @@ class NumactlProber:
         key = tuple(args)
         with self._lock:
             if key not in self._results:
-                argv = [self.numactl_path, *key, self._true]
-                self._results[key] = run_numactl(argv)
+                self._results[key] = run_numactl([self.numactl_path, *key, self._true])
             return self._results[key]
 
     def ladder(
@@ -94,15 +90,14 @@ class NumactlProber:
         *,
         cpu_args: Sequence[str],
         mem_policy: MemPolicy,
-        mem_nodes: Iterable[int],
+        mem_nodes: Collection[int],
         preferred_node: Optional[int],
     ) -> LadderOutcome:
         """Bind, preferred, CPUs only, from ``mem_policy`` down: the first accepted."""
-        nodes = sorted(mem_nodes)
 
         def argv(step: MemPolicy) -> tuple[str, ...]:
             memory = memory_options(
-                mem_policy=step, mem_nodes=nodes, preferred_node=preferred_node
+                mem_policy=step, mem_nodes=mem_nodes, preferred_node=preferred_node
             )
             return (*cpu_args, *memory)
 
@@ -127,7 +122,6 @@ def default_prober() -> Optional[NumactlProber]:
     path = find_numactl()
     if path is None:
         return None
+    prober = _probers.get(path) or NumactlProber(numactl_path=path)
     # setdefault is atomic: threads asking at once share one prober and its cache.
-    return _probers.get(path) or _probers.setdefault(
-        path, NumactlProber(numactl_path=path)
-    )
+    return _probers.setdefault(path, prober)

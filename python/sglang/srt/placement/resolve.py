@@ -1,18 +1,24 @@
-"""Where one rank runs: pure, from host facts and policy, blind to the other ranks, so
-a spawned child, a Ray actor and ``plan`` agree on a GPU. Then how (exec, in-process,
-V1): numactl is asked once per option set, on the rank's own host."""
+"""Where one rank runs, and how. ``place_gpu_id`` places the GPU id sglang spawns a
+scheduler with, under the visibility variables in force. Where is pure (host facts and
+policy, blind to other ranks), so a spawned child, a Ray actor and ``plan`` agree on a
+GPU; how (exec, in-process, V1) asks numactl on the rank's host, once per option set."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import Callable, ContextManager, Mapping, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
+from sglang.srt.placement.devices import (
+    AcceleratorRuntime,
+    identify_accelerators,
+    open_runtime,
+)
 from sglang.srt.placement.libnuma import load_libnuma
-from sglang.srt.placement.modes import GpuNode, share_of
+from sglang.srt.placement.modes import AffinityMode, GpuNode
 from sglang.srt.placement.numactl import NumactlProber, cpu_option, default_prober
-from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.settings import PlacementPolicy, rank_cpus, shared_cpus
 from sglang.srt.placement.topology import read_process_affinity, read_topology_cached
 from sglang.srt.placement.types import (
     Accelerator,
@@ -24,8 +30,13 @@ from sglang.srt.placement.types import (
     ProcessAffinity,
     ProcessPlacement,
     RankIdentity,
+    SettingError,
     Strategy,
 )
+
+RuntimeOpener = Callable[
+    [str, HostTopology], ContextManager[Optional[AcceleratorRuntime]]
+]
 
 
 @dataclass(frozen=True)
@@ -89,20 +100,17 @@ def choose_node(
         return Where(node, (f"node {node} from --numa-node (GPU {gpu_id})",))
     pci, gpu, source = accelerator.pci, accelerator.physical_id, accelerator.source
     if pci is None:
-        return Where(
-            None, (f"GPU {gpu_id} ({gpu}): no PCI address ({source})",), degraded=True
-        )
+        why = f"GPU {gpu_id} ({gpu}): no PCI address ({source})"
+        return Where(None, (why,), degraded=True)
     via = f"GPU {gpu_id} is {gpu} at PCI {pci} ({source})"
     device = topology.pci_device(pci)
     if device is None:
         return Where(None, (via, f"PCI {pci} is not in {topology.root}"), degraded=True)
     if device.numa_node is not None:
-        why = f"node {device.numa_node} from PCI {pci}"
-        return Where(device.numa_node, (via, why))
+        return Where(device.numa_node, (via, f"node {device.numa_node} from PCI {pci}"))
     why = f"PCI {pci} reports numa_node -1"
-    cpu_nodes = topology.cpu_nodes
-    if len(cpu_nodes) == 1 and policy.affinity_mode.shares_node:
-        only = cpu_nodes[0].node_id
+    only = topology.node_of(device)
+    if only is not None and policy.affinity_mode.shares_node:
         return Where(only, (via, f"{why}; node {only} is the only node with CPUs"))
     return Where(None, (via, f"{why} (the kernel does not know its node)"))
 
@@ -119,14 +127,12 @@ def _gpu_where(
         return choice
     node = topology.node(choice.node_id)
     if node is None or not node.cpus:
-        what = (
-            "does not exist on this host" if node is None else "has memory but no CPUs"
-        )
+        what = "has memory but no CPUs" if node else "does not exist on this host"
         why = f"node {choice.node_id} {what}"
         return Where(None, (*choice.reasons, why), degraded=True)
     pci = found.pci if found is not None else None
     gpu = GpuNode(topology, node, affinity, pci, policy.device)
-    share = share_of(policy.affinity_mode, gpu)
+    share = policy.affinity_mode.share(gpu)
     reasons = (*choice.reasons, *share.reasons)
     if not share.cpus:
         why = (
@@ -139,26 +145,21 @@ def _gpu_where(
     return Where(node.node_id, reasons, share.cpus, share.nodes, share.whole, degraded)
 
 
-def _cpu_where(
-    facts: HostFacts,
-    rank: RankIdentity,
-    policy: PlacementPolicy,
-    rank_cpus: frozenset[int],
-) -> Where:
-    """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives it, memory on the
-    nodes of those CPUs."""
-    topology = facts.topology
+def _cpu_where(facts: HostFacts, rank: RankIdentity, policy: PlacementPolicy) -> Where:
+    """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives its index
+    (``gpu_id``), memory on the nodes of those CPUs."""
+    topology, affinity = facts.topology, facts.affinity
     spec = policy.cpu_threads_bind.strip()
+    cpus = rank_cpus(spec, index=rank.gpu_id, topology=topology, affinity=affinity)
     shown = "all (one node per rank)" if spec == "all" else repr(spec)
     reasons = (
-        f"CPU rank {rank.gpu_id}: CPUs {format_cpulist(rank_cpus)} from "
+        f"CPU rank {rank.gpu_id}: CPUs {format_cpulist(cpus)} from "
         f"SGLANG_CPU_OMP_THREADS_BIND={shown}",
     )
     if not policy.bind_v2:
         why = (
             "SGLANG_NUMA_BIND_V2=0: the spawn is not bound (upstream behaviour); only "
-            "bootstrap's init_cpu_threads_env pins the OpenMP threads, on AMX or arm64 "
-            "hosts"
+            "bootstrap's init_cpu_threads_env pins OpenMP threads on AMX or arm64 hosts"
         )
         return Where(None, (*reasons, why))
     if spec == "all" and len(topology.cpu_nodes) == 1:
@@ -167,7 +168,6 @@ def _cpu_where(
             "cannot help"
         )
         return Where(None, (*reasons, why))
-    cpus = rank_cpus & facts.affinity.cpus
     counts = {n.node_id: len(n.cpus & cpus) for n in topology.nodes if n.cpus & cpus}
     if not counts:
         why = "none of these CPUs may be used by this process"
@@ -184,14 +184,12 @@ def resolve_placement(
     rank: RankIdentity,
     accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
-    cpu_rank_set: Optional[frozenset[int]] = None,
 ) -> ProcessPlacement:
-    """Where ``rank`` runs (``cpu_rank_set``: a CPU-device rank's CPUs), and how: exec
-    under the strongest numactl form the kernel accepts, else in-process (libnuma),
-    or the legacy V1 bind under SGLANG_NUMA_BIND_V2=0."""
+    """Where ``rank`` runs, and how: exec under the strongest numactl form the kernel
+    accepts, else in-process (libnuma), or V1's bind under SGLANG_NUMA_BIND_V2=0."""
     pci = accelerator.pci if accelerator is not None else None
     if policy.device == "cpu":
-        where = _cpu_where(facts, rank, policy, cpu_rank_set)
+        where = _cpu_where(facts, rank, policy)
     else:
         where = _gpu_where(facts, rank, accelerator, policy)
     placed = ProcessPlacement(
@@ -218,8 +216,7 @@ def resolve_placement(
 def _how(
     placed: ProcessPlacement, where: Where, *, facts: HostFacts, policy: PlacementPolicy
 ) -> ProcessPlacement:
-    """The strategy, and the memory policy it can apply, for a placement that wants
-    BIND on its memory nodes (NONE without any)."""
+    """How ``placed`` (BIND on its memory nodes, NONE without any) is applied."""
     if not policy.bind_v2:
         why = (
             "SGLANG_NUMA_BIND_V2=0: legacy V1 bind inside the child "
@@ -227,56 +224,42 @@ def _how(
         )
         mem = MemPolicy.PREFERRED if placed.mem_nodes else MemPolicy.NONE
         return _applied(placed, Strategy.V1, mem, why)
-    numactl = facts.capabilities.numactl
-    if not policy.exec_supported:
+    if policy.launcher is Launcher.RAY:  # Ray starts the actor: it binds itself
         why = f"the {policy.launcher} launcher cannot start this rank under numactl"
-    elif numactl is None:
-        why = "numactl is not installed"
-    else:
-        execed = _exec(placed, where, numactl)
-        if isinstance(execed, ProcessPlacement):
-            return execed
-        why = execed
-    # A Ray actor binds itself once started; sglang's spawned child runs only sglang's
-    # own code, so nothing there would apply an in-process bind.
-    if policy.launcher != Launcher.RAY:
-        only = f"the {policy.launcher} launcher binds only by exec: running unbound"
-        reasons = (*placed.reasons, why, only)
-        return ProcessPlacement(
-            placed.rank,
-            placed.pci,
-            reasons=reasons,
-            launcher=policy.launcher,
-            degraded=True,
-        )
-    if facts.capabilities.libnuma:
-        how = "in-process bind with libnuma"
-        return _applied(placed, Strategy.IN_PROCESS, placed.mem_policy, why, how)
-    how = "libnuma is not available: in-process CPU affinity only"
-    return _applied(placed, Strategy.IN_PROCESS, MemPolicy.NONE, why, how)
+        if facts.capabilities.libnuma:
+            how = "in-process bind with libnuma"
+            return _applied(placed, Strategy.IN_PROCESS, placed.mem_policy, why, how)
+        how = "libnuma is not available: in-process CPU affinity only"
+        return _applied(placed, Strategy.IN_PROCESS, MemPolicy.NONE, why, how)
+    return _exec(placed, where, facts.capabilities.numactl)
 
 
 def _exec(
-    placed: ProcessPlacement, where: Where, numactl: NumactlProber
-) -> Union[ProcessPlacement, str]:
-    """Under the strongest numactl form the kernel accepts, or why none."""
-    node = placed.numa_node
-    whole = tuple(n.node_id for n in where.nodes) if where.whole else None
-    outcome = numactl.ladder(
-        cpu_args=(cpu_option(cpus=placed.cpus, whole_nodes=whole),),
-        mem_policy=placed.mem_policy,
-        mem_nodes=placed.mem_nodes,
-        preferred_node=node if placed.mem_nodes else None,
-    )
-    if outcome.ok:
-        how = f"exec under numactl {' '.join(outcome.args)}"
-        got, args = outcome.mem_policy, outcome.args
-        return _applied(placed, Strategy.EXEC, got, *outcome.reasons, how, args=args)
-    return (
-        f"numactl could not apply NUMA binding for node {node} (e.g. "
-        "set_mempolicy/sched_setaffinity blocked by seccomp, or cpuset rejects "
-        f"the policy): {outcome.reasons[0]}"
-    )
+    placed: ProcessPlacement, where: Where, numactl: Optional[NumactlProber]
+) -> ProcessPlacement:
+    """Under the strongest numactl form the kernel accepts, else unbound: sglang's
+    spawned child runs only sglang's code, so nothing there would bind in-process."""
+    why = "numactl is not installed"
+    if numactl is not None:
+        whole = tuple(n.node_id for n in where.nodes) if where.whole else None
+        outcome = numactl.ladder(
+            cpu_args=(cpu_option(cpus=placed.cpus, whole_nodes=whole),),
+            mem_policy=placed.mem_policy,
+            mem_nodes=placed.mem_nodes,
+            preferred_node=placed.numa_node if placed.mem_nodes else None,
+        )
+        if outcome.ok:
+            got, args = outcome.mem_policy, outcome.args
+            how = (*outcome.reasons, f"exec under numactl {' '.join(args)}")
+            return _applied(placed, Strategy.EXEC, got, *how, args=args)
+        why = (
+            f"numactl could not apply NUMA binding for node {placed.numa_node} (e.g. "
+            "set_mempolicy/sched_setaffinity blocked by seccomp, or cpuset rejects "
+            f"the policy): {outcome.reasons[0]}"
+        )
+    only = f"the {placed.launcher} launcher binds only by exec: running unbound"
+    unbound = ProcessPlacement(placed.rank, placed.pci, launcher=placed.launcher)
+    return replace(unbound, reasons=(*placed.reasons, why, only), degraded=True)
 
 
 def _applied(
@@ -299,3 +282,81 @@ def _applied(
         degraded=placed.degraded
         or (mem != placed.mem_policy and strategy != Strategy.V1),
     )
+
+
+def _identify(
+    gpu_id: int,
+    device: str,
+    topology: HostTopology,
+    env: Mapping[str, str],
+    runtime: RuntimeOpener = open_runtime,
+) -> Accelerator:
+    with runtime(device, topology) as opened:
+        return identify_accelerators(
+            device=device, topology=topology, env=env, gpu_ids=[gpu_id], runtime=opened
+        )[0]
+
+
+def device_node(
+    gpu_id: int, *, device: str, topology: HostTopology, env: Mapping[str, str]
+) -> Where:
+    """Upstream's question: the node of ``gpu_id``'s device (None: no node, and why)."""
+    try:
+        found = _identify(gpu_id, device, topology, env)
+    except SettingError as exc:
+        return Where(None, (str(exc),))
+    policy = PlacementPolicy(launcher=Launcher.MP, device=device)
+    return choose_node(topology, RankIdentity(gpu_id=gpu_id), found, policy)
+
+
+def _why_unbound(policy: PlacementPolicy, topology: HostTopology) -> Optional[str]:
+    listed = policy.numa_nodes is not None
+    if policy.device not in ("cuda", "xpu"):
+        return f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"
+    if not listed and not policy.auto_numa_bind:
+        return "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
+    if not listed and policy.affinity_mode.idle_on_one_node:
+        if len(topology.cpu_nodes) < 2:
+            shared = " and ".join(mode for mode in AffinityMode if mode.shares_node)
+            return (
+                "this host has one NUMA node with CPUs: node binding cannot help "
+                f"({shared} modes still share it out between its GPUs)"
+            )
+    return None
+
+
+def place_gpu_id(
+    gpu_id: int,
+    *,
+    policy: PlacementPolicy,
+    facts: HostFacts,
+    env: Mapping[str, str],
+    rank: Optional[RankIdentity] = None,
+    runtime: RuntimeOpener = open_runtime,
+) -> ProcessPlacement:
+    """Where the scheduler spawned with ``gpu_id`` (a CPU rank's numa_index) runs,
+    under the ``env`` it inherits; ``runtime`` opens what names physical devices."""
+    rank = replace(rank or RankIdentity(), gpu_id=gpu_id)
+    if policy.device == "cpu":
+        placed = resolve_placement(
+            facts=facts, rank=rank, accelerator=None, policy=policy
+        )
+        note = shared_cpus(policy.cpu_threads_bind, index=gpu_id)
+        return placed if not note else noted(placed, note)
+    why = _why_unbound(policy, facts.topology)
+    if why is not None:
+        return ProcessPlacement(rank, reasons=(why,), launcher=policy.launcher)
+    try:
+        found = _identify(gpu_id, policy.device, facts.topology, env, runtime)
+    except SettingError as exc:
+        if policy.numa_nodes is None:
+            why = f"GPU {gpu_id} cannot be identified: {exc}"
+            return ProcessPlacement(
+                rank, reasons=(why,), launcher=policy.launcher, degraded=True
+            )
+        found = None  # the --numa-node list needs no device
+    return resolve_placement(facts=facts, rank=rank, accelerator=found, policy=policy)
+
+
+def noted(placement: ProcessPlacement, note: str) -> ProcessPlacement:
+    return replace(placement, reasons=(note, *placement.reasons))

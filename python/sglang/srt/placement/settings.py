@@ -1,27 +1,37 @@
-"""Every environment variable placement reads, each read here once; what upstream's
-``EnvStr`` fields hand over unchecked is validated."""
+"""What the user decides about placement: each environment variable, read here once
+(what upstream's ``EnvStr`` fields hand over unchecked is validated), the policy they
+make with ServerArgs, and each rank's CPUs under SGLANG_CPU_OMP_THREADS_BIND."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 from sglang.srt.environ import envs
+from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.modes import AffinityMode
-from sglang.srt.placement.types import SettingError
+from sglang.srt.placement.types import (
+    HostTopology,
+    Launcher,
+    ProcessAffinity,
+    SettingError,
+)
 
-__all__ = ["SettingError"]
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
-# Which physical device a logical index names, and in which order: read as the rank's
-# own environment, which a launcher may change for the child (one visible device).
+# Which device an index names: read as the rank's own, which its launcher may change.
 DEVICE_VARS = (
     "CUDA_VISIBLE_DEVICES",
     "CUDA_DEVICE_ORDER",
     "ZE_AFFINITY_MASK",
     "ZE_ENABLE_PCI_ID_DEVICE_ORDER",
 )
-
-
 VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
+# Its groups bound rank index ``gpu_id``, which counts across sglang-router's workers.
+_OMP = "SGLANG_CPU_OMP_THREADS_BIND"
+_MODE_SETTING = "SGLANG_NUMA_AFFINITY_MODE / --numa-affinity-mode"
 
 
 def bind_v2() -> bool:
@@ -65,6 +75,110 @@ def sysfs_root() -> str:
     return value
 
 
-def device_env() -> dict[str, str]:
-    """This process's device-visibility variables (those set)."""
+def device_env() -> dict[str, str]:  # this process's device-visibility variables
     return {name: os.environ[name] for name in DEVICE_VARS if name in os.environ}
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    launcher: Launcher
+    device: str
+    bind_v2: bool = True
+    auto_numa_bind: bool = True
+    affinity_mode: AffinityMode = AffinityMode.NODE
+    numa_nodes: Optional[tuple[int, ...]] = None
+    cpu_threads_bind: str = "all"  # read (and checked) only for the CPU device
+
+    def __post_init__(self) -> None:  # callers may name the enums by their values
+        if self.launcher not in tuple(Launcher):
+            choices = ", ".join(Launcher)
+            raise ValueError(f"launcher {self.launcher!r} is not one of {choices}")
+        object.__setattr__(self, "launcher", Launcher(self.launcher))
+        mode = AffinityMode.parse(self.affinity_mode, setting=_MODE_SETTING)
+        object.__setattr__(self, "affinity_mode", mode)
+
+    @classmethod
+    def from_env(
+        cls, server_args: "ServerArgs", *, launcher: Launcher
+    ) -> "PlacementPolicy":
+        # Upstream's helpers promise to read only these fields: any object will do.
+        device = getattr(server_args, "device", None) or "cuda"
+        numa_nodes = getattr(server_args, "numa_node", None)
+        return cls(
+            launcher=launcher,
+            device=device,
+            bind_v2=bind_v2(),
+            auto_numa_bind=auto_numa_bind(),
+            # Checked on every host: a typo never waits for the host where it matters.
+            affinity_mode=affinity_mode(),
+            numa_nodes=tuple(numa_nodes) if numa_nodes is not None else None,
+            cpu_threads_bind=cpu_threads_bind() if device == "cpu" else "all",
+        )
+
+
+def rank_cpus(
+    spec: str, *, index: int, topology: HostTopology, affinity: ProcessAffinity
+) -> frozenset[int]:
+    if spec.strip() == "all":
+        nodes = topology.cpu_nodes
+        if 0 <= index < len(nodes):
+            return nodes[index].cpus & affinity.cpus
+        raise SettingError(
+            f"{_OMP}=all gives each rank one NUMA node, but rank index {index} "
+            f"has none: this host has {len(nodes)} node(s) with CPUs; use fewer "
+            f"ranks, or {_one_per_rank(topology, index)}"
+        )
+    groups = spec.strip().split("|")
+    if not 0 <= index < len(groups):
+        raise SettingError(
+            f"{_OMP}={spec!r} has {len(groups)} group(s) but rank index {index} "
+            f"needs one more: {_one_per_rank(topology, index)}"
+        )
+    group, cpus = f"{_OMP}: group {index} {groups[index]!r}", _cpus(groups[index])
+    if cpus is None:
+        raise SettingError(f"{group} is not a cpulist; expected ranges such as '0-3,8'")
+    if not cpus:
+        raise SettingError(f"{_OMP}: group {index} is empty; every rank needs a CPU")
+    online, allowed = topology.online_cpus, affinity.cpus
+    if not cpus <= online:
+        raise SettingError(
+            f"{group} names CPU(s) {format_cpulist(cpus - online)} that are not "
+            f"online on this host (online: {format_cpulist(online)})"
+        )
+    if not cpus <= allowed:
+        raise SettingError(
+            f"{group} names CPU(s) {format_cpulist(cpus - allowed)} that this "
+            f"process may not use ({affinity.source} allows {format_cpulist(allowed)})"
+        )
+    return cpus
+
+
+def shared_cpus(spec: str, *, index: int) -> Optional[str]:
+    """A note when group ``index`` shares CPUs with another, as upstream allows."""
+    groups = [_cpus(part) or frozenset() for part in spec.strip().split("|")]
+    mine = groups[index] if 0 <= index < len(groups) else frozenset()
+    for other, cpus in enumerate(groups):
+        if other != index and mine & cpus:
+            return (
+                f"{_OMP}: group {index} shares CPU(s) {format_cpulist(mine & cpus)} "
+                f"with group {other}, so those ranks compete for them"
+            )
+    return None
+
+
+def _cpus(part: str) -> Optional[frozenset[int]]:
+    try:
+        return parse_cpulist(part)
+    except ValueError:
+        return None
+
+
+def _one_per_rank(topology: HostTopology, index: int) -> str:
+    cpus = sorted(topology.online_cpus)
+    per = max(len(cpus) // (index + 1), 1)
+    chunks = (cpus[i * per : (i + 1) * per] or cpus[-1:] for i in range(index + 1))
+    example = "|".join(map(format_cpulist, chunks))
+    return (
+        "give one '|'-separated cpulist per rank (dp_size x tp_size x pp_size, across "
+        f"all data-parallel workers), e.g. {_OMP}='{example}'"
+    )

@@ -24,13 +24,12 @@ SNAPSHOT_MARKER = "sglang-placement-snapshot.json"
 SNAPSHOT_FORMAT = 1
 _CAPTURE = "python -m sglang.srt.placement_tools capture DIR"
 _TREE = f"a sysfs tree (the live /sys, or a snapshot made with `{_CAPTURE}`)"
-LIVE_SYSFS = "/sys"
 CPU_ONLINE = "devices/system/cpu/online"
 NODE_DIR = "devices/system/node"
 PCI_DIR = "bus/pci/devices"
 MAX_FILE_BYTES = 64 * 1024  # a sysfs attribute holds a page (4 KiB), a marker less
 _PCI_ADDRESS_RE = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
-_INTEGER = {10: r"[+-]?[0-9]{1,20}", 16: r"[0-9a-fA-F]{1,16}"}
+_INTEGER = r"[+-]?[0-9]{1,20}"
 _PCI_FIELDS = ("vendor", "device", "class")
 _KINDS = dict(p="a FIFO", c="a character device", b="a block device", d="a directory")
 
@@ -61,31 +60,29 @@ def _check_regular(mode: int, path: str, fix: str) -> None:
 
 
 def read_topology(
-    root: str | os.PathLike = LIVE_SYSFS, *, setting: str = "SGLANG_SYSFS_ROOT"
+    root: str | os.PathLike, *, setting: str = "SGLANG_SYSFS_ROOT"
 ) -> HostTopology:
     """Errors name the file, and a fix naming ``setting``, what chose ``root``."""
     return _read(root, setting=setting).topology
 
 
-_cached: dict[str, tuple[tuple[bytes, ...], HostTopology]] = {}
+_cached: dict[str, tuple[list[bytes], HostTopology]] = {}
 
 
-def read_topology_cached(root: str | os.PathLike = LIVE_SYSFS) -> HostTopology:
+def read_topology_cached(root: str | os.PathLike) -> HostTopology:
     """Read again only when the online CPUs or nodes changed: sglang spawns its ranks
     one by one, each placed from the same facts."""
     path = os.path.abspath(os.fspath(root))
-    stamp = tuple(_stamp(path, rel) for rel in (CPU_ONLINE, f"{NODE_DIR}/online"))
+    stamp = []
+    for rel in (CPU_ONLINE, f"{NODE_DIR}/online"):
+        try:
+            stamp.append(read_file(os.path.join(path, rel), fix=""))
+        except PlacementError:
+            stamp.append(b"")
     hit = _cached.get(path)
     if hit is None or hit[0] != stamp:  # racing threads at worst both read the tree
         hit = _cached[path] = (stamp, read_topology(path))
     return hit[1]
-
-
-def _stamp(root: str, rel: str) -> bytes:
-    try:
-        return read_file(os.path.join(root, rel), fix="")
-    except PlacementError:
-        return b""
 
 
 def read_process_affinity(
@@ -147,11 +144,11 @@ class _Reader:
             why = f"is not a CPU list such as '0-3,8' ({exc.__cause__ or exc})"
             raise self.error(rel, f"{shown(text.strip())} {why}") from None
 
-    def integer(self, rel: str, *, base: int = 10) -> int:
+    def integer(self, rel: str) -> int:
         text = self.read(rel).strip()
-        if re.fullmatch(_INTEGER[base], text) is None:
+        if re.fullmatch(_INTEGER, text) is None:
             raise self.error(rel, f"{shown(text)} is not an integer")
-        return int(text, base)
+        return int(text)
 
     def nodes(self) -> tuple[NumaNode, ...]:
         if not os.path.exists(self.path(NODE_DIR)):  # a kernel without NUMA

@@ -30,9 +30,8 @@ class Refusal:
 def descend(
     wanted: MemPolicy, attempt: Callable[[MemPolicy], Optional[str]]
 ) -> tuple[MemPolicy, tuple[Refusal, ...]]:
-    """The one memory-policy ladder: ``wanted``, then each weaker policy, until
-    ``attempt`` accepts one (returns None; else why not). NONE is refused only when
-    even the CPU binding alone is."""
+    """The one memory-policy ladder: ``wanted``, then each weaker one, until ``attempt``
+    accepts one (returns None, else why not); NONE fails only if the CPUs alone do."""
     order = list(MemPolicy)
     refused: list[Refusal] = []
     for policy in order[order.index(wanted) :]:
@@ -107,17 +106,20 @@ class HostTopology:  # what a host's sysfs (or a snapshot of it) says, read once
     def cpu(self, cpu_id: int) -> Optional[Cpu]:
         return next((c for c in self.cpus if c.cpu_id == cpu_id), None)
 
+    def node_of(self, device: PciDevice) -> Optional[int]:
+        """Its node; one the kernel does not know is on the only node with CPUs."""
+        only = self.cpu_nodes[0].node_id if len(self.cpu_nodes) == 1 else None
+        return only if device.numa_node is None else device.numa_node
+
     def pci_device(self, address: str) -> Optional[PciDevice]:
-        wanted = address.lower()
-        return next((d for d in self.pci_devices if d.address == wanted), None)
+        return next((d for d in self.pci_devices if d.address == address.lower()), None)
+
+    def core_of(self, cpu_id: int) -> frozenset[int]:  # the CPU and its SMT siblings
+        cpu = self.cpu(cpu_id)
+        return (cpu.thread_siblings if cpu else frozenset()) | {cpu_id}
 
     def one_cpu_per_core(self, cpus: frozenset[int]) -> frozenset[int]:
-        chosen: dict[tuple[int, int], int] = {}
-        for cpu_id in sorted(cpus):
-            cpu = self.cpu(cpu_id)
-            key = (-1, cpu_id) if cpu is None else (cpu.package_id, cpu.core_id)
-            chosen.setdefault(key, cpu_id)
-        return frozenset(chosen.values())
+        return frozenset(min(self.core_of(cpu_id) & cpus) for cpu_id in cpus)
 
 
 @dataclass(frozen=True)
@@ -137,14 +139,10 @@ class Accelerator:  # the device a rank uses (cuda:<gpu_id>), the physical one b
 
 @dataclass(frozen=True)
 class RankIdentity:  # a spawn knows only its GPU id: the rest is None there
-    dp_rank: Optional[int]
-    pp_rank: Optional[int]
-    tp_rank: Optional[int]
-    gpu_id: Optional[int]  # a CPU rank's is its numa_index
-
-    @classmethod
-    def of_gpu(cls, gpu_id: int) -> "RankIdentity":
-        return cls(None, None, None, gpu_id)
+    dp_rank: Optional[int] = None
+    pp_rank: Optional[int] = None
+    tp_rank: Optional[int] = None
+    gpu_id: Optional[int] = None  # a CPU rank's is its numa_index
 
     @property
     def label(self) -> str:

@@ -19,8 +19,8 @@ from sglang.srt.placement.cpulist import elide, format_cpulist, parse_cpulist, s
 from sglang.srt.placement.devices import is_live
 from sglang.srt.placement.modes import AffinityMode
 from sglang.srt.placement.numactl import NumactlProber
-from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.resolve import HostCapabilities, HostFacts
+from sglang.srt.placement.settings import PlacementPolicy
 from sglang.srt.placement.topology import read_process_affinity, read_topology
 from sglang.srt.placement.types import PlacementError, ProcessAffinity
 from sglang.srt.placement_tools import PlanArgs, UsageError

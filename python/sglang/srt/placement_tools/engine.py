@@ -12,9 +12,8 @@ from typing import Iterator, Mapping, Optional, Sequence
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist, shown
 from sglang.srt.placement.devices import canonical_pci_address
-from sglang.srt.placement.plan import noted, place_gpu_id
-from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.resolve import HostFacts
+from sglang.srt.placement.resolve import HostFacts, noted, place_gpu_id
+from sglang.srt.placement.settings import PlacementPolicy
 from sglang.srt.placement.types import (
     HostTopology,
     Launcher,

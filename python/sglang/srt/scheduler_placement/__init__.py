@@ -1,3 +1,1 @@
-"""What sglang's launchers call to start scheduler ranks under their placement:
-``spawn`` (``configure_subprocess``) and ``ray_rank`` (a Ray actor's self-bind).
-Empty, so that importing the package imports neither Ray nor torch."""
+"""Placement for sglang's launchers: ``spawn``, ``ray_rank``. Empty: imports no Ray."""

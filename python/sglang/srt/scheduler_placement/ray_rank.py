@@ -1,7 +1,6 @@
-"""The bind a Ray scheduler actor runs on itself before its ``Scheduler`` exists: Ray
-cannot start an actor under numactl. Ray's ``CUDA_VISIBLE_DEVICES`` shows the actor
-one GPU as index 0, so the GPU is placed by Ray's id, as NVML (or, on a bare host,
-sysfs) numbers it; a container's NVML counts its own GPUs as Ray does."""
+"""The bind a Ray scheduler actor runs on itself before its ``Scheduler`` exists (Ray
+cannot start an actor under numactl). Its GPU is placed by Ray's id, as NVML (or, on a
+bare host, sysfs) numbers it; a container's NVML counts its own GPUs as Ray does."""
 
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ from sglang.srt.placement.apply import (
     bind_in_process,
     enforce_failure_policy,
 )
-from sglang.srt.placement.plan import HostFacts, place_gpu_id
-from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.resolve import HostFacts, place_gpu_id
+from sglang.srt.placement.settings import PlacementPolicy
 from sglang.srt.placement.types import Launcher, ProcessPlacement, RankIdentity
 
 if TYPE_CHECKING:
@@ -27,7 +26,7 @@ def actor_placement(
     """Where the actor of ``rank`` runs on this host; ``rank.gpu_id`` is Ray's id."""
     policy = PlacementPolicy.from_env(server_args, launcher=Launcher.RAY)
     env = settings.device_env()
-    if assigned_gpus:  # without Ray's one-GPU view, the id names the host's device
+    if assigned_gpus:  # Ray shows the actor its one GPU as index 0: drop that view
         env = {k: v for k, v in env.items() if k not in settings.VISIBILITY_VARS}
     return place_gpu_id(
         rank.gpu_id, policy=policy, facts=HostFacts.live(), env=env, rank=rank

@@ -1,7 +1,6 @@
 """``numa_utils.configure_subprocess``: an exec placement's child starts under numactl
-through a thread-local layer on ``multiprocessing.util.spawnv_passfds`` (upstream's
-swapped spawn executable, a script in /tmp, races between threads and breaks on a
-noexec /tmp)."""
+through a thread-local layer on ``multiprocessing.util.spawnv_passfds`` (upstream swaps
+in a spawn executable, a script in /tmp: threads race, and a noexec /tmp breaks it)."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.apply import enforce_failure_policy, handle_bind_failure
-from sglang.srt.placement.plan import HostFacts, place_gpu_id
-from sglang.srt.placement.policy import PlacementPolicy
+from sglang.srt.placement.resolve import HostFacts, place_gpu_id
+from sglang.srt.placement.settings import PlacementPolicy
 from sglang.srt.placement.types import Launcher, Strategy
 
 if TYPE_CHECKING:
@@ -32,6 +31,7 @@ _SPAWN_PROGRAM = re.compile(
 )
 _FROZEN_ARGUMENT = re.compile(r"\w+=(?:\d+|None)")
 _FORK_FLAG = "--multiprocessing-fork"
+_Arg = Union[str, bytes]  # multiprocessing passes either
 
 
 @contextlib.contextmanager
@@ -77,7 +77,7 @@ def placed_spawn(server_args: "ServerArgs", gpu_id: int) -> Iterator[None]:
         handle_bind_failure(f"{who}: " + "; ".join(problems), log=logger)
 
 
-def is_spawned_child(args: Sequence[Union[str, bytes]]) -> bool:
+def is_spawned_child(args: Sequence[_Arg]) -> bool:
     """By structure, not substring (a forkserver's has its sys.path): a spawn child's
     command line, or a frozen executable's."""
     words = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args]
@@ -105,9 +105,7 @@ _install_lock = threading.Lock()
 
 def _layer(below: Callable[..., int]) -> Callable[..., int]:
     def placed_spawnv_passfds(
-        path: Union[str, bytes],
-        args: Sequence[Union[str, bytes]],
-        passfds: Sequence[int],
+        path: _Arg, args: Sequence[_Arg], passfds: Sequence[int]
     ) -> int:
         use = _state.use
         if _state.inside or use is None or not is_spawned_child(args):
@@ -136,9 +134,9 @@ def hook_reachable() -> bool:
 
 @contextlib.contextmanager
 def spawn_with_prefix(prefix: Sequence[str]) -> Iterator[SpawnPrefixUse]:
-    """Each spawn child this thread starts in the block runs as ``prefix + argv``
-    (the inner block's wins). Other libraries may wrap ``spawnv_passfds`` and put back
-    what they saved: a block adds a layer when a spawn would not reach one."""
+    """Each spawn child this thread starts in the block runs as ``prefix + argv`` (the
+    inner block's wins). Other libraries may wrap ``spawnv_passfds`` and put back what
+    they saved: a block adds a layer when a spawn would not reach one."""
     if not prefix:
         raise ValueError("spawn_with_prefix needs the program to exec first")
     with _install_lock:

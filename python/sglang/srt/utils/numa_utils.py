@@ -165,7 +165,7 @@ def init_threads_binding(*, numa_index: int, world_size: int) -> str:
     the setting). Groups may share CPUs, with a warning; ``plan`` reads the
     setting the same way.
     """
-    from sglang.srt.placement.cpu_groups import rank_cpus, shared_cpus
+    from sglang.srt.placement.settings import rank_cpus, shared_cpus
     from sglang.srt.placement.topology import read_process_affinity, read_topology
 
     setting = settings.cpu_threads_bind()
@@ -295,7 +295,7 @@ def _query_numa_node_for_gpu(device_id: int) -> list[int]:
     found through the visibility variable in force (``CUDA_VISIBLE_DEVICES``,
     ``ZE_AFFINITY_MASK``) and NVML when present.
     """
-    from sglang.srt.placement.plan import device_node
+    from sglang.srt.placement.resolve import device_node
 
     device = (
         "xpu"

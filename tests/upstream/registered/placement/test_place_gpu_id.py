@@ -5,9 +5,8 @@ import unittest
 from types import SimpleNamespace
 from unittest.mock import patch
 
-from sglang.srt.placement.plan import place_gpu_id
-from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.resolve import HostCapabilities, HostFacts
+from sglang.srt.placement.resolve import HostCapabilities, HostFacts, place_gpu_id
+from sglang.srt.placement.settings import PlacementPolicy
 from sglang.srt.placement.types import (
     Cpu,
     HostTopology,

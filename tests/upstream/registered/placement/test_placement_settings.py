@@ -6,8 +6,7 @@ from types import SimpleNamespace
 from unittest.mock import patch
 
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
-from sglang.srt.placement.policy import PlacementPolicy
-from sglang.srt.placement.settings import SettingError, affinity_mode
+from sglang.srt.placement.settings import PlacementPolicy, SettingError, affinity_mode
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")

@@ -4,8 +4,8 @@ import unittest
 from unittest.mock import patch
 
 from sglang.srt.placement.numactl import NumactlProber
-from sglang.srt.placement.policy import PlacementPolicy
 from sglang.srt.placement.resolve import HostCapabilities, HostFacts, resolve_placement
+from sglang.srt.placement.settings import PlacementPolicy
 from sglang.srt.placement.types import (
     Accelerator,
     Cpu,
