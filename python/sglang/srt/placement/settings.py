@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from sglang.srt.environ import envs
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
@@ -29,6 +29,10 @@ DEVICE_VARS = (
     "ZE_ENABLE_PCI_ID_DEVICE_ORDER",
 )
 VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
+ENGINE_VARS = (
+    "SGLANG_NUMA_BIND_V2 SGLANG_AUTO_NUMA_BIND SGLANG_CRASH_ON_NUMA_BIND_FAILURE "
+    "SGLANG_NUMA_AFFINITY_MODE SGLANG_CPU_OMP_THREADS_BIND"
+).split()
 # Its groups bound rank index ``gpu_id``, which counts across sglang-router's workers.
 _OMP = "SGLANG_CPU_OMP_THREADS_BIND"
 _MODE_SETTING = "SGLANG_NUMA_AFFINITY_MODE / --numa-affinity-mode"
@@ -75,8 +79,14 @@ def sysfs_root() -> str:
     return value
 
 
-def device_env() -> dict[str, str]:  # this process's device-visibility variables
-    return {name: os.environ[name] for name in DEVICE_VARS if name in os.environ}
+def device_env(names: Sequence[str] = DEVICE_VARS) -> dict[str, str]:
+    """Those of ``names`` set here: the device-visibility variables, or (the tools hand
+    them to Ray's workers) ``ENGINE_VARS``."""
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def ray_address() -> str:  # Ray's own convention; the tools' verify joins that cluster
+    return os.environ.get("RAY_ADDRESS", "").strip()
 
 
 @dataclass(frozen=True)

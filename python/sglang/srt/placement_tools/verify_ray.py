@@ -21,6 +21,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import (
@@ -43,14 +44,10 @@ logger = logging.getLogger(__name__)
 
 # The last line of a traceback: "package.module.SomeError: message".
 _EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(\w+(?:Error|Exception)): (.*)$")
+
+
 # The engine's settings, which sglang's actors read where they run: verify hands them
 # to its job's workers, as an operator hands them to RayEngine's.
-_ENGINE_VARS = (
-    "SGLANG_NUMA_BIND_V2 SGLANG_AUTO_NUMA_BIND SGLANG_CRASH_ON_NUMA_BIND_FAILURE "
-    "SGLANG_NUMA_AFFINITY_MODE SGLANG_CPU_OMP_THREADS_BIND"
-).split()
-
-
 @contextlib.contextmanager
 def ray_cluster(server_args: PlanArgs, *, verbose: bool) -> Iterator[None]:
     """The connected Ray cluster, else RAY_ADDRESS's, else a new local one; unless
@@ -58,10 +55,10 @@ def ray_cluster(server_args: PlanArgs, *, verbose: bool) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    env = {k: os.environ[k] for k in _ENGINE_VARS if k in os.environ}
+    env = settings.device_env(settings.ENGINE_VARS)
     options = dict(configure_logging=False, log_to_driver=False)
     options["runtime_env"] = {"env_vars": env} if env else None
-    address = os.environ.get("RAY_ADDRESS", "").strip()
+    address = settings.ray_address()
     if not address:
         # "local": never join a cluster that someone else's `ray start` recorded on this
         # machine. RayEngine asks one GPU per scheduler actor whatever the device: a CPU
