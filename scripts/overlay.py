@@ -201,10 +201,8 @@ def _add_import_sorted(module: "cst.Module", line: str, where: str) -> "cst.Modu
 # it is already applied, and raises Refusal when upstream is not the known shape.
 
 SHM_IMPORT = (
-    "from sglang.srt.distributed.shm_collective import (  # noqa: F401\n"
-    "    ShmNamespace,\n"
+    "from sglang.srt.distributed.shm_collective import (\n"
     "    finish_shm_collective,\n"
-    "    init_shm_collective,\n"
     "    start_shm_collective,\n"
     ")"
 )
@@ -213,8 +211,9 @@ CPU_BRANCH = "_is_cpu_amx_available or _is_cpu_arm64"
 #: uses the shared-memory all-reduce only when it equals the group's size.
 SHM_KEEP = 'os.environ["LOCAL_SIZE"] = str(parallel.tp_size)'
 #: Replaced: the segment names come from an explicit ShmNamespace instead.
+SHM_MASTER_ENV = "_set_shm_master_env"
 SHM_OLD = (
-    "_set_shm_master_env(dist_init_method)",
+    f"{SHM_MASTER_ENV}(dist_init_method)",
     "torch.ops.sgl_kernel.initialize(parallel.tp_size, parallel.tp_rank)",
 )
 SHM_COMMENT = (
@@ -255,11 +254,23 @@ def rewrite_bootstrap(module: "cst.Module", rel: str) -> "cst.Module":
 
     Upstream's ``LOCAL_SIZE`` statement and its comment stay; the
     ``_set_shm_master_env`` and ``sgl_kernel.initialize`` calls after it become one
-    ``start_shm_collective(...)`` call, and ``finish_shm_collective()`` follows the
+    ``start_shm_collective(...)`` call, ``_set_shm_master_env`` goes once nothing
+    calls it, and ``finish_shm_collective()`` follows the
     ``initialize_model_parallel(...)`` call of ``_init_parallel_groups``.
     """
     module = _add_import_sorted(module, SHM_IMPORT, f"sglang/{rel}")
-    return _rewrite_groups(_rewrite_cpu_env(module, rel), rel)
+    module = _rewrite_groups(_rewrite_cpu_env(module, rel), rel)
+    return _drop_if_unused(module, SHM_MASTER_ENV)
+
+
+def _drop_if_unused(module: "cst.Module", name: str) -> "cst.Module":
+    """``module`` without its top-level ``def name`` when no other code names it."""
+    defs = [s for s in module.body if isinstance(s, cst.FunctionDef)]
+    found = [s for s in defs if s.name.value == name]
+    rest = [s for s in module.body if s not in found]
+    if not found or any(name in module.code_for_node(s) for s in rest):
+        return module
+    return module.with_changes(body=rest)
 
 
 def _rewrite_groups(module: "cst.Module", rel: str) -> "cst.Module":
@@ -725,10 +736,11 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         help="an sglang package dir, or an sglang checkout (python/sglang and test/): then the ported "
         "upstream tests go to its test/ too",
     )
-    parser.add_argument(
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument(
         "--diff", action="store_true", help="print the unified diff; write nothing"
     )
-    parser.add_argument(
+    output.add_argument(
         "--series",
         type=Path,
         metavar="OUT",

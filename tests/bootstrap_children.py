@@ -20,7 +20,8 @@ rank is past ``initialize`` and about to build its groups, and waits there.
 rank with ``init_shm_collective`` and holds its segment until stdin closes.
 
 A spec with ``"kernel": PATH`` loads that built CPU kernel instead of the stand-in,
-and ``"allreduces": N`` runs N checked sums through the TP group after the rest.
+and ``"allreduces": N`` runs N checked sums through the TP group after the rest, and
+``"tcp_store_port": P`` then creates parallel_state's global TCPStore on port P.
 ``python bootstrap_children.py kernel < SPEC.json`` is one rank on a built kernel
 without bootstrap: ``initialize`` (through ``init_shm_collective`` when the spec has
 a ``"port"``, else the two-argument op from the environment), then its all-reduces
@@ -164,6 +165,8 @@ def rank_main(spec: dict, queue, linger: bool = False) -> None:
         dist.all_reduce(world_tensor)  # WORLD, over gloo
 
         sums = checked_all_reduces(group.all_reduce, spec)
+        if spec.get("tcp_store_port"):
+            _global_tcp_store(spec)
         step(f"rank {spec['tp_rank']}: served")
         calls = [dict(c) for c in kernel.CALLS]
         initialize = [c for c in calls if c["op"] == "initialize"]
@@ -201,6 +204,10 @@ def rank_main(spec: dict, queue, linger: bool = False) -> None:
             "world_sum": world_tensor.item(),
             "all_reduces": sums,
             "shm_maps": shm_maps(),
+            # What parallel_state's global TCPStore read of MASTER_ADDR, and made.
+            "tcp_store": [
+                x for x in logs.lines if "TCPStore at" in x or "master IP" in x
+            ],
             "affinity": sorted(os.sched_getaffinity(0)),
             "num_threads": torch.get_num_threads(),
         }
@@ -224,6 +231,23 @@ class _OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _global_tcp_store(spec: dict) -> None:
+    """sglang's one reader of MASTER_ADDR: the global TCPStore that
+    ``init_distributed_environment`` creates on every rank under ``--moe-a2a-backend
+    nixl``, here on the port the spec names."""
+    import torch.distributed as dist
+
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.environ import envs
+
+    with envs.SGLANG_TCP_STORE_PORT.override(spec["tcp_store_port"]):
+        parallel_state._create_global_tcp_store(
+            dist.get_rank(),
+            dist.get_world_size(),
+            dist_init_addr=f"tcp://127.0.0.1:{spec['port'] + 1}",
+        )
 
 
 def checked_all_reduces(all_reduce, spec: dict) -> dict:

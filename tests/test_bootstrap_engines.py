@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -142,14 +143,30 @@ def _environ(report: dict, when: str, layer: str = "py") -> dict:
 # ------------------------------------------------------- LOCAL_SIZE and the shm all-reduce
 
 
+# sglang's one reader of MASTER_ADDR, parallel_state's global TCPStore (NIXL's), falls
+# back to rank 0's address, which this names: another loopback address than the engines'.
+HOST_IP = {"SGLANG_HOST_IP": "127.0.0.2"}
+
+
+def _tcp_store(report: dict) -> list[str]:
+    """The host of the rank's global TCPStore, and any warning on the way."""
+    return [re.sub(r":\d+ \(rank=.*", "", line) for line in report["tcp_store"]]
+
+
+def _tp2_engine(port: int, *, pristine: bool = False) -> list[dict]:
+    """One tp=2 engine on the released kernel, its global TCPStore made as well."""
+    store = next(p for p in _free_ports(3) if p not in (port, port + 1))
+    specs = _specs(engine=0, port=port, tp_size=2, pp_size=1, schema="released")
+    specs = [{**spec, "tcp_store_port": store} for spec in specs]
+    return run_ranks(specs, pristine=pristine, environ=HOST_IP)
+
+
 @pytest.fixture(scope="module")
 def tp2_overlaid():
     [port] = _free_ports(1)
     ns = ShmNamespace(addr="127.0.0.1", port=port)
     try:
-        yield port, run_ranks(
-            _specs(engine=0, port=port, tp_size=2, pp_size=1, schema="released")
-        )
+        yield port, _tp2_engine(port)
     finally:
         for path in SHM.glob(f"{ns.prefix}_*"):
             path.unlink(missing_ok=True)
@@ -196,10 +213,7 @@ def test_what_parallel_state_reads_is_what_pristine_sglang_gives_it(
     overlaid_port, overlaid = tp2_overlaid
     [port] = _free_ports(1)
     namespaces.append(ShmNamespace(addr="127.0.0.1", port=port))
-    pristine = run_ranks(
-        _specs(engine=0, port=port, tp_size=2, pp_size=1, schema="released"),
-        pristine=True,
-    )
+    pristine = _tp2_engine(port, pristine=True)
 
     def read_by_sglang(report: dict) -> dict:
         return {
@@ -229,6 +243,14 @@ def test_what_parallel_state_reads_is_what_pristine_sglang_gives_it(
         # The one difference: upstream leaves MASTER_ADDR/MASTER_PORT set (setdefault).
         assert _environ(theirs, "after")["MASTER_PORT"] == str(port)
         assert _environ(ours, "after")["MASTER_PORT"] is None
+        # So NIXL's global TCPStore, which reads MASTER_ADDR, finds the engine's host
+        # there upstream; here it warns and takes rank 0's address, as on a GPU engine.
+        assert _tcp_store(theirs) == ["INFO Created global TCPStore at 127.0.0.1"]
+        assert _tcp_store(ours) == [
+            "WARNING Could not determine master IP for global TCPStore. "
+            "Broadcasting from rank 0 to all ranks.",
+            "INFO Created global TCPStore at 127.0.0.2",
+        ]
 
 
 # ------------------------------------------------------------- co-located engines, stages
@@ -236,8 +258,9 @@ def test_what_parallel_state_reads_is_what_pristine_sglang_gives_it(
 
 @pytest.mark.parametrize("schema", ["released", "namespaced"])
 def test_two_engines_tp2_never_share_segments(schema, namespaces):
-    engine_ports = _free_ports(3)
+    engine_ports = _free_ports(5)
     inherited_port = engine_ports.pop()
+    store_ports = [engine_ports.pop(), engine_ports.pop()]
     namespaces.extend(ShmNamespace(addr="127.0.0.1", port=p) for p in engine_ports)
     # What a launcher (or a user's shell) leaves behind: every rank inherits it.
     inherited = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(inherited_port)}
@@ -248,7 +271,9 @@ def test_two_engines_tp2_never_share_segments(schema, namespaces):
             engine=engine, port=port, tp_size=2, pp_size=1, schema=schema
         )
     ]
-    reports = run_ranks(specs, environ=inherited)
+    for spec in specs:
+        spec["tcp_store_port"] = store_ports[spec["engine"]]
+    reports = run_ranks(specs, environ={**inherited, **HOST_IP})
 
     assert len({r["segment"] for r in reports}) == 4
     for report in reports:
@@ -271,6 +296,8 @@ def test_two_engines_tp2_never_share_segments(schema, namespaces):
             assert {k: after[k] for k in inherited} == inherited
             assert after["LOCAL_SIZE"] == "2"
         assert report["segment_exists"] is False
+        # NIXL's global TCPStore reads the inherited MASTER_ADDR, as upstream's does.
+        assert _tcp_store(report) == ["INFO Created global TCPStore at 127.0.0.1"]
         if schema == "released":
             assert initialize["env"] == {
                 "MASTER_ADDR": "127.0.0.1",

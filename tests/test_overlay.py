@@ -27,8 +27,10 @@ BOOTSTRAP, ENGINE, ENVIRON = (
     "srt/environ.py",
 )
 NUMA = "srt/utils/numa_utils.py"
-SHM_IMPORT = ("from sglang.srt.distributed.shm_collective import ShmNamespace, finish_shm_collective, "
-              "init_shm_collective, start_shm_collective")  # fmt: skip
+SHM_IMPORT = (
+    "from sglang.srt.distributed.shm_collective import finish_shm_collective, "
+    "start_shm_collective"
+)
 SHM_NEW = ("start_shm_collective(dist_init_method=dist_init_method, tp_size=parallel.tp_size, "
            "tp_rank=parallel.tp_rank, pp_rank=parallel.pp_rank)")  # fmt: skip
 SHM_KEEP = 'os.environ["LOCAL_SIZE"] = str(parallel.tp_size)'
@@ -201,9 +203,12 @@ def bootstrap_spans(text: str) -> List[Tuple[int, int]]:
         for s in _top(tree, "_init_parallel_groups").body
         if "initialize_model_parallel(" in ast.unparse(s)
     )
+    # Nothing calls upstream's helper any more: it goes, with the blank lines around it.
+    helper = _top(tree, "_set_shm_master_env")
     # The comment block right above the first statement (4 lines) is replaced too.
     return [
         (environ.lineno - 2, environ.lineno - 1),
+        (helper.lineno - 3, helper.end_lineno + 2),
         (stmts[0].lineno - 5, stmts[-1].end_lineno),
         (built.end_lineno, built.end_lineno),
     ]
@@ -230,6 +235,7 @@ def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
         "_set_shm_master_env" not in calls
         and "torch.ops.sgl_kernel.initialize" not in calls
     )
+    assert "_set_shm_master_env" not in new[BOOTSTRAP]
     assert (
         "torch.ops.sgl_kernel.init_cpu_threads_env" in calls
         and "logger.warning" in calls

@@ -263,11 +263,7 @@ def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(
     schema, pp_rank, monkeypatch
 ):
     from sglang.srt.distributed import bootstrap
-    from sglang.srt.distributed.bootstrap import (  # noqa: F401 (still importable)
-        ShmNamespace,
-        init_shm_collective,
-    )
-    from sglang.srt.distributed.shm_collective import unlink_shm_segments
+    from sglang.srt.distributed.shm_collective import ShmNamespace, unlink_shm_segments
 
     port = 40000 + os.getpid() % 20000
     method = f"tcp://127.0.0.1:{port}"

@@ -88,7 +88,7 @@ class NvmlRuntime:
         return None if info is None else canonical_pci_address(_text(info.busId))
 
 
-def _text(value: Any) -> str:
+def _text(value: bytes | str | None) -> str:  # pynvml answers bytes or str
     return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
 
 
