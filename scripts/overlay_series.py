@@ -16,6 +16,7 @@ leaves holds files at their final content or as a fix left them.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -63,11 +64,14 @@ PARTS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
 
 
 def _git_apply(patches: Sequence[Path], cwd: Path, *options: str) -> str:
+    # Never inside an enclosing repository: there git sees only the paths under cwd.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(cwd.resolve().parent)}
     done = subprocess.run(
         ["git", "apply", "-p1", *options, *(str(p.resolve()) for p in patches)],
         cwd=cwd,
         capture_output=True,
         text=True,
+        env=env,
     )
     if done.returncode != 0:
         names = ", ".join(str(p) for p in patches)
@@ -77,7 +81,6 @@ def _git_apply(patches: Sequence[Path], cwd: Path, *options: str) -> str:
 
 def numstat(patch: Path) -> List[Tuple[int, int, str]]:
     """(added, removed, path) of each file a patch changes, as git counts them."""
-    # Run outside any repository: in one, git sees only the paths under its cwd.
     with tempfile.TemporaryDirectory() as tmp:
         rows = _git_apply([patch], Path(tmp), "--numstat").splitlines()
     return [(int(a), int(r), path) for a, r, path in (row.split("\t") for row in rows)]

@@ -25,6 +25,8 @@ requirements=requirements/sglang-0.5.23-cpu.txt
 stamp=.venv/.installed-$(sha256sum "$requirements" | cut -c1-16)
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 if [ ! -f "$stamp" ]; then
+    # The overlaid package goes first: pip would keep it as the installed 0.5.23.
+    rm -rf "$site/sglang" "$site"/sglang-*.dist-info
     # The list is complete and pinned, so nothing outside it is pulled in.
     .venv/bin/python -m pip install -qq --no-deps -r "$requirements"
     rm -rf .venv/pristine

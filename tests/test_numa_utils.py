@@ -128,6 +128,18 @@ def test_configure_subprocess_does_nothing_where_upstream_does_nothing(monkeypat
         assert armed_prefix() is None
 
 
+def test_a_device_sglang_does_not_place_reads_no_host_fact(monkeypatch):
+    """As upstream, which returns before any sysfs read: a host without /sys (macOS
+    with mps) or with an unreadable one starts its ranks unbound."""
+    monkeypatch.setenv("SGLANG_SYSFS_ROOT", "/nonexistent")
+    for device in ("mps", "npu"):
+        with configure_subprocess(args(device=device), 0):
+            assert armed_prefix() is None
+    with setting("SGLANG_AUTO_NUMA_BIND", False):
+        with configure_subprocess(args(tp_size=2), 0):
+            assert armed_prefix() is None
+
+
 # --------------------------------------------------------------------------- node, libnuma
 
 
@@ -203,6 +215,28 @@ def test_init_threads_binding_from_nodes():
             map(str, ALL_CPUS)
         )
         with pytest.raises(ValueError, match="rank index 1 has none"):
+            init_threads_binding(numa_index=1, world_size=2)
+
+
+def test_init_threads_binding_counts_only_the_nodes_this_process_may_use(
+    tmp_path, monkeypatch
+):
+    """Under `numactl --cpunodebind=1`, rank 0 of `all` gets node 1, as upstream's
+    get_cpu_ids_by_node (which drops nodes without allowed CPUs) gives it."""
+    root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
+    monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(root))
+    from sglang.srt.placement import topology
+
+    node1 = frozenset(range(8, 16)) | frozenset(range(24, 32))
+    allowed = topology.ProcessAffinity(node1, frozenset({1}), "this process")
+    monkeypatch.setattr(topology, "read_process_affinity", lambda: allowed)
+    with setting("SGLANG_CPU_OMP_THREADS_BIND", "all"):
+        assert (
+            init_threads_binding(numa_index=0, world_size=1) == "8,9,10,11,12,13,14,15"
+        )
+        with pytest.raises(
+            ValueError, match=r"has 1 node\(s\) with CPUs this process may use"
+        ):
             init_threads_binding(numa_index=1, world_size=2)
 
 

@@ -326,3 +326,56 @@ def test_verify_refuses_a_snapshot_since_it_runs_ranks_on_this_host(tmp_path):
         "--sysfs-root is a planning input that sglang's launch path does not take"
         in done.stderr
     )
+
+
+def test_the_affinity_flag_overrides_the_setting_it_stands_for(
+    tmp_path, capsys, monkeypatch
+):
+    root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
+    monkeypatch.setenv("SGLANG_NUMA_AFFINITY_MODE", "perhaps")
+    args = ("--tp-size", 4, "--sysfs-root", root, "--numa-affinity-mode", "exclusive")
+    ranks = plan_json(capsys, *args)
+    assert [r["cpus"] for r in ranks][:2] == ["0-3,16-19", "4-7,20-23"]
+    assert os.environ["SGLANG_NUMA_AFFINITY_MODE"] == "perhaps"  # restored after
+
+
+def test_one_visible_device_per_process_past_the_visible_list_is_named_not_bound(
+    tmp_path, capsys, monkeypatch
+):
+    """Upstream's maybe_reindex_device_id fails for GPU ids past CUDA_VISIBLE_DEVICES:
+    the plan names the setting for those ranks and binds the others."""
+    root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
+    monkeypatch.setenv("SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,2")
+    ranks = plan_json(capsys, "--tp-size", 4, "--sysfs-root", root)
+    assert [r["numa_node"] for r in ranks] == [1, 1, None, None]
+    assert [r["pci"] for r in ranks][:2] == ["0000:48:00.0", "0000:38:00.0"]
+    for rank in ranks[2:]:
+        assert rank["strategy"] == "none"
+        assert any(
+            "CUDA_VISIBLE_DEVICES='3,2' makes 2 GPU(s) visible, but a rank uses GPU id"
+            in why
+            for why in rank["reasons"]
+        ), rank["reasons"]
+        assert not any("spawned as GPU 0" in why for why in rank["reasons"])
+
+
+def test_a_plan_opens_the_device_runtime_once_for_all_its_ranks(
+    tmp_path, capsys, monkeypatch
+):
+    import contextlib
+
+    from sglang.srt.placement_tools import engine
+
+    opened = []
+
+    @contextlib.contextmanager
+    def counting(device, topology):
+        opened.append(device)
+        yield None
+
+    monkeypatch.setattr(engine, "open_runtime", counting)
+    root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
+    ranks = plan_json(capsys, "--tp-size", 4, "--sysfs-root", root)
+    assert [r["numa_node"] for r in ranks] == [0, 0, 1, 1]
+    assert opened == ["cuda"]

@@ -174,3 +174,18 @@ def test_verify_prints_upstream_warnings_and_ray_notices_only_with_v():
     assert quiet.stderr == "", quiet.stderr[-4000:]
     assert "UserWarning: Only CUDA, HIP and XPU support AWQ" in verbose.stderr
     assert "Token authentication is enabled for this Ray cluster" in verbose.stderr
+
+
+def test_a_local_cluster_declares_a_gpu_for_every_actor_of_every_node(monkeypatch):
+    """RayEngine's placement group asks dp x tp x pp GPUs over all its nodes: the
+    cluster verify starts (one node here) must hold them all, or nothing is placed."""
+    from sglang.srt.placement_tools import PlanArgs, verify_ray
+
+    started = {}
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(verify_ray.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(verify_ray.ray, "init", lambda **kw: started.update(kw))
+    monkeypatch.setattr(verify_ray.ray, "shutdown", lambda: None)
+    args = PlanArgs(tp_size=2, dp_size=2, nnodes=2, device="cpu")
+    with verify_ray.ray_cluster(args, verbose=False):
+        assert started["address"] == "local" and started["num_gpus"] == 4

@@ -323,6 +323,16 @@ def test_socket_mode_binds_every_node_of_the_package():
     )
 
 
+def test_v1_binds_the_whole_node_whatever_the_affinity_mode(two_sockets):
+    """The legacy bind is numa_bind_to_node(node): the plan shows that, not a share."""
+    with envs.SGLANG_NUMA_BIND_V2.override(False):
+        with envs.SGLANG_NUMA_AFFINITY_MODE.override("exclusive"):
+            placements = plan(two_sockets)
+    nodes = {n.node_id: n.cpus for n in two_sockets.nodes}
+    assert [p.cpus for p in placements] == [nodes[0], nodes[0], nodes[1], nodes[1]]
+    assert all(p.strategy == "v1" for p in placements)
+
+
 def test_v1_strategy_when_bind_v2_is_off(two_sockets):
     with envs.SGLANG_NUMA_BIND_V2.override(False):
         placements = plan(two_sockets, numa_node=[0, 0, 1, 1])

@@ -309,42 +309,35 @@ def device_node(
     return choose_node(topology, RankIdentity(gpu_id=gpu_id), found, policy)
 
 
-def _why_unbound(policy: PlacementPolicy, topology: HostTopology) -> Optional[str]:
-    listed = policy.numa_nodes is not None
-    if policy.device not in ("cuda", "xpu"):
-        return f"device {policy.device!r}: sglang places only cuda, xpu and cpu ranks"
-    if not listed and not policy.auto_numa_bind:
-        return "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
-    if not listed and policy.affinity_mode.idle_on_one_node:
-        if len(topology.cpu_nodes) < 2:
-            shared = " and ".join(mode for mode in AffinityMode if mode.shares_node)
-            return (
-                "this host has one NUMA node with CPUs: node binding cannot help "
-                f"({shared} modes still share it out between its GPUs)"
-            )
-    return None
-
-
 def place_gpu_id(
     gpu_id: int,
     *,
     policy: PlacementPolicy,
-    facts: HostFacts,
     env: Mapping[str, str],
+    facts: Optional[HostFacts] = None,
     rank: Optional[RankIdentity] = None,
     runtime: RuntimeOpener = open_runtime,
 ) -> ProcessPlacement:
     """Where the scheduler spawned with ``gpu_id`` (a CPU rank's numa_index) runs,
-    under the ``env`` it inherits; ``runtime`` opens what names physical devices."""
+    under the ``env`` it inherits; ``runtime`` opens what names physical devices.
+    ``facts`` (default: this host's) are read only where the policy may place."""
     rank = replace(rank or RankIdentity(), gpu_id=gpu_id)
+    if why := policy.why_unplaced:  # as upstream, nothing is read
+        return ProcessPlacement(rank, reasons=(why,), launcher=policy.launcher)
+    facts = facts or HostFacts.live()
     if policy.device == "cpu":
         placed = resolve_placement(
             facts=facts, rank=rank, accelerator=None, policy=policy
         )
         note = shared_cpus(policy.cpu_threads_bind, index=gpu_id)
         return placed if not note else noted(placed, note)
-    why = _why_unbound(policy, facts.topology)
-    if why is not None:
+    one_node = len(facts.topology.cpu_nodes) < 2 and policy.numa_nodes is None
+    if one_node and policy.affinity_mode.idle_on_one_node:
+        shared = " and ".join(mode for mode in AffinityMode if mode.shares_node)
+        why = (
+            "this host has one NUMA node with CPUs: node binding cannot help "
+            f"({shared} modes still share it out between its GPUs)"
+        )
         return ProcessPlacement(rank, reasons=(why,), launcher=policy.launcher)
     try:
         found = _identify(gpu_id, policy.device, facts.topology, env, runtime)

@@ -105,7 +105,17 @@ class PlacementPolicy:
             raise ValueError(f"launcher {self.launcher!r} is not one of {choices}")
         object.__setattr__(self, "launcher", Launcher(self.launcher))
         mode = AffinityMode.parse(self.affinity_mode, setting=_MODE_SETTING)
+        # SGLANG_NUMA_BIND_V2=0: the legacy bind takes the GPU's whole node, always.
+        mode = mode if self.bind_v2 else AffinityMode.NODE
         object.__setattr__(self, "affinity_mode", mode)
+
+    @property
+    def why_unplaced(self) -> Optional[str]:  # whatever the host: nothing to read
+        if self.device not in ("cuda", "xpu", "cpu"):
+            return f"device {self.device!r}: sglang places only cuda, xpu and cpu ranks"
+        if self.device != "cpu" and self.numa_nodes is None and not self.auto_numa_bind:
+            return "no --numa-node and SGLANG_AUTO_NUMA_BIND=0: not binding"
+        return None
 
     @classmethod
     def from_env(
@@ -130,13 +140,13 @@ def rank_cpus(
     spec: str, *, index: int, topology: HostTopology, affinity: ProcessAffinity
 ) -> frozenset[int]:
     if spec.strip() == "all":
-        nodes = topology.cpu_nodes
+        nodes = topology.cpu_nodes_within(affinity.cpus)
         if 0 <= index < len(nodes):
             return nodes[index].cpus & affinity.cpus
         raise SettingError(
             f"{_OMP}=all gives each rank one NUMA node, but rank index {index} "
-            f"has none: this host has {len(nodes)} node(s) with CPUs; use fewer "
-            f"ranks, or {_one_per_rank(topology, index)}"
+            f"has none: this host has {len(nodes)} node(s) with CPUs this process "
+            f"may use; use fewer ranks, or {_one_per_rank(topology, index)}"
         )
     groups = spec.strip().split("|")
     if not 0 <= index < len(groups):

@@ -103,6 +103,9 @@ class HostTopology:  # what a host's sysfs (or a snapshot of it) says, read once
     def cpu_nodes(self) -> tuple[NumaNode, ...]:
         return tuple(node for node in self.nodes if node.cpus)
 
+    def cpu_nodes_within(self, cpus: frozenset[int]) -> tuple[NumaNode, ...]:
+        return tuple(node for node in self.cpu_nodes if node.cpus & cpus)
+
     def cpu(self, cpu_id: int) -> Optional[Cpu]:
         return next((c for c in self.cpus if c.cpu_id == cpu_id), None)
 
@@ -117,9 +120,6 @@ class HostTopology:  # what a host's sysfs (or a snapshot of it) says, read once
     def core_of(self, cpu_id: int) -> frozenset[int]:  # the CPU and its SMT siblings
         cpu = self.cpu(cpu_id)
         return (cpu.thread_siblings if cpu else frozenset()) | {cpu_id}
-
-    def one_cpu_per_core(self, cpus: frozenset[int]) -> frozenset[int]:
-        return frozenset(min(self.core_of(cpu_id) & cpus) for cpu_id in cpus)
 
 
 @dataclass(frozen=True)

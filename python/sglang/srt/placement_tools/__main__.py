@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -14,6 +15,7 @@ import sys
 import warnings
 from typing import Callable, Optional, Sequence
 
+from sglang.srt.environ import envs
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import elide, format_cpulist, parse_cpulist, shown
 from sglang.srt.placement.devices import is_live
@@ -148,8 +150,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     server_args, facts = PlanArgs.from_cli_args(args), _plan_facts(args)
     # A Ray actor binds itself in-process once running: Ray starts its workers.
     policy = PlacementPolicy.from_env(server_args, launcher=args.launcher)
-    if args.numa_affinity_mode is not None:
-        policy = dataclasses.replace(policy, affinity_mode=args.numa_affinity_mode)
     placements = plan_engine(server_args, policy=policy, facts=facts, gpus=args.gpus)
     if not is_live(facts.topology):
         assumed = (
@@ -196,9 +196,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
             "verify starts the ranks here and reads their real binding back; unset it "
             "(use `plan` to see another host's plan)"
         )
-    if args.numa_affinity_mode is not None:
-        # The flag stands for the setting sglang reads, here and in the spawned ranks.
-        os.environ["SGLANG_NUMA_AFFINITY_MODE"] = args.numa_affinity_mode
     rows: list[dict] = []
     if "mp" in launchers:
         rows += verify_mp(
@@ -245,7 +242,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         command = args.command
         run = {"plan": cmd_plan, "verify": cmd_verify, "capture": cmd_capture}
-        with warnings.catch_warnings():  # the filters in force before are back after
+        mode = getattr(args, "numa_affinity_mode", None)
+        # The flag stands for the setting sglang reads, here and in the ranks started.
+        setting = envs.SGLANG_NUMA_AFFINITY_MODE.override(mode) if mode else None
+        # The filters in force before are back after.
+        with warnings.catch_warnings(), setting or contextlib.nullcontext():
             if not args.verbose:
                 # Upstream's import-time warnings (sglang's Ray engine imports its AWQ,
                 # GGUF and Triton kernels), not sglang's settings': those are input.

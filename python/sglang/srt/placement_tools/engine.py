@@ -11,7 +11,11 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist, shown
-from sglang.srt.placement.devices import canonical_pci_address
+from sglang.srt.placement.devices import (
+    AcceleratorRuntime,
+    canonical_pci_address,
+    open_runtime,
+)
 from sglang.srt.placement.resolve import HostFacts, noted, place_gpu_id
 from sglang.srt.placement.settings import PlacementPolicy
 from sglang.srt.placement.types import (
@@ -58,10 +62,14 @@ def local_ranks(server_args: PlanArgs) -> tuple[RankIdentity, ...]:
 
 def reindexed(gpu_id: int, env: Mapping[str, str]) -> tuple[int, dict[str, str]]:
     """What ``maybe_reindex_device_id`` hands a CUDA spawn: id 0, seeing only the
-    ``gpu_id``-th entry of ``CUDA_VISIBLE_DEVICES`` (the id, if that is unset/empty)."""
+    ``gpu_id``-th entry of ``CUDA_VISIBLE_DEVICES`` (the id, if that is unset/empty).
+    Past the list's end, where upstream raises, the spawn is left as it was, for
+    ``place_gpu_id`` to name the setting."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     entries = visible.split(",") if visible else []
-    physical = entries[gpu_id] if gpu_id < len(entries) else str(gpu_id)
+    if gpu_id >= len(entries) > 0:
+        return gpu_id, dict(env)
+    physical = entries[gpu_id] if entries else str(gpu_id)
     return 0, {**env, "CUDA_VISIBLE_DEVICES": physical}
 
 
@@ -135,29 +143,41 @@ def plan_engine(
     policy = policy or PlacementPolicy.from_env(server_args, launcher=launcher)
     facts = facts or HostFacts.live()
     env = dict(settings.device_env() if env is None else env)
-    ranks, options = local_ranks(server_args), {}
-    if gpus is not None:
+    ranks = local_ranks(server_args)
+    if gpus is None:  # one NVML session for all the ranks
+        opener = open_runtime(policy.device, facts.topology)
+    else:
         ids = [rank.gpu_id for rank in ranks]
         listed = ListedGpus(check_gpus(gpus, topology=facts.topology, gpu_ids=ids))
-        options["runtime"] = lambda device, topology: contextlib.nullcontext(listed)
+        opener = contextlib.nullcontext(listed)
         env = {k: v for k, v in env.items() if k not in settings.VISIBILITY_VARS}
     # maybe_reindex_device_id spawns each CUDA rank under one visible GPU, as GPU 0.
     mp_cuda = policy.device == "cuda" and policy.launcher == Launcher.MP
     reindex = gpus is None and mp_cuda and settings.one_visible_device_per_process()
-    placements = []
-    for rank in ranks:
-        gpu_id, spawned = reindexed(rank.gpu_id, env) if reindex else (rank.gpu_id, env)
-        placement = place_gpu_id(
-            gpu_id, policy=policy, facts=facts, env=spawned, rank=rank, **options
-        )
-        if reindex:
-            visible = f"CUDA_VISIBLE_DEVICES={spawned['CUDA_VISIBLE_DEVICES']}"
-            why = f"GPU {rank.gpu_id} is spawned as GPU 0 with {visible}"
-            placement = noted(
-                placement, f"SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1: {why}"
-            )
-        placements.append(placement)
-    return tuple(placements)
+    with opener as opened:
+        options = dict(policy=policy, facts=facts, env=env, reindex=reindex)
+        return tuple(_spawned(rank, opened, **options) for rank in ranks)
+
+
+def _spawned(
+    rank: RankIdentity,
+    runtime: Optional[AcceleratorRuntime],
+    *,
+    policy: PlacementPolicy,
+    facts: HostFacts,
+    env: Mapping[str, str],
+    reindex: bool,
+) -> ProcessPlacement:
+    gpu_id, spawned = reindexed(rank.gpu_id, env) if reindex else (rank.gpu_id, env)
+    opened = lambda device, topology: contextlib.nullcontext(runtime)
+    placement = place_gpu_id(
+        gpu_id, policy=policy, facts=facts, env=spawned, rank=rank, runtime=opened
+    )
+    if not reindex or gpu_id != 0:
+        return placement
+    visible = f"CUDA_VISIBLE_DEVICES={spawned['CUDA_VISIBLE_DEVICES']}"
+    why = f"GPU {rank.gpu_id} is spawned as GPU 0 with {visible}"
+    return noted(placement, f"SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1: {why}")
 
 
 def describe(p: ProcessPlacement) -> str:

@@ -17,7 +17,6 @@ import ray
 from ray.util.placement_group import (
     PlacementGroup,
     placement_group,
-    placement_group_table,
     remove_placement_group,
 )
 
@@ -31,12 +30,7 @@ from sglang.srt.placement.types import (
     RankIdentity,
 )
 from sglang.srt.placement_tools import PlanArgs
-from sglang.srt.placement_tools.engine import (
-    from_dict,
-    local_ranks,
-    node_ranks,
-    to_dict,
-)
+from sglang.srt.placement_tools.engine import from_dict, node_ranks, to_dict
 from sglang.srt.placement_tools.verify import observe_self, verify_row
 from sglang.srt.scheduler_placement.ray_rank import bind_scheduler_actor
 
@@ -63,7 +57,7 @@ def ray_cluster(server_args: PlanArgs, *, verbose: bool) -> Iterator[None]:
         # "local": never join a cluster that someone else's `ray start` recorded on this
         # machine. RayEngine asks one GPU per scheduler actor whatever the device: a CPU
         # engine needs GPUs declared.
-        ranks = len(local_ranks(server_args))
+        ranks = _gpus(server_args)  # the placement group asks every node's
         options.update(
             num_cpus=max(ranks, len(os.sched_getaffinity(0))),
             num_gpus=ranks if server_args.device == "cpu" else None,
@@ -158,20 +152,8 @@ def ray_engine_ranks(
     ]
 
 
-def _engine_bundle_order(pg: PlacementGroup, nnodes: int) -> tuple[list[int], str]:
-    """RayEngine's ``_find_engine_bundle``: the driver node's bundle first."""
-    node_of = placement_group_table(pg)["bundles_to_node_id"]
-    address = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-    bundle_ips = [address.get(node_of[i]) for i in range(nnodes)]
-    engine_ip = ray.util.get_node_ip_address()
-    if engine_ip not in bundle_ips:
-        raise PlacementError(
-            f"Engine node {engine_ip} not found in any placement group bundle "
-            f"{bundle_ips}: rank 0 runs on the driver's node, so run verify on a node "
-            "of the cluster"
-        )
-    first = bundle_ips.index(engine_ip)
-    return [first] + [i for i in range(nnodes) if i != first], engine_ip
+def _gpus(server_args: PlanArgs) -> int:  # one per scheduler actor, on all nodes
+    return server_args.dp_size * server_args.tp_size * server_args.pp_size
 
 
 def _row(rank: RankIdentity, report: dict, *, expected_actor: str) -> dict:
@@ -210,7 +192,12 @@ def _start(
 ) -> Iterator[tuple[RankIdentity, ray.actor.ActorHandle, str]]:
     """Each rank as upstream's ``_create_scheduler_actor`` creates it, one at a time,
     with the name it gives the actor."""
-    order, rank0_ip = _engine_bundle_order(pg, nnodes)
+    # As RayEngine orders the bundles: the driver node's first (rank 0 runs there).
+    try:
+        first, rank0_ip = engine._find_engine_bundle(pg, nnodes)
+    except RuntimeError as exc:
+        raise PlacementError(f"{exc} Run verify on a node of the cluster.") from None
+    order = [first] + [i for i in range(nnodes) if i != first]
     # The probe makes no process group: any address of rank 0's node will do.
     address = dict(dist_init_addr=f"{rank0_ip}:0", rank0_node_ip=rank0_ip)
     shared = dict(pg=pg, server_args=server_args, port_args=None, **address)
@@ -250,9 +237,8 @@ def verify_ray(server_args: PlanArgs, *, timeout_s: float) -> list[dict]:
 
     deadline = time.monotonic() + timeout_s
     # The placement group RayEngine reserves when it has none.
-    total_gpus = server_args.dp_size * server_args.tp_size * server_args.pp_size
     nnodes = server_args.nnodes
-    bundles = [{"CPU": 1, "GPU": total_gpus // nnodes}] * nnodes
+    bundles = [{"CPU": 1, "GPU": _gpus(server_args) // nnodes}] * nnodes
     strategy = "STRICT_PACK" if nnodes == 1 else "SPREAD"
     pg = placement_group(bundles, strategy=strategy)
     started: list[tuple[RankIdentity, ray.actor.ActorHandle, str]] = []

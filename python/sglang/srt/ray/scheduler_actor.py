@@ -105,7 +105,7 @@ class SchedulerActor:
             pp_rank=pp_rank,
             dp_rank=dp_rank,
         )
-        if bound is not None and bound.placement.bound:
+        if bound is not None and (bound.cpus or bound.mem_nodes):
             logger.info(
                 f"[TP{tp_rank}] Bound to NUMA node {bound.placement.numa_node} "
                 f"for GPU {actual_gpu_id}"

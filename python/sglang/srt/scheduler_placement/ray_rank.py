@@ -12,7 +12,7 @@ from sglang.srt.placement.apply import (
     bind_in_process,
     enforce_failure_policy,
 )
-from sglang.srt.placement.resolve import HostFacts, place_gpu_id
+from sglang.srt.placement.resolve import place_gpu_id
 from sglang.srt.placement.settings import PlacementPolicy
 from sglang.srt.placement.types import Launcher, ProcessPlacement, RankIdentity
 
@@ -28,9 +28,7 @@ def actor_placement(
     env = settings.device_env()
     if assigned_gpus:  # Ray shows the actor its one GPU as index 0: drop that view
         env = {k: v for k, v in env.items() if k not in settings.VISIBILITY_VARS}
-    return place_gpu_id(
-        rank.gpu_id, policy=policy, facts=HostFacts.live(), env=env, rank=rank
-    )
+    return place_gpu_id(rank.gpu_id, policy=policy, env=env, rank=rank)
 
 
 def bind_scheduler_actor(

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.apply import enforce_failure_policy, handle_bind_failure
-from sglang.srt.placement.resolve import HostFacts, place_gpu_id
+from sglang.srt.placement.numactl import find_numactl
+from sglang.srt.placement.resolve import place_gpu_id
 from sglang.srt.placement.settings import PlacementPolicy
 from sglang.srt.placement.types import Launcher, Strategy
 
@@ -45,15 +46,14 @@ def placed_spawn(server_args: "ServerArgs", gpu_id: int) -> Iterator[None]:
         who = f"CPU rank {gpu_id}"
     elif "CUDA_VISIBLE_DEVICES" in env and settings.one_visible_device_per_process():
         who += f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})"
-    facts = HostFacts.live()
-    placement = place_gpu_id(gpu_id, policy=policy, facts=facts, env=env)
+    placement = place_gpu_id(gpu_id, policy=policy, env=env)
     enforce_failure_policy(placement, who=who, log=logger)
     if placement.strategy != Strategy.EXEC:
         logger.debug(f"{who}: nothing to apply around the spawn: {placement.reasons}")
         yield
         return
-    # An exec placement was probed with this numactl: the same binary starts the child.
-    prefix = [facts.capabilities.numactl.numactl_path, *placement.numactl_args]
+    # An exec placement was probed with the numactl found here: it starts the child.
+    prefix = [find_numactl() or "numactl", *placement.numactl_args]
     executable = os.fsdecode(multiprocessing.spawn.get_executable())
     logger.info(f"{who}: the scheduler starts under {' '.join(prefix)}")
     with spawn_with_prefix(prefix) as use:

@@ -130,11 +130,12 @@ def numa_bind_to_node(node: int) -> None:
             node, reason="numa not available on this system, skip bind action"
         )
         return
-    node_cpus = _node_cpus(node)
-    if not node_cpus and not _node_exists(node):
+    found = _host_topology().node(node)
+    if found is None:
         reason = f"NUMA node {node} does not exist on this host, skipping NUMA binding."
         _handle_numa_bind_failure(node, reason=reason)
         return
+    node_cpus = set(found.cpus)
     allowed = os.sched_getaffinity(0)
     if node_cpus and not node_cpus & allowed:
         _handle_numa_bind_failure(node, allowed)
@@ -169,11 +170,9 @@ def init_threads_binding(*, numa_index: int, world_size: int) -> str:
     from sglang.srt.placement.topology import read_process_affinity, read_topology
 
     setting = settings.cpu_threads_bind()
-    topology = read_topology(settings.sysfs_root())
-    n_nodes = len(topology.cpu_nodes)
-    cpus = rank_cpus(
-        setting, index=numa_index, topology=topology, affinity=read_process_affinity()
-    )
+    topology, affinity = read_topology(settings.sysfs_root()), read_process_affinity()
+    n_nodes = len(topology.cpu_nodes_within(affinity.cpus))  # as get_cpu_ids_by_node
+    cpus = rank_cpus(setting, index=numa_index, topology=topology, affinity=affinity)
     if setting == "all":
         if world_size < n_nodes:
             logger.warning(
@@ -181,9 +180,8 @@ def init_threads_binding(*, numa_index: int, world_size: int) -> str:
                 f"the total number of ranks (dp_size * tp_size * pp_size) is "
                 f"{world_size}, so only {world_size} numa nodes are used."
             )
-        local_omp_cpuid = ",".join(
-            str(cpu) for cpu in sorted(topology.one_cpu_per_core(cpus))
-        )
+        one_per_core = {min(topology.core_of(cpu) & cpus) for cpu in cpus}
+        local_omp_cpuid = ",".join(map(str, sorted(one_per_core)))
     else:
         local_omp_cpuid = setting.split("|")[numa_index].strip()
         if world_size > n_nodes:
@@ -218,10 +216,6 @@ def _host_topology():
 
     # One read serves the GPU's node, its CPUs and whether it exists.
     return read_topology_cached(settings.sysfs_root())
-
-
-def _node_exists(node: int) -> bool:
-    return _host_topology().node(node) is not None
 
 
 def _node_cpus(node: int) -> set:
