@@ -5,16 +5,15 @@ Copies the project's own modules into the package and rewrites a few upstream
 call sites (with libcst, leaving the rest of each file byte-identical) so that
 they delegate into those modules; ``--diff`` prints the change instead.
 
-Usage: python scripts/overlay.py TARGET [--diff | --series OUT] [--repo-python DIR]
+Usage: python scripts/overlay.py TARGET [--diff] [--repo-python DIR]
 
 TARGET is an sglang package dir (an installed ``site-packages/sglang``, or a
 checkout's ``python/sglang``), or an sglang checkout (a dir holding
 ``python/sglang`` and ``test/``). For a checkout, upstream's own tests as this
 repo ports them (``tests/upstream/``, beside ``--repo-python``) go to the same
 paths under the checkout's ``test/`` as well, and ``--diff`` names every file
-by its path in the checkout. ``--series OUT`` writes the upstream fixes and then
-the change as patches that apply in order to a pristine checkout (see
-``overlay_series``).
+by its path in the checkout. The same change as upstream pull requests, in
+merge order, is ``upstream_prs/`` (``scripts/stack.py``).
 
 Exit status: 0 done (or nothing to do), 2 refused (upstream is not the shape
 this script knows, or bad input; nothing is written), 1 I/O error.
@@ -736,16 +735,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         help="an sglang package dir, or an sglang checkout (python/sglang and test/): then the ported "
         "upstream tests go to its test/ too",
     )
-    output = parser.add_mutually_exclusive_group()
-    output.add_argument(
+    parser.add_argument(
         "--diff", action="store_true", help="print the unified diff; write nothing"
-    )
-    output.add_argument(
-        "--series",
-        type=Path,
-        metavar="OUT",
-        help="write the change as a patch series into OUT (new or empty): the upstream fixes, "
-        "then the refactor; TARGET, a pristine checkout, is left untouched",
     )
     parser.add_argument(
         "--repo-python",
@@ -779,28 +770,7 @@ def run(args: argparse.Namespace) -> int:
             target.tests, args.repo_python.resolve().parent / UPSTREAM_TESTS, manifest
         )
         changes += test_changes
-    if args.series is not None:
-        if target.tests is None:
-            raise Refusal(
-                f"--series needs an sglang checkout (python/sglang and test/), the "
-                f"fixes' and the tests' layout; {args.target} is a package dir"
-            )
-        if (pkg / MANIFEST_NAME).exists():
-            raise Refusal(
-                f"--series needs a pristine sglang package; {pkg} holds an earlier overlay "
-                f"({MANIFEST_NAME})"
-            )
-        if args.series.is_dir() and any(args.series.iterdir()):
-            raise FileExistsError(
-                f"{args.series} is not empty; give a new or empty directory"
-            )
-        sys.modules.setdefault("overlay", sys.modules[__name__])  # one Refusal class
-        import overlay_series
-
-        fixes = args.repo_python.resolve().parent / overlay_series.FIXES
-        for line in overlay_series.write(args.series, target, changes, fixes):
-            print(line)
-    elif args.diff:
+    if args.diff:
         print(print_diff(changes), file=sys.stderr)
     else:
         apply(target, changes, manifest)
