@@ -2,6 +2,7 @@
 rank that dies stops its peers at once, in set-up and in an all-reduce, instead of at
 --dist-timeout or never."""
 
+import glob
 import json
 import multiprocessing
 import os
@@ -69,6 +70,8 @@ def run_rank(results, model, port, tp_size, rank, then):
 class TestShmGroupThroughBootstrap(CustomTestCase):
     def start(self, tp_size, plan):
         port, self.results = find_available_port(29000), FORK.Queue()
+        self.addCleanup(lambda: [os.unlink(f) for f in glob.glob(
+            f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")])  # fmt: skip
         model = tempfile.TemporaryDirectory()
         self.addCleanup(model.cleanup)
         with open(os.path.join(model.name, "config.json"), "w") as config:
