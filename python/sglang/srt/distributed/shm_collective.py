@@ -62,11 +62,12 @@ def _no_room(rank: int, path: str, error: int, missing: int = 0):
         )
     info = os.statvfs(SHM_DIR)
     free, total = info.f_bavail * info.f_frsize, info.f_blocks * info.f_frsize
-    size = -(-(total - free + missing) >> 20) if missing else "..."  # MiB
+    need = f"needs {missing} bytes more" if missing else "does not fit"
+    size = f"{-(-(total - free + missing) >> 20)}M" if missing else "<larger>"
     return ShmCollectiveError(
-        f"rank {rank}: {SHM_DIR} has {free} of {total} bytes free; {path!r} needs "
-        f"{missing or 'some'} bytes more: grow it (`mount -o remount,size={size}M "
-        f"{SHM_DIR}` as root, `--shm-size={size}m` in docker)"
+        f"rank {rank}: {SHM_DIR} has {free} of {total} bytes free; {path!r} {need}: "
+        f"grow it (`mount -o remount,size={size} {SHM_DIR}` as root, `--shm-size="
+        f"{size.lower()}` in docker)"
     )
 
 
