@@ -216,9 +216,8 @@ SHM_OLD = (
     "torch.ops.sgl_kernel.initialize(parallel.tp_size, parallel.tp_rank)",
 )
 SHM_COMMENT = (
-    "# The /dev/shm segments are named by this engine's own init address and",
-    "# pipeline stage (ShmNamespace), never by MASTER_ADDR/MASTER_PORT in the",
-    "# environment, so co-located engines and stages never share them.",
+    "# This stage's /dev/shm segments are named by its own init address, never by",
+    "# an inherited MASTER_ADDR/MASTER_PORT: co-located engines never share them.",
 )
 SHM_NEW = (
     "start_shm_collective(\n"
@@ -228,13 +227,13 @@ SHM_NEW = (
     "    pp_rank=parallel.pp_rank,\n"
     ")\n"
 )
-#: After this call in `_init_parallel_groups`, every rank of the stage is past
-#: `initialize`: FINISH (a barrier on the TP group) then unlinks the segment names.
+#: After this call in `_init_parallel_groups` the TP group exists: FINISH ends the
+#: shared-memory all-reduce's set-up (a barrier and the unlink, or the kernel's group).
 GROUPS_BUILT = "initialize_model_parallel"
 FINISH = "finish_shm_collective()\n"
 FINISH_COMMENT = (
-    "# Every rank of this stage called sgl_kernel::initialize before building its",
-    "# groups: past a barrier on the TP group, no rank opens a /dev/shm name again.",
+    "# The TP group exists: the CPU shared-memory all-reduce finishes its set-up,",
+    "# and no /dev/shm name of this stage is left once every rank is past it.",
 )
 
 

@@ -14,7 +14,9 @@ on the path runs, so the same driver serves the pristine and the overlaid one.
 ``python bootstrap_children.py serve`` does the same, but prints the reports as soon
 as every rank has sent one and keeps the ranks alive (for a test to kill them) until
 stdin closes; a spec with ``"pause_before_groups": true`` reports instead when its
-rank is past ``initialize`` and about to build its groups, and waits there.
+rank is past ``initialize`` and about to build its groups, and waits there;
+``"at_initialize": "report"`` reports when the rank calls ``sgl_kernel::initialize``,
+``"pause"`` also waits there instead of calling it.
 
 ``python bootstrap_children.py hold SCHEMA ADDR PORT TP_SIZE TP_RANK`` initialises one
 rank with ``init_shm_collective`` and holds its segment until stdin closes.
@@ -104,6 +106,25 @@ def _pause_before_groups(bootstrap, key: dict, queue) -> None:
     bootstrap.init_distributed_environment = paused
 
 
+def _at_initialize(key: dict, queue, *, pause: bool) -> None:
+    """Make the rank report when it calls ``sgl_kernel::initialize``; with ``pause``
+    it then waits there to be killed, instead of calling it."""
+    import torch
+
+    real = torch.ops.sgl_kernel.initialize
+
+    class Reporting:
+        default = real.default  # its schema, for the caller
+
+        def __call__(self, *args):
+            queue.put({**key, "pid": os.getpid(), "at_initialize": time.monotonic()})
+            while pause:
+                time.sleep(1)
+            return real(*args)
+
+    torch.ops.sgl_kernel.initialize = Reporting()
+
+
 def rank_main(spec: dict, queue, linger: bool = False) -> None:
     """One scheduler rank: bootstrap's real path, then a TP and a WORLD all-reduce."""
     key = {k: spec[k] for k in ("engine", "pp_rank", "tp_rank")}
@@ -131,6 +152,8 @@ def rank_main(spec: dict, queue, linger: bool = False) -> None:
         common.cpu_has_amx_support = lambda: True
         if spec.get("pause_before_groups"):
             _pause_before_groups(bootstrap, key, queue)
+        if spec.get("at_initialize"):
+            _at_initialize(key, queue, pause=spec["at_initialize"] == "pause")
 
         tp_size, pp_size = spec["tp_size"], spec["pp_size"]
         tp_rank, pp_rank = spec["tp_rank"], spec["pp_rank"]
@@ -141,6 +164,7 @@ def rank_main(spec: dict, queue, linger: bool = False) -> None:
             pp_size=pp_size,
             dist_init_addr=f"127.0.0.1:{spec['port']}",
             disable_custom_all_reduce=True,
+            dist_timeout=spec.get("dist_timeout"),
         )
         # As run_scheduler_process does; the gpu_id is the engine's, with base 0, step 1.
         world_rank = spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=pp_rank)
@@ -214,7 +238,7 @@ def rank_main(spec: dict, queue, linger: bool = False) -> None:
         report["logs"] = logs.lines
         queue.put(report)
     except BaseException:
-        queue.put({**key, "error": traceback.format_exc()})
+        queue.put({**key, "error": traceback.format_exc(), "at": time.monotonic()})
         return
     dist.barrier()  # no rank leaves while a peer still reads its segment
     while linger:
@@ -272,29 +296,40 @@ def checked_all_reduces(all_reduce, spec: dict) -> dict:
 
 def shm_maps() -> list[str]:
     """The collective's /dev/shm segments this process maps, as /proc/self/maps
-    names them (multiprocessing's semaphores left out)."""
-    mark = "/dev/shm/deepspeed_allreduce_buffer_"
+    names them: the released kernel's names, those of a kernel with groups, and "#<inode>"
+    for a segment its owner made with O_TMPFILE."""
+    marks = (
+        "/dev/shm/deepspeed_allreduce_buffer_",
+        "/dev/shm/sglang_ar_",
+        "/dev/shm/#",
+    )
     with open("/proc/self/maps") as maps:
-        found = {line.split(None, 5)[5].strip() for line in maps if mark in line}
-    return sorted(found)
+        rows = [line.split(None, 5) for line in maps]
+    return sorted(
+        {r[5].strip() for r in rows if len(r) == 6 and r[5].startswith(marks)}
+    )
 
 
 def kernel_rank(spec: dict) -> dict:
-    """One rank on a built kernel, without bootstrap; its report (or error)."""
+    """One rank on a built kernel, without bootstrap; its report (or error). With a
+    ``"group"``, ``join_shm_group`` on the spec's port; else the two-argument op."""
     import resource
 
     import torch
 
-    from sglang.srt.distributed.shm_collective import ShmNamespace, init_shm_collective
+    from sglang.srt.distributed.shm_collective import ShmNamespace, join_shm_group
 
     torch.ops.load_library(spec["kernel"])
     started, used = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
     report: dict = {"rank": spec["tp_rank"]}
     try:
-        if "port" in spec:
-            namespace = ShmNamespace(addr="127.0.0.1", port=spec["port"])
-            init_shm_collective(
-                namespace, tp_size=spec["tp_size"], tp_rank=spec["tp_rank"]
+        if "group" in spec:
+            join_shm_group(
+                ShmNamespace(addr="127.0.0.1", port=spec["port"]),
+                tp_size=spec["tp_size"],
+                tp_rank=spec["tp_rank"],
+                group=spec["group"],
+                timeout=spec["timeout"],
             )
         else:
             torch.ops.sgl_kernel.initialize(spec["tp_size"], spec["tp_rank"])
@@ -351,19 +386,24 @@ def run_ranks(
 
 def _hold(schema: str, addr: str, port: int, tp_size: int, tp_rank: int) -> None:
     """Initialise one rank and hold its segment until stdin closes (or a kill)."""
-    from sglang.srt.distributed.shm_collective import ShmNamespace, init_shm_collective
+    from sglang.srt.distributed import shm_collective
 
     kernel.register(schema)
-    namespace = ShmNamespace(addr=addr, port=port)
+    namespace = shm_collective.ShmNamespace(addr=addr, port=port)
+    if schema == "released":
+        init, kwargs = shm_collective.init_shm_collective, {}
+        segment = f"/dev/shm/{namespace.segment_name(tp_rank)}"
+    else:
+        init, kwargs = shm_collective.join_shm_group, {"group": "g", "timeout": 300.0}
+        segment = f"/dev/shm/{namespace.group_namespace}_g_{tp_rank}"
     # With peers that never come, the kernel waits in initialize: run it aside.
     worker = threading.Thread(
-        target=init_shm_collective,
+        target=init,
         args=(namespace,),
-        kwargs={"tp_size": tp_size, "tp_rank": tp_rank},
+        kwargs={"tp_size": tp_size, "tp_rank": tp_rank, **kwargs},
         daemon=True,
     )
     worker.start()
-    segment = f"/dev/shm/{namespace.segment_name(tp_rank)}"
     while not os.path.exists(segment):
         worker.join(0.01)
         if not worker.is_alive() and not os.path.exists(segment):

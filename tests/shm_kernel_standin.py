@@ -8,8 +8,9 @@ the real one) and makes the same ``/dev/shm`` traffic:
   ``LOCAL_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the C environment
   (``getenv``, as the C++ code does), and sets up shared memory only when
   ``LOCAL_SIZE == size``;
-* ``initialize(int size, int rank, str namespace) -> ()`` takes the segment prefix
-  (kernel/0001-shm-namespace.patch);
+* ``initialize(int size, int rank, str namespace="", str group="", float timeout=0)
+  -> ()`` (the group schema, upstream_prs/0002): with a namespace, the group's own
+  segments ``<namespace>_<group>_<rank>``, all ranks set up or none;
 * ``init_cpu_threads_env(str cpu_ids) -> str`` pins the process and sets the
   thread count;
 * ``shm_allreduce(Tensor(a!) data, int reduce_op) -> ()`` sums ``data`` over the
@@ -20,18 +21,19 @@ the real one) and makes the same ``/dev/shm`` traffic:
 Released set-up is the CPU build's ``shm.cpp``: its three ``shm_open`` calls, all in
 the one-time ``initialize`` (a second one in a process does nothing): this rank's
 segment with ``O_CREAT | O_RDWR`` and mode 0600 but no ``O_EXCL`` (a leftover file of
-that name is reused), a fresh workspace written into it, the same name opened again
-and mapped, then each peer's segment opened in a loop that retries at once on ENOENT
-and never gives up in the real kernel; here only a test deadline
-(``SHM_STANDIN_PEER_DEADLINE_S``, default 120 s) ends it, so that a test cannot hang.
-Nothing is ever unlinked. Namespaced set-up is the patched kernel's: its own segment
-with ``O_EXCL`` (an existing file is an error naming it), each peer's opened with a
-pause between tries until ``SGLANG_CPU_SHM_INIT_TIMEOUT`` (default 300 s), and its
-own name unlinked once every peer has marked it mapped. Mappings are ``mmap`` of the
-full size, whatever the file's size, as in C. ``torch.library`` definitions live per
-process and one name can be defined once, so every process (the test process and
-each spawned child) calls :func:`register` itself, and :func:`unregister` before
-switching schema.
+that name is reused), a fresh workspace written into it (unchecked: a short write maps
+short), the same name opened again and mapped for the bytes written, then each peer's
+segment opened in a loop that retries at once on ENOENT and never gives up in the real
+kernel; here only a test deadline (``SHM_STANDIN_PEER_DEADLINE_S``, default 120 s) ends
+it, so that a test cannot hang. Nothing is ever unlinked. Group set-up is the patched
+kernel's, simplified: its own segment made whole before it has a name (``O_TMPFILE``,
+then a link: an existing name is an error naming it), each peer's opened with a pause
+between tries until ``timeout``, an "arrived" byte set once every peer is mapped, and
+its own name unlinked once every rank has arrived; on any failure its own name goes.
+Mappings are ``mmap`` of the full size, whatever the file's size, as in C.
+``torch.library`` definitions live per process and one name can be defined once, so
+every process (the test process and each spawned child) calls :func:`register` itself,
+and :func:`unregister` before switching schema.
 """
 
 from __future__ import annotations
@@ -45,22 +47,23 @@ import time
 from typing import Callable, Iterator, Optional
 
 SHM_DIR = "/dev/shm"
-WORKSPACE_BYTES = 4096
+WORKSPACE_BYTES = 65536
 _MAGIC = b"SGLSTAND"
 # magic, pid, rank, size, 200-byte prefix.
 _HEADER = struct.Struct("<8sqii200s")
 # Two all-reduce slots (a sequence number, then up to 127 float64 values): a rank
 # writes call n into slot n % 2, so it never overwrites a slot a peer still reads.
 _SLOT_OFFSET = 1024
-# One byte per peer rank, set by that peer once it has mapped the segment.
-_MAPPED_OFFSET = 512
+# Group set-up: the owner's "arrived" byte, once it has mapped every peer.
+_ARRIVED_OFFSET = 512
 _SLOT_BYTES = 1536
 _SLOT_VALUES = _SLOT_BYTES // 8 - 1
 _SEQUENCE = struct.Struct("<q")
 
 SCHEMAS = {
     "released": "initialize(int size, int rank) -> ()",
-    "namespaced": "initialize(int size, int rank, str namespace) -> ()",
+    "group": 'initialize(int size, int rank, str namespace="", str group="", '
+    "float timeout=0) -> ()",
 }
 
 CALLS: list[dict] = []
@@ -86,6 +89,7 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]  # fmt: skip
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_LENGTHS: dict[int, int] = {}  # each mapping's address and length, for munmap
 # glibc's shm_open adds O_NOFOLLOW and O_CLOEXEC to the flags it is given.
 _SHM_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -96,89 +100,86 @@ def c_getenv(name: str) -> Optional[str]:
     return None if value is None else value.decode()
 
 
-def _map(fd: int) -> ctypes.Array:
-    """``mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)``: past the end of
-    a shorter file the mapping exists, and touching it is a SIGBUS, as in C."""
+def _map(fd: int, length: int = WORKSPACE_BYTES) -> ctypes.Array:
+    """``mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)``: past the end
+    of a shorter file the mapping exists, and touching it is a SIGBUS, as in C."""
     address = _libc.mmap(
-        None, WORKSPACE_BYTES, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0
+        None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0
     )
     if address in (None, _MAP_FAILED):
         raise OSError(ctypes.get_errno(), "stand-in kernel: mmap failed")
+    _LENGTHS[address] = length
     return (ctypes.c_char * WORKSPACE_BYTES).from_address(address)
 
 
-def _peer_deadline(namespaced: bool) -> float:
-    name, default = (
-        ("SGLANG_CPU_SHM_INIT_TIMEOUT", "300")
-        if namespaced
-        else ("SHM_STANDIN_PEER_DEADLINE_S", "120")
-    )
-    return time.monotonic() + float(os.environ.get(name, default))
-
-
-def _create(own: str, namespaced: bool) -> int:
-    # shm_open 1: no O_EXCL in the released kernel, so a leftover is reused.
-    flags = os.O_CREAT | os.O_RDWR | _SHM_OPEN_FLAGS | (os.O_EXCL if namespaced else 0)
-    try:
-        return os.open(own, flags, 0o600)
-    except FileExistsError:
-        raise RuntimeError(f"stand-in kernel: {own} already exists") from None
-
-
-def _open_peer(path: str, rank: int, deadline: float, namespaced: bool) -> int:
+def _open_peer(path: str, rank: int, deadline: float, group: bool) -> int:
     while True:
         try:
             # shm_open 3 (shared_open in a loop while errno == ENOENT).
-            fd = os.open(path, os.O_RDWR | _SHM_OPEN_FLAGS)
-            break
+            return os.open(path, os.O_RDWR | _SHM_OPEN_FLAGS)
         except FileNotFoundError:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"stand-in kernel: rank {rank} still waits for {path} at the "
                     f"deadline"
                 ) from None
-            # The released loop does not even yield; the namespaced one pauses.
-            time.sleep(0.001) if namespaced else os.sched_yield()
-    # Mapped only once written: touching a mapping past a file's end is a SIGBUS.
-    while namespaced and os.fstat(fd).st_size < WORKSPACE_BYTES:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"stand-in kernel: {path} was never set up")
-        time.sleep(0.001)
-    return fd
+            # The released loop does not even yield; the group one pauses.
+            time.sleep(0.001) if group else os.sched_yield()
 
 
-def _shm_initialize(size: int, rank: int, prefix: str, namespaced: bool) -> None:
-    own = os.path.join(SHM_DIR, f"{prefix}_{rank}")
-    fd = _create(own, namespaced)
-    _state["fds"].append(fd)
+def _workspace(prefix: str, rank: int, size: int) -> bytes:
     workspace = bytearray(WORKSPACE_BYTES)
     _HEADER.pack_into(workspace, 0, _MAGIC, os.getpid(), rank, size, prefix.encode())
-    os.write(fd, bytes(workspace))
-    # shm_open 2 (shared_open): the same name opened again, and mapped.
+    return bytes(workspace)
+
+
+def _released_set_up(size: int, rank: int, prefix: str) -> None:
+    own = os.path.join(SHM_DIR, f"{prefix}_{rank}")
+    # shm_open 1: no O_EXCL, so a leftover is reused; the write is not checked.
+    fd = os.open(own, os.O_CREAT | os.O_RDWR | _SHM_OPEN_FLAGS, 0o600)
+    written = os.write(fd, _workspace(prefix, rank, size))
+    os.close(fd)
+    # shm_open 2 (shared_open): the same name opened again, mapped for what was written.
     fd = os.open(own, os.O_RDWR | _SHM_OPEN_FLAGS)
     _state["fds"].append(fd)
+    maps = {rank: _map(fd, written)}
+    deadline = time.monotonic() + float(
+        os.environ.get("SHM_STANDIN_PEER_DEADLINE_S", "120")
+    )
+    for peer in (p for p in range(size) if p != rank):
+        fd = _open_peer(
+            os.path.join(SHM_DIR, f"{prefix}_{peer}"), rank, deadline, False
+        )
+        _state["fds"].append(fd)
+        maps[peer] = _map(fd)
+    _state.update(prefix=prefix, rank=rank, maps=maps)
+
+
+def _group_set_up(size: int, rank: int, prefix: str, timeout: float) -> None:
+    own = os.path.join(SHM_DIR, f"{prefix}_{rank}")
+    fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    _state["fds"].append(fd)
+    os.write(fd, _workspace(prefix, rank, size))
+    # linkat(AT_FDCWD, "/proc/self/fd/N", AT_FDCWD, own, AT_SYMLINK_FOLLOW), as the
+    # kernel does (os.link would link the /proc symlink itself).
+    if _libc.linkat(-100, f"/proc/self/fd/{fd}".encode(), -100, own.encode(), 0x400):
+        error = ctypes.get_errno()
+        raise RuntimeError(f"stand-in kernel: {own} exists: {os.strerror(error)}")
     maps = {rank: _map(fd)}
-    deadline = _peer_deadline(namespaced)
+    deadline = time.monotonic() + timeout
     try:
         for peer in (p for p in range(size) if p != rank):
             path = os.path.join(SHM_DIR, f"{prefix}_{peer}")
-            fd = _open_peer(path, rank, deadline, namespaced)
+            fd = _open_peer(path, rank, deadline, True)
             _state["fds"].append(fd)
             maps[peer] = _map(fd)
-            if namespaced:  # this rank has mapped the peer's segment
-                maps[peer][_MAPPED_OFFSET + rank] = b"\x01"
-        while namespaced and any(
-            maps[rank][_MAPPED_OFFSET + p] != b"\x01" for p in maps if p != rank
-        ):
+        maps[rank][_ARRIVED_OFFSET] = b"\x01"
+        while any(m[_ARRIVED_OFFSET] != b"\x01" for m in maps.values()):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"stand-in kernel: {own} was not mapped by all")
+                raise RuntimeError(f"stand-in kernel: {prefix} did not all arrive")
             time.sleep(0.001)
-    except BaseException:
-        if namespaced:
-            os.unlink(own)
-        raise
-    if namespaced:
-        os.unlink(own)  # every peer has mapped it
+    finally:
+        os.unlink(own)  # every rank has mapped it, or this one failed
     _state.update(prefix=prefix, rank=rank, maps=maps)
 
 
@@ -197,7 +198,7 @@ def _initialize_released(size: int, rank: int) -> None:
     _record(
         {
             "op": "initialize",
-            "schema": "released",
+            "schema": _state["schema"],
             "size": size,
             "rank": rank,
             "segment": f"{prefix}_{rank}",
@@ -208,25 +209,32 @@ def _initialize_released(size: int, rank: int) -> None:
         return
     local_size = int(seen["LOCAL_SIZE"]) if seen["LOCAL_SIZE"] else 0
     if size >= 1 and size == local_size:
-        _shm_initialize(size, rank, prefix, namespaced=False)
+        _released_set_up(size, rank, prefix)
 
 
-def _initialize_namespaced(size: int, rank: int, namespace: str) -> None:
+def _initialize_group(
+    size: int, rank: int, namespace: str = "", group: str = "", timeout: float = 0
+) -> None:
+    if not namespace:
+        return _initialize_released(size, rank)
     seen = {
         name: c_getenv(name) for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")
     }
+    prefix = f"{namespace}_{group}"
     _record(
         {
             "op": "initialize",
-            "schema": "namespaced",
+            "schema": "group",
             "size": size,
             "rank": rank,
-            "segment": f"{namespace}_{rank}",
+            "group": group,
+            "timeout": timeout,
+            "segment": f"{prefix}_{rank}",
             "env": seen,
         }
     )
     if _state["prefix"] is None:
-        _shm_initialize(size, rank, namespace, namespaced=True)
+        _group_set_up(size, rank, prefix, timeout)
 
 
 def _parse_cpulist(text: str) -> set[int]:
@@ -296,7 +304,7 @@ def _shm_allreduce(data, reduce_op: int) -> None:
 def register(
     schema: str, *, threads_env: bool = False, all_reduce: bool = False
 ) -> None:
-    """Define ``sgl_kernel::initialize`` with ``schema`` ("released" or "namespaced") in
+    """Define ``sgl_kernel::initialize`` with ``schema`` ("released" or "group") in
     this process, ``init_cpu_threads_env`` too if ``threads_env``, and
     ``shm_allreduce`` if ``all_reduce``."""
     import torch
@@ -307,9 +315,7 @@ def register(
         )
     lib = torch.library.Library("sgl_kernel", "DEF")
     lib.define(SCHEMAS[schema])
-    impl: Callable = (
-        _initialize_released if schema == "released" else _initialize_namespaced
-    )
+    impl: Callable = _initialize_released if schema == "released" else _initialize_group
     lib.impl("initialize", impl, "CompositeExplicitAutograd")
     if threads_env:
         lib.define("init_cpu_threads_env(str cpu_ids) -> str")
@@ -328,7 +334,7 @@ def unregister() -> None:
     if lib is not None:
         lib._destroy()
     for m in _state["maps"].values():
-        _libc.munmap(ctypes.addressof(m), WORKSPACE_BYTES)
+        _libc.munmap(ctypes.addressof(m), _LENGTHS.pop(ctypes.addressof(m)))
     for fd in _state["fds"]:
         os.close(fd)
     _state.update(

@@ -24,6 +24,9 @@ from sglang.srt.distributed.shm_collective import (
     ShmCollectiveError,
     ShmNamespace,
     init_shm_collective,
+    join_shm_group,
+    shm_group_timeout,
+    start_shm_collective,
     unlink_shm_segments,
 )
 from sglang.srt.distributed.shm_namespace import NAME_MAX
@@ -113,17 +116,17 @@ def test_ipv6_and_stages():
         ("tcp://[::1]", "Expected ':port' after closing bracket"),
         ("tcp://[::1:29500", "Missing closing bracket"),
         ("tcp://::1:29500", "Bare IPv6 address without brackets"),
-        ("tcp://h:1:29500", "has ':' but no brackets"),
+        ("tcp://h:1:29500", "write an IPv6 host as"),
         ("tcp://[example.com]:29500", "Invalid IPv6 address inside brackets"),
         ("tcp://:29500", "Empty host"),
-        ("tcp://127.0.0.1:+80", "in ASCII digits"),
-        ("tcp://a/b:29500", "contains '/'"),
+        ("tcp://127.0.0.1:+80", "expected 1 to 65535"),
+        ("tcp://a/b:29500", "letters, digits and . _ - : %"),
         ("tcp://" + "h" * 220 + ":29500", "too long"),
         ("tcp://" + "h" * 300 + ":29500", "too long"),
-        ("tcp://bad$host:29500", "'$'"),
-        ("tcp://host@x:29500", "'@'"),
-        ("http://host:29500", "unsupported scheme"),
-        ("127.0.0.1:29500", "unsupported scheme"),
+        ("tcp://bad$host:29500", "letters, digits and"),
+        ("tcp://host@x:29500", "letters, digits and"),
+        ("http://host:29500", "expected 'tcp://host:port'"),
+        ("127.0.0.1:29500", "expected 'tcp://host:port'"),
         ("", "expected 'tcp://host:port'"),
         ("file://", "names no file"),
     ],
@@ -149,7 +152,7 @@ def test_env_init_method_reads_master_variables_without_writing_them(monkeypatch
         ShmNamespace.from_init_method("env://")
     monkeypatch.delenv("MASTER_PORT")
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.5")
-    with pytest.raises(ShmCollectiveError, match="MASTER_PORT=''"):
+    with pytest.raises(ShmCollectiveError, match="set MASTER_ADDR and MASTER_PORT"):
         ShmNamespace.from_init_method("env://")
 
 
@@ -182,7 +185,7 @@ def test_name_max_bounds_the_longest_segment_name():
         ({"addr": "h", "port": "1"}, "port='1'"),
         ({"addr": "h", "port": 1, "uid": -1}, "uid=-1"),
         ({"addr": "h", "port": 1, "pp_rank": -1}, "pp_rank=-1"),
-        ({"addr": "a b", "port": 1}, "' '"),
+        ({"addr": "a b", "port": 1}, "letters, digits"),
     ],
 )
 def test_explicit_construction_is_validated(kwargs, needle):
@@ -225,19 +228,29 @@ def test_upstreams_init_methods_name_the_same_address(dist_init_addr, expected):
 # -------------------------------------------------------------------- init_shm_collective
 
 
-def test_no_kernel_op_returns_false_with_one_debug_line(namespace, caplog):
-    caplog.set_level(logging.DEBUG, logger="sglang.srt.distributed")
-    assert not hasattr(torch.ops.sgl_kernel, "initialize")
-    assert init_shm_collective(namespace, tp_size=2, tp_rank=1) is False
-    records = [r for r in caplog.records if r.name.startswith("sglang.srt.distributed")]
-    assert [r.levelno for r in records] == [logging.DEBUG]
-    assert "rank 1" in records[0].getMessage()
-    assert not os.path.exists(os.path.join(SHM, namespace.segment_name(1)))
+def test_a_kernel_with_groups_is_joined_once_the_tp_group_exists(namespace):
+    """start_shm_collective only notes the stage: the nonce comes over the TP group."""
+    from sglang.srt.distributed import shm_collective
+
+    with kernel.registered("group") as calls:
+        method = f"tcp://127.0.0.1:{namespace.port}"
+        start_shm_collective(dist_init_method=method, tp_size=2, tp_rank=1, pp_rank=0)
+        assert calls == [] and unlink_shm_segments() == []
+        [(pid, noted, size, rank)] = shm_collective._GROUPS
+        assert (pid, noted, size, rank) == (os.getpid(), namespace, 2, 1)
+        shm_collective._GROUPS.clear()
+
+
+@pytest.mark.parametrize(
+    "dist_timeout, seconds", [(None, 1800.0), (30, 30.0), (10**9, 7 * 24 * 3600.0)]
+)
+def test_the_group_deadline_is_the_engines_dist_timeout(dist_timeout, seconds):
+    assert shm_group_timeout(dist_timeout) == seconds
 
 
 def test_released_schema_sees_namespace_only_during_the_call(namespace, master_env):
     with kernel.registered("released") as calls:
-        assert init_shm_collective(namespace, tp_size=1, tp_rank=0) is True
+        init_shm_collective(namespace, tp_size=1, tp_rank=0)
         assert {k: os.environ[k] for k in master_env} == master_env
         assert {k: kernel.c_getenv(k) for k in master_env} == master_env
         [call] = calls
@@ -263,7 +276,7 @@ def test_released_schema_restores_absent_variables(namespace, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     before = dict(os.environ)
     with kernel.registered("released") as calls:
-        assert init_shm_collective(namespace, tp_size=1, tp_rank=0)
+        init_shm_collective(namespace, tp_size=1, tp_rank=0)
         assert calls[0]["env"]["MASTER_PORT"] == str(namespace.port)
     assert dict(os.environ) == before
     assert all(
@@ -279,46 +292,39 @@ def test_released_schema_restores_environment_on_error(namespace, master_env):
         assert calls[0]["env"]["MASTER_ADDR"] == "127.0.0.1"
         assert {k: os.environ[k] for k in master_env} == master_env
         assert {k: kernel.c_getenv(k) for k in master_env} == master_env
-        # The failed rank left nothing, and a retry works.
-        assert not os.path.exists(os.path.join(SHM, namespace.segment_name(0)))
+        # The failed rank left its name for peers that wait for it; a retry reuses it.
+        assert os.path.exists(os.path.join(SHM, namespace.segment_name(0)))
         assert unlink_shm_segments() == []
-        assert init_shm_collective(namespace, tp_size=1, tp_rank=0)
+        init_shm_collective(namespace, tp_size=1, tp_rank=0)
 
 
-def test_namespaced_schema_gets_the_prefix_and_no_environment(namespace, master_env):
+def test_a_group_gets_its_own_names_and_no_environment(namespace, master_env):
     stage = dataclasses.replace(namespace, pp_rank=2)
-    segment = os.path.join(SHM, stage.segment_name(0))
-    with kernel.registered("namespaced") as calls:
-        assert init_shm_collective(stage, tp_size=1, tp_rank=0) is True
+    name = f"{stage.group_namespace}_g1_0"
+    with kernel.registered("group") as calls:
+        join_shm_group(stage, tp_size=1, tp_rank=0, group="g1", timeout=5.0)
         [call] = calls
-        assert call["segment"] == stage.segment_name(0)
+        assert (call["segment"], call["group"], call["timeout"]) == (name, "g1", 5.0)
         assert call["env"] == master_env
-        # The kernel created its segment and unlinked it once mapped by all; this
-        # side created, sized and unlinked nothing.
-        assert kernel.peer_prefixes() == {0: stage.prefix}
-        assert not os.path.exists(segment)
+        # Never a released kernel's name, and never longer than the longest of them.
+        assert not name.startswith("deepspeed_allreduce_buffer_")
+        assert len(f"{stage.group_namespace}_{'f' * 16}") <= len(stage.prefix)
+        # The kernel made, then unlinked, its segment; this side did nothing.
+        assert kernel.peer_prefixes() == {0: f"{stage.group_namespace}_g1"}
+        assert not os.path.exists(os.path.join(SHM, name))
         assert unlink_shm_segments() == []
 
 
-def test_namespaced_schema_refuses_a_file_under_its_name(namespace):
-    planted = os.path.join(SHM, namespace.segment_name(0))
+def test_a_group_refuses_a_file_under_its_name(namespace):
+    planted = os.path.join(SHM, f"{namespace.group_namespace}_g1_0")
     os.close(os.open(planted, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
-    with kernel.registered("namespaced"):
-        with pytest.raises(RuntimeError, match=f"{planted} already exists"):
-            init_shm_collective(namespace, tp_size=1, tp_rank=0)
-    assert os.path.getsize(planted) == 0 and unlink_shm_segments() == []
-
-
-def test_unknown_kernel_schema_is_refused(namespace):
-    lib = torch.library.Library("sgl_kernel", "DEF")
     try:
-        lib.define("initialize(int size) -> ()")
-        lib.impl("initialize", lambda size: None, "CompositeExplicitAutograd")
-        expected = r"initialize\(int size, int rank, str namespace\)"
-        with pytest.raises(ShmCollectiveError, match=expected):
-            init_shm_collective(namespace, tp_size=1, tp_rank=0)
+        with kernel.registered("group"):
+            with pytest.raises(RuntimeError, match=f"{planted} exists"):
+                join_shm_group(namespace, tp_size=1, tp_rank=0, group="g1", timeout=5)
+        assert os.path.getsize(planted) == 0
     finally:
-        lib._destroy()
+        os.unlink(planted)
 
 
 @pytest.mark.parametrize("tp_size, tp_rank", [(0, 0), (2, 2), (2, -1), (True, 0)])
@@ -385,7 +391,7 @@ def test_rank_killed_in_initialize_leaves_its_segment_which_the_next_one_reuses(
     peer = _Holder("released", namespace, 2, 0)
     try:
         with kernel.registered("released") as calls:
-            assert init_shm_collective(namespace, tp_size=2, tp_rank=1)
+            init_shm_collective(namespace, tp_size=2, tp_rank=1)
             # The kernel reused the file (O_CREAT, no O_EXCL): whoever opened the
             # name before this rank came maps the very file this rank writes.
             assert os.stat(segment).st_ino == left

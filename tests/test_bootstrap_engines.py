@@ -51,13 +51,11 @@ def _free_ports(count: int) -> list[int]:
 
 
 def _names(*namespaces: ShmNamespace) -> list[str]:
-    """What /dev/shm holds of these namespaces, and any owner-record directory."""
-    return sorted(
-        p.name
-        for p in SHM.iterdir()
-        if p.name.startswith("sglang_shm_owners")
-        or any(p.name.startswith(ns.prefix + "_") for ns in namespaces)
+    """What /dev/shm holds of these namespaces, for either kernel."""
+    prefixes = tuple(
+        f"{p}_" for ns in namespaces for p in (ns.prefix, ns.group_namespace)
     )
+    return sorted(p.name for p in SHM.iterdir() if p.name.startswith(prefixes))
 
 
 @pytest.fixture
@@ -256,7 +254,7 @@ def test_what_parallel_state_reads_is_what_pristine_sglang_gives_it(
 # ------------------------------------------------------------- co-located engines, stages
 
 
-@pytest.mark.parametrize("schema", ["released", "namespaced"])
+@pytest.mark.parametrize("schema", ["released", "group"])
 def test_two_engines_tp2_never_share_segments(schema, namespaces):
     engine_ports = _free_ports(5)
     inherited_port = engine_ports.pop()
@@ -279,12 +277,18 @@ def test_two_engines_tp2_never_share_segments(schema, namespaces):
     for report in reports:
         engine, rank = report["engine"], report["tp_rank"]
         namespace = namespaces[engine]
-        assert report["segment"] == namespace.segment_name(rank)
         [initialize] = [c for c in report["calls"] if c["op"] == "initialize"]
-        assert initialize["segment"] == namespace.segment_name(rank)
         assert initialize["schema"] == schema
+        prefix = namespace.prefix
+        if schema == "group":  # the launch's nonce, from TP rank 0 to every rank
+            [group] = {c["group"] for r in reports if r["engine"] == engine
+                       for c in r["calls"] if c["op"] == "initialize"}  # fmt: skip
+            assert re.fullmatch("[0-9a-f]{16}", group)
+            prefix = f"{namespace.group_namespace}_{group}"
+            assert initialize["timeout"] == 1800.0  # torch's default, no --dist-timeout
+        assert report["segment"] == initialize["segment"] == f"{prefix}_{rank}"
         # Its peers are its own engine's ranks, and nobody else's.
-        assert report["peer_prefixes"] == {"0": namespace.prefix, "1": namespace.prefix}
+        assert report["peer_prefixes"] == {"0": prefix, "1": prefix}
         assert report["segment_mode"] is None  # unlinked
         expected = (1 + 10 * engine) + (2 + 10 * engine)
         assert report["tp_sum"] == [expected, 2 * expected]  # through shared memory

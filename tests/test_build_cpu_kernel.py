@@ -46,7 +46,7 @@ def test_a_checkout_the_patch_does_not_fit_is_refused_untouched(tmp_path):
     if "missing build packages" in done.stderr:
         return
     assert done.returncode == 2
-    assert "0001-shm-namespace.patch does not apply" in done.stderr
+    assert "0002-cpu-shm-group/fix.patch does not apply" in done.stderr
     assert "commit cce0a1244b" in done.stderr
     assert {p: p.read_bytes() for p in cpu.iterdir()} == before
     assert not (tmp_path / "out").exists()

@@ -1,10 +1,11 @@
-"""sglang's real CPU kernel with kernel/0001-shm-namespace.patch, built by
+"""sglang's real CPU kernel through sglang's bootstrap: the one built by
 scripts/build_cpu_kernel.py and named by ``SGLANG_CPU_KERNEL`` (its ``common_ops*.so``
-or the directory holding it); skipped without it.
+or the directory holding it), released (``--unpatched``) or with upstream_prs' kernel
+patches (``initialize`` takes a group); skipped without it.
 
 Every rank is a real process on real /dev/shm. This host has no AMX, so each rank
 makes sglang's AMX gate true in its own process (bootstrap_children), or the shared
-memory all-reduce would never be set up.
+memory all-reduce would never be set up. Each test prints its figures (``-s``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,9 @@ from test_bootstrap_engines import (
     serving,
 )
 
-from sglang.srt.distributed.shm_namespace import ShmNamespace
-
 ALL_REDUCES = 200
-DEADLINE_S = 4.0
-# sizeof(struct allreduce_workspace) in shm.cpp: five int states, a double buffer of
-# 1 MiB and four of 32 MiB; what the two-argument initialize writes per rank.
+# What the two-argument initialize writes per rank on the 2026-08 kernel: five int
+# states, a double buffer of 1 MiB and four of 32 MiB (shm.cpp's allreduce_workspace).
 WORKSPACE_BYTES = 5 * 4 + 2 * (1 << 20) + 8 * (32 << 20)
 
 
@@ -60,18 +58,29 @@ def library() -> str:
     return _kernel_library()
 
 
+@pytest.fixture(scope="module")
+def groups(library) -> bool:
+    """Whether this kernel's initialize takes a group (in a process of its own: the
+    stand-in's tests define the same ops in this one)."""
+    probe = "import sys, torch; torch.ops.load_library(sys.argv[1]); print(torch.ops.sgl_kernel.initialize.default._schema)"  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe, library], check=True,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return "str group" in done.stdout
+
+
 @pytest.fixture
-def engines():
-    """Namespaces of a test's engines; whatever is left of them is removed after."""
-    used: list[ShmNamespace] = []
+def ports():
+    """Ports of a test's engines; what /dev/shm holds of them is removed after."""
+    used: list[int] = []
     yield used
-    for namespace in used:
-        for path in SHM.glob(f"{namespace.prefix}_*"):
-            path.unlink(missing_ok=True)
+    for port in used:
+        for name in _left(port):
+            (SHM / name).unlink(missing_ok=True)
 
 
-def _left(*namespaces: ShmNamespace) -> list[str]:
-    return sorted(p.name for ns in namespaces for p in SHM.glob(f"{ns.prefix}_*"))
+def _left(port: int) -> list[str]:
+    """/dev/shm's names of an engine on ``port``: either kernel's, and today's."""
+    return sorted(p.name for p in SHM.iterdir() if f"_{port}_" in p.name)
 
 
 def _specs(library: str, ports: list[int], **extra) -> list[dict]:
@@ -85,59 +94,119 @@ def _specs(library: str, ports: list[int], **extra) -> list[dict]:
     ]  # fmt: skip
 
 
-def _maps_of(namespace: ShmNamespace) -> list[str]:
-    return [f"{SHM}/{namespace.segment_name(r)} (deleted)" for r in (0, 1)]
+def _driver(specs: list[dict], timeout_s: float = 300) -> list[dict]:
+    """Every rank's report, errors included (the first error ends the wait)."""
+    out = subprocess.run([sys.executable, str(DRIVER), "ranks"], input=json.dumps(specs),
+                         capture_output=True, text=True, timeout=timeout_s,
+                         env=_driver_env(specs))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_two_colocated_engines_sum_through_their_own_segments(library, engines):
+def test_two_colocated_engines_sum_through_their_own_segments(library, ports):
     """Two TP 2 engines through sglang's bootstrap, MASTER_* inherited by every rank."""
-    *ports, inherited_port = _free_ports(3)
-    engines.extend(ShmNamespace(addr="127.0.0.1", port=p) for p in ports)
+    *engines, inherited_port = _free_ports(3)
+    ports.extend([*engines, inherited_port])
     inherited = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(inherited_port)}
     reports = run_ranks(
-        _specs(library, ports, allreduces=ALL_REDUCES), environ=inherited
+        _specs(library, engines, allreduces=ALL_REDUCES), environ=inherited
     )
-
     for report in reports:
-        namespace = engines[report["engine"]]
+        port = engines[report["engine"]]
         assert report["group"]["local_size"] == 2 and report["shm_available"] is True
         sums = report["all_reduces"]
         assert (sums["count"], sums["wrong"]) == (ALL_REDUCES, [])
         # Every sum went through the kernel's shared-memory all-reduce.
         assert sums["ops"] == {"sgl_kernel.shm_allreduce.default": ALL_REDUCES}
-        # It maps its own engine's two segments, by the namespace's names, unlinked
-        # by the kernel: sglang unlinked nothing.
-        assert report["shm_maps"] == _maps_of(namespace)
-        assert not [line for line in report["logs"] if "unlinked" in line]
+        # Two segments, its engine's, both without a name any more.
+        maps = report["shm_maps"]
+        assert len(maps) == 2 and all(m.endswith(" (deleted)") for m in maps)
+        assert all(f"_{port}_" in m for m in maps if "/#" not in m)
         for layer in ("py", "c"):
             after = report["environ_after"][layer]
             assert {k: after[k] for k in inherited} == inherited
-    assert _left(*engines) == []
+    assert [_left(p) for p in ports] == [[], [], []]
     print(f"figures: {len(reports)} ranks x {ALL_REDUCES} all-reduces, 0 wrong; maps "
-          f"{[r['shm_maps'] for r in reports]}; left {_left(*engines)}")  # fmt: skip
+          f"{[r['shm_maps'] for r in reports]}")  # fmt: skip
 
 
-def test_an_engine_killed_after_set_up_leaves_nothing(library, engines):
-    [port] = _free_ports(1)
-    engines.append(ShmNamespace(addr="127.0.0.1", port=port))
-    with serving(_specs(library, [port], allreduces=10)) as reports:
-        assert [r["all_reduces"]["wrong"] for r in reports] == [[], []]
-        assert _left(*engines) == []  # running, set up, and nothing named
-        _signal_and_wait(reports, signal.SIGKILL)
-        assert _left(*engines) == []
-        print(f"figures: killed {[r['pid'] for r in reports]}; left {_left(*engines)}")
-    # The next engine on that address starts as the first did.
-    again = run_ranks(_specs(library, [port], allreduces=10))
+def test_an_engine_killed_after_set_up_leaves_nothing(library, ports):
+    ports.extend(_free_ports(2))
+    with serving(_specs(library, ports, allreduces=10)) as reports:
+        assert [r["all_reduces"]["wrong"] for r in reports] == [[]] * 4
+        assert [_left(p) for p in ports] == [[], []]  # running, and nothing named
+        _signal_and_wait(reports[:2], signal.SIGKILL)
+        _signal_and_wait(reports[2:], signal.SIGTERM)
+        assert [_left(p) for p in ports] == [[], []]
+    again = run_ranks(_specs(library, ports[:1], allreduces=10))
     assert [r["all_reduces"]["wrong"] for r in again] == [[], []]
-    assert _left(*engines) == []
+    assert _left(ports[0]) == []
+
+
+def test_an_engine_killed_in_set_up_restarts_on_its_address(library, ports):
+    """Rank 0 killed while initialize waits for rank 1 (which has not called it yet),
+    then the engine restarts on the same --dist-init-addr."""
+    ports.extend(_free_ports(1))
+    specs = _specs(library, ports, allreduces=50)
+    plan = [
+        {**specs[0], "at_initialize": "report"},
+        {**specs[1], "at_initialize": "pause"},
+    ]
+    with serving(plan) as at_initialize:
+        time.sleep(2)  # rank 0 is in initialize, its segment made
+        waiting = _left(ports[0])
+        _signal_and_wait(at_initialize, signal.SIGKILL)
+    killed = _left(ports[0])
+    started = time.monotonic()
+    reports = _driver(specs)
+    seconds = time.monotonic() - started
+    errors = [r["error"].strip().splitlines()[-1] for r in reports if "error" in r]
+    print(f"figures: while rank 0 waited {waiting}; after the kill {killed}; restart "
+          f"{seconds:.1f} s, errors {errors}; left {_left(ports[0])}")  # fmt: skip
+    assert errors == [] and [r["all_reduces"]["wrong"] for r in reports] == [[], []]
+    assert _left(ports[0]) == []
+
+
+def test_leftovers_of_the_released_kernel_at_the_address(library, groups, ports):
+    """Files under the released kernel's names for this address (an older engine's)."""
+    ports.extend(_free_ports(1))
+    planted = [SHM / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{ports[0]}_{r}"
+               for r in (0, 1)]  # fmt: skip
+    for path in planted:
+        with open(path, "x") as leftover:
+            os.truncate(leftover.fileno(), WORKSPACE_BYTES)
+    started = time.monotonic()
+    reports = _driver(_specs(library, ports, allreduces=50))
+    seconds = time.monotonic() - started
+    errors = [r["error"].strip().splitlines()[-1] for r in reports if "error" in r]
+    print(f"figures: start {seconds:.1f} s, errors {errors}; left {_left(ports[0])}")
+    assert errors == [] and [r["all_reduces"]["wrong"] for r in reports] == [[], []]
+    # A kernel with groups never touches them; the released one reused, then unlinked.
+    assert _left(ports[0]) == ([p.name for p in planted] if groups else [])
+
+
+def test_a_rank_that_never_joins_is_an_error_at_the_engines_dist_timeout(
+    library, groups, ports
+):
+    if not groups:
+        pytest.skip("the released kernel waits for a missing peer for ever")
+    ports.extend(_free_ports(1))
+    specs = [{**spec, "dist_timeout": 6} for spec in _specs(library, ports)]
+    specs[1]["at_initialize"] = "pause"
+    paused, failed = sorted(_driver(specs), key=lambda r: "error" in r)
+    error = failed["error"].strip().splitlines()[-1]
+    seconds = failed["at"] - paused["at_initialize"]  # both called initialize by then
+    assert "waited 6 s for rank 1" in error
+    assert _left(ports[0]) == []  # rank 0's own segment went with its error
+    print(f"figures: {error!r} {seconds:.1f} s after rank 1 stopped at initialize; "
+          f"left {_left(ports[0])}")  # fmt: skip
 
 
 @contextlib.contextmanager
-def _kernel_ranks(specs: list[dict], timeout_s: float = 120, **environ: str):
+def _kernel_ranks(specs: list[dict], **environ: str):
     """One ``bootstrap_children.py kernel`` process per spec, started together, with
     ``environ`` added; yields their reports, then lets them exit."""
-    env = {**_driver_env(specs), "SGLANG_CPU_SHM_INIT_TIMEOUT": str(DEADLINE_S)}
-    env.update(environ)
+    env = {**_driver_env(specs), **environ}
     procs = [
         subprocess.Popen([sys.executable, str(DRIVER), "kernel"], env=env, text=True,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -147,77 +216,44 @@ def _kernel_ranks(specs: list[dict], timeout_s: float = 120, **environ: str):
         for proc, spec in zip(procs, specs):
             proc.stdin.write(json.dumps(spec) + "\n")
             proc.stdin.flush()
-        deadline = time.monotonic() + timeout_s
-        lines = [proc.stdout.readline() for proc in procs]
-        assert time.monotonic() < deadline and all(lines), lines
-        yield [json.loads(line) for line in lines]
+        yield [json.loads(proc.stdout.readline()) for proc in procs]
     finally:
         for proc in procs:
             proc.stdin.close()
             proc.wait(timeout=60)
 
 
-def test_a_file_planted_under_a_name_is_refused(library, engines):
-    [port] = _free_ports(1)
-    namespace = ShmNamespace(addr="127.0.0.1", port=port)
-    engines.append(namespace)
-    planted = SHM / namespace.segment_name(1)
-    planted.touch(mode=0o600, exist_ok=False)
-    before = planted.stat()
-    specs = [{**spec, "allreduces": 5} for spec in _specs(library, [port])]
-    with _kernel_ranks(specs) as (rank0, rank1):
-        assert rank1["error"].startswith(
-            f"sgl_kernel::initialize: {planted} already exists"
-        )
-        assert rank1["wall_s"] < 2
-        # Its peer never mapped the empty file; it gave up at the deadline.
-        assert "waited 4 s for rank 1" in rank0["error"]
-        assert "the file exists but is still empty" in rank0["error"]
-        assert rank0["shm_maps"] == rank1["shm_maps"] == []
-    assert _left(namespace) == [planted.name]
-    print(f"figures: rank 1 refused in {rank1['wall_s']:.3f} s, rank 0 in "
-          f"{rank0['wall_s']:.2f} s; left {_left(namespace)}")  # fmt: skip
-    assert (planted.stat().st_ino, planted.stat().st_size) == (before.st_ino, 0)
+def test_a_file_under_a_group_name_is_refused(library, groups, ports):
+    if not groups:
+        pytest.skip("the released kernel has no groups")
+    from sglang.srt.distributed.shm_namespace import ShmNamespace
 
-
-def test_a_peer_that_never_starts_is_an_error_at_the_deadline(library, engines):
-    [port] = _free_ports(1)
-    namespace = ShmNamespace(addr="127.0.0.1", port=port)
-    engines.append(namespace)
-    [spec, _never] = _specs(library, [port])
+    ports.extend(_free_ports(1))
+    name = f"{ShmNamespace(addr='127.0.0.1', port=ports[0]).group_namespace}_g_1"
+    (SHM / name).touch(mode=0o600, exist_ok=False)
+    spec = {**_specs(library, ports)[1], "group": "g", "timeout": 3.0}
     with _kernel_ranks([spec]) as [report]:
         assert report["error"] == (
-            f"sgl_kernel::initialize: rank 0 waited 4 s for rank 1 of namespace "
-            f"'{namespace.prefix}' to set up {SHM}/{namespace.segment_name(1)}: that "
-            f"rank did not start, failed before it, or uses another namespace "
-            f"(SGLANG_CPU_SHM_INIT_TIMEOUT sets the wait)"
+            f"sgl_kernel::initialize: /dev/shm/{name} exists: another launch was "
+            f"given group '{name[:-2]}'"
         )
-        assert DEADLINE_S <= report["wall_s"] < DEADLINE_S + 2
-        # It paused between tries: a spin would burn the whole wait on a CPU.
-        assert report["cpu_s"] < 0.25 * DEADLINE_S
-    assert _left(namespace) == []  # its own segment is gone too
-    print(f"figures: error after {report['wall_s']:.2f} s wall, {report['cpu_s']:.3f} s "
-          f"CPU; left {_left(namespace)}")  # fmt: skip
+        assert report["wall_s"] < 1
+    assert _left(ports[0]) == [name] and (SHM / name).stat().st_size == 0
 
 
-def test_the_two_argument_initialize_works_as_before(library, engines):
+def test_the_two_argument_initialize_works_as_before(library, ports):
     """``initialize(size, rank)`` names its segments from MASTER_ADDR/MASTER_PORT,
-    reuses nothing exclusively and unlinks nothing, as the released kernel does."""
-    [port] = _free_ports(1)
-    legacy = ShmNamespace(addr="127.0.0.1", port=port)
-    engines.append(legacy)
-    specs = [
-        {k: v for k, v in spec.items() if k != "port"} | {"allreduces": 20}
-        for spec in _specs(library, [port])
-    ]
-    environ = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_SIZE": "2"}
+    reuses files and unlinks nothing, as the released kernel does."""
+    ports.extend(_free_ports(1))
+    specs = [{k: v for k, v in s.items() if k != "port"} | {"allreduces": 20}
+             for s in _specs(library, ports)]  # fmt: skip
+    environ = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[0]),
+               "LOCAL_SIZE": "2"}  # fmt: skip
+    names = [f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{ports[0]}_{r}"
+             for r in (0, 1)]  # fmt: skip
     with _kernel_ranks(specs, **environ) as reports:
         for report in reports:
             assert "error" not in report and report["all_reduces"]["wrong"] == []
-            assert report["shm_maps"] == [
-                f"{SHM}/{legacy.segment_name(r)}" for r in (0, 1)
-            ]
-    names = _left(legacy)
-    assert names == [legacy.segment_name(0), legacy.segment_name(1)]
+            assert report["shm_maps"] == [f"{SHM}/{n}" for n in names]
+    assert _left(ports[0]) == names
     assert {(SHM / n).stat().st_size for n in names} == {WORKSPACE_BYTES}
-    print(f"figures: left {names}, {WORKSPACE_BYTES} bytes each")

@@ -257,12 +257,13 @@ def test_an_invalid_boolean_warns_and_keeps_the_default(monkeypatch):
 # --------------------------------------------------------------------------- bootstrap's CPU path
 
 
-@pytest.mark.parametrize("schema", ["released", "namespaced"])
+@pytest.mark.parametrize("schema", ["released", "group"])
 @pytest.mark.parametrize("pp_rank", [0, 1])
 def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(
     schema, pp_rank, monkeypatch
 ):
     from sglang.srt.distributed import bootstrap
+    from sglang.srt.distributed import shm_collective
     from sglang.srt.distributed.shm_collective import ShmNamespace, unlink_shm_segments
 
     port = 40000 + os.getpid() % 20000
@@ -284,7 +285,11 @@ def test_bootstrap_cpu_path_hands_the_kernel_an_explicit_namespace(
         finally:
             unlink_shm_segments()
             os.sched_setaffinity(0, affinity_before)
-    assert initialize and initialize[0]["segment"] == namespace.segment_name(0)
+    if schema == "released":
+        assert initialize and initialize[0]["segment"] == namespace.segment_name(0)
+    else:  # joined once sglang's TP group exists (finish_shm_collective)
+        assert initialize == [] and shm_collective._GROUPS[0][1] == namespace
+        shm_collective._GROUPS.clear()
     # What parallel_state reads afterwards is what upstream sets; MASTER_ADDR/PORT are untouched.
     assert dict(os.environ) == {**environ_before, "LOCAL_SIZE": "1"}
     assert kernel.c_getenv("LOCAL_SIZE") == "1"

@@ -4,6 +4,10 @@ The suite puts this directory on ``PYTHONPATH`` (tests/conftest.py), so spawned
 scheduler ranks, Ray workers and CLI subprocesses load it at start-up; see
 ``sglang_light`` for why. Tests that must see the package exactly as users
 import it start their interpreter without this directory on the path.
+
+Two more modules here serve upstream's tests as they are written: ``sgl_kernel`` (the
+CPU kernel named by ``SGLANG_CPU_KERNEL``; without it the import fails) and a stand-in
+for Hugging Face ``datasets``, which ``sglang.test.test_utils`` imports.
 """
 
 import sglang_light  # noqa: F401
