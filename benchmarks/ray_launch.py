@@ -4,20 +4,19 @@ Run (after scripts/setup.sh): .venv/bin/python benchmarks/ray_launch.py [--repea
 [--modes placed,unplaced]
 
 A local cluster declares 4 GPUs on this CPU host; its raylet reads a fake /sys
-(SGLANG_SYSFS_ROOT, ``tests/ray_gpu_cluster.two_numa_nodes``): GPUs 0 and 1
-on NUMA node 0, GPUs 2 and 3 on node 1, each node holding one real CPU of this
+(the test harness's ``ray_gpu_cluster.fake_host_env``, ``two_numa_nodes``): GPUs 0
+and 1 on NUMA node 0, GPUs 2 and 3 on node 1, each node holding one real CPU of this
 host, so a placed launch really binds. Each launch does what
 ``RayEngine._launch_scheduler_processes`` does: it reserves the engine's
 placement group (one bundle of 4 GPUs), then calls upstream's
 ``sglang.srt.ray.engine._create_scheduler_actor`` once per rank, then waits for
-every actor's ``get_info``. The actors are verify's probe (upstream's
-constructor and the actor's own bind, ``bind_scheduler_actor``, without a
-model; sglang's own actor would add the same 20 s engine import to both modes).
-Modes:
+every actor's ``get_info``. The actors are sglang's own ``SchedulerActor``, its
+``configure_scheduler_process`` binding it, with the tests' stand-in scheduler module
+(no model; the real one would add the same 20 s engine import to both modes). Modes:
 
 * ``placed``: each actor places the GPU Ray gave it and binds itself
   in-process (every thread, memory policy, pages migrated).
-* ``unplaced``: the same probe without the bind.
+* ``unplaced``: the same actor for a device sglang does not place.
 
 Each launch is timed from reserving the placement group until every actor is
 ready (shutdown is printed apart), once the previous launch's GPUs are free
@@ -51,29 +50,29 @@ from ray.util.placement_group import (  # noqa: E402
     placement_group,
     remove_placement_group,
 )
-from ray_gpu_cluster import two_numa_nodes  # noqa: E402
-
-from sglang.srt.placement_tools import PlanArgs  # noqa: E402
-from sglang.srt.placement_tools.verify_ray import (
-    PlacementProbe,
-    ProbeActor,
-)  # noqa: E402
+from ray_gpu_cluster import fake_host_env, two_numa_nodes  # noqa: E402
 
 RANKS = 4
 PHASES = ("placement_group_s", "first_call_s", "other_calls_s", "ready_s")
 
 
-class UnplacedProbe(PlacementProbe):
-    """verify's probe without the bind: what the same actor costs unplaced."""
-
-    def __init__(self, server_args: Any, port_args: Any, gpu_id: int, **ranks: Any):
-        assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-        self._gpu_id = int(assigned[0]) if assigned else gpu_id
-        self._assigned = [str(i) for i in assigned]
-        self._bound = None
+TINY_MODEL = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "tiny_llama"
+)
 
 
-MODES = {"placed": ProbeActor, "unplaced": ray.remote(UnplacedProbe)}
+MODES = ("placed", "unplaced")
+
+
+def engine_args(mode: str) -> Any:
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=TINY_MODEL, tp_size=RANKS, device="cuda")
+    if mode == "unplaced":
+        args.device = (
+            "unplaced"  # a device sglang does not place: nothing is read or bound
+        )
+    return args
 
 
 def wait_released(gpus: float, *, limit_s: float = 60.0) -> None:
@@ -89,7 +88,7 @@ def one_launch(mode: str) -> dict[str, Any]:
     import sglang.srt.ray.engine as engine
 
     wait_released(RANKS)
-    server_args = PlanArgs(tp_size=RANKS, device="cuda")
+    server_args = engine_args(mode)
     timings: dict[str, Any] = {}
     started = time.perf_counter()
     pg = placement_group([{"CPU": 1, "GPU": RANKS}], strategy="STRICT_PACK")
@@ -97,16 +96,15 @@ def one_launch(mode: str) -> dict[str, Any]:
     try:
         ray.get(pg.ready(), timeout=120)
         timings["placement_group_s"] = time.perf_counter() - started
-        with unittest.mock.patch.object(engine, "SchedulerActor", MODES[mode]):
-            for tp_rank in range(RANKS):
-                t = time.perf_counter()
-                actors.append(engine._create_scheduler_actor(
-                    pg=pg, bundle_idx=0, gpu_id=tp_rank, server_args=server_args, port_args=None,
-                    tp_rank=tp_rank, pp_rank=0, dp_rank=0, dist_init_addr="127.0.0.1:0",
-                    rank0_node_ip="127.0.0.1",
-                ))  # fmt: skip
-                key = "first_call_s" if tp_rank == 0 else "other_calls_s"
-                timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
+        for tp_rank in range(RANKS):
+            t = time.perf_counter()
+            actors.append(engine._create_scheduler_actor(
+                pg=pg, bundle_idx=0, gpu_id=tp_rank, server_args=server_args, port_args=None,
+                tp_rank=tp_rank, pp_rank=0, dp_rank=0, dist_init_addr="127.0.0.1:0",
+                rank0_node_ip="127.0.0.1",
+            ))  # fmt: skip
+            key = "first_call_s" if tp_rank == 0 else "other_calls_s"
+            timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
         t = time.perf_counter()
         reports = ray.get([a.get_info.remote() for a in actors], timeout=300)
         timings["ready_s"] = time.perf_counter() - t
@@ -117,7 +115,7 @@ def one_launch(mode: str) -> dict[str, Any]:
             ray.kill(actor)
         remove_placement_group(pg)
         timings["shutdown_s"] = time.perf_counter() - t
-    strategies = {(r["placement"] or {}).get("strategy", "off") for r in reports}
+    strategies = {r["placement"]["strategy"] for r in reports}
     timings["strategy"] = ",".join(sorted(strategies))
     return timings
 
@@ -128,10 +126,11 @@ def run_modes(
     """Every mode ``repeat`` times on one local cluster whose raylet reads ``tree``."""
     t = time.perf_counter()
     # The local raylet, and so its workers, inherit these; this process keeps its own environment.
-    with unittest.mock.patch.dict(os.environ, {"SGLANG_SYSFS_ROOT": str(tree), "RAY_memory_monitor_refresh_ms": "0",
+    with unittest.mock.patch.dict(os.environ, {**fake_host_env(str(tree)), "RAY_memory_monitor_refresh_ms": "0",
                          "PYTHONPATH": os.pathsep.join(sys.path[:2])}):  # fmt: skip
         ray.init(address="local", num_cpus=2, num_gpus=RANKS, include_dashboard=False,
-                 configure_logging=False, log_to_driver=False)  # fmt: skip
+                 configure_logging=False, log_to_driver=False,
+                 runtime_env={"worker_process_setup_hook": "upstream_standins.install"})  # fmt: skip
     print(f"ray.init: {time.perf_counter() - t:.2f} s; fake /sys {tree}")
     try:
         t = time.perf_counter()

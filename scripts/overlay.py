@@ -341,9 +341,80 @@ def _rewrite_cpu_env(module: "cst.Module", rel: str) -> "cst.Module":
 ENV_ANCHOR = "SGLANG_CRASH_ON_NUMA_BIND_FAILURE = EnvBool(False)"
 ENV_FIELDS = (
     ("SGLANG_CPU_OMP_THREADS_BIND", 'SGLANG_CPU_OMP_THREADS_BIND = EnvStr("all")'),
-    ("SGLANG_NUMA_AFFINITY_MODE", 'SGLANG_NUMA_AFFINITY_MODE = EnvStr("node")'),
-    ("SGLANG_SYSFS_ROOT", 'SGLANG_SYSFS_ROOT = EnvStr("/sys")'),
 )
+
+#: configure_scheduler_process's own placement (upstream's NUMA-blind CPU slice, then
+#: the legacy bind) becomes one call that applies the rank's one placement.
+PLACE_OLD = (
+    "if envs.SGLANG_SET_CPU_AFFINITY.get():\n    set_gpu_proc_affinity(gpu_id)\n",
+    "if not envs.SGLANG_NUMA_BIND_V2.get():\n"
+    "    numa_node = get_numa_node_if_available(server_args, gpu_id)\n"
+    "    if numa_node is not None:\n"
+    "        numa_bind_to_node(numa_node)\n",
+)
+PLACE_NEW = "bind_scheduler_process(server_args, gpu_id)\n"
+PLACE_COMMENT = (
+    "# This rank's one placement (its NUMA node; with SGLANG_SET_CPU_AFFINITY=1 its",
+    "# slice of that node's cores), applied here where the launcher could not: a Ray",
+    "# actor, the legacy V1 bind, the NUMA-blind slice where no node is known.",
+)
+PLACE_IMPORT_OLD = (
+    "from sglang.srt.utils.numa_utils import get_numa_node_if_available, "
+    "numa_bind_to_node"
+)
+PLACE_IMPORT_NEW = "from sglang.srt.utils.numa_utils import bind_scheduler_process"
+UNUSED_AFTER = "set_gpu_proc_affinity"
+
+
+def rewrite_scheduler(module: "cst.Module", rel: str) -> "cst.Module":
+    """``configure_scheduler_process`` places the rank through ``numa_utils``."""
+    where = f"sglang/{rel}: configure_scheduler_process()"
+    func = _top_level(module, cst.FunctionDef, "configure_scheduler_process", where)
+    stmts = list(func.body.body)
+    old_at = _find_run(module, stmts, PLACE_OLD)
+    calls = [i for i, s in enumerate(stmts) if _same(module, s, PLACE_NEW)]
+    if old_at is None and len(calls) == 1:
+        return module
+    if old_at is None or calls:
+        raise Refusal(
+            f"{where}: expected `{' '.join(PLACE_OLD[0].split())}` followed by the "
+            "legacy NUMA bind `if not envs.SGLANG_NUMA_BIND_V2.get(): ...`, or one "
+            f"`{PLACE_NEW.strip()}` instead"
+        )
+    blank = [line for line in stmts[old_at].leading_lines if line.comment is None][:1]
+    comment = [cst.EmptyLine(comment=cst.Comment(line)) for line in PLACE_COMMENT]
+    call = _statement(PLACE_NEW).with_changes(leading_lines=[*blank, *comment])
+    stmts[old_at : old_at + len(PLACE_OLD)] = [call]
+    module = module.deep_replace(
+        func, func.with_changes(body=func.body.with_changes(body=stmts))
+    )
+    body = [
+        _statement(PLACE_IMPORT_NEW + "\n") if _same(module, s, PLACE_IMPORT_OLD) else s
+        for s in module.body
+    ]
+    module = module.with_changes(body=body)
+    if not any(_same(module, s, PLACE_IMPORT_NEW) for s in module.body):
+        raise Refusal(f"sglang/{rel}: expected the import `{PLACE_IMPORT_OLD}`")
+    return _drop_imported_name(module, UNUSED_AFTER, rel)
+
+
+def _drop_imported_name(module: "cst.Module", name: str, rel: str) -> "cst.Module":
+    """``module`` without ``name`` in its top-level ``from sglang.srt.utils import
+    (...)`` once nothing else names it."""
+    code = module.code
+    if code.count(name) != 1:
+        return module
+    for stmt in module.body:
+        if _from_module(module, stmt) != "sglang.srt.utils":
+            continue
+        imports = stmt.body[0]
+        kept = [a for a in imports.names if a.name.value != name]
+        if len(kept) == len(imports.names):
+            continue
+        last = kept[-1].with_changes(comma=imports.names[-1].comma)
+        new = imports.with_changes(names=[*kept[:-1], last])
+        return module.deep_replace(imports, new)
+    raise Refusal(f"sglang/{rel}: expected `{name}` in `from sglang.srt.utils import`")
 
 
 def _assigns(stmt: "cst.BaseStatement", name: str) -> bool:
@@ -394,6 +465,7 @@ def rewrite_environ(module: "cst.Module", rel: str) -> "cst.Module":
 REWRITES: Dict[str, Callable[["cst.Module", str], "cst.Module"]] = {
     "srt/distributed/bootstrap.py": rewrite_bootstrap,
     "srt/environ.py": rewrite_environ,
+    "srt/managers/scheduler.py": rewrite_scheduler,
 }
 
 

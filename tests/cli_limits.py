@@ -1,6 +1,6 @@
 """Running `python -m sglang.srt.placement_tools` on bad input without letting a missing bound harm the host.
 
-``run_cli`` starts the command under a 1 GiB address-space limit and a timeout; ``memory_cap`` caps this
+``run_cli`` starts the command under a 6 GiB address-space limit and a timeout; ``memory_cap`` caps this
 process's own address space (for in-process calls) for a block; ``deadline`` turns a hang into an exception;
 ``assert_usage_error`` checks the contract for bad input: exit 2, one printable line, no traceback.
 """
@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Iterator
 
 CLI = [sys.executable, "-m", "sglang.srt.placement_tools"]
-MEMORY_LIMIT = 1 << 30
+MEMORY_LIMIT = 6 << 30  # torch, which numa_utils imports, maps 3.5 GiB
 
 
 def clean_env(extra=None) -> dict[str, str]:

@@ -6,7 +6,7 @@ the same way (``OSError`` with the errno the kernel returns):
 
 * a memory policy (bind or preferred) naming no node with memory -> EINVAL, as the
   kernel intersects the mask with the nodes that have memory and rejects an empty result;
-* ``migrate_pages`` to a node that is not a memory node -> EINVAL;
+* ``move_private_pages`` to a node that is not a memory node -> EINVAL;
 * ``fail={"set_membind": errno.EPERM}`` makes one call fail like a kernel or seccomp
   profile that refuses it.
 """
@@ -30,9 +30,9 @@ class FakeLibNuma:
     fail: Mapping[str, int] = field(default_factory=dict)
     """Method name -> errno that call fails with."""
     pages: dict[int, int] = field(default_factory=dict)
-    """Resident pages per node, moved by migrate_pages."""
+    """Resident pages per node, moved by move_private_pages."""
     unmovable_pages: int = 0
-    """Pages migrate_pages reports as not moved (pinned or shared pages in the real kernel)."""
+    """Pages move_private_pages leaves behind (one mapping each, as pages the kernel cannot move)."""
 
     calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
     policy: str = "default"
@@ -48,9 +48,6 @@ class FakeLibNuma:
 
     # -- what placement calls on libnuma.LibNuma ---------------------------------------------
 
-    def configured_nodes(self) -> frozenset[int]:
-        return frozenset(self.node_cpus)
-
     def set_membind(self, nodes: Iterable[int]) -> None:
         node_set = frozenset(nodes)
         self._call("set_membind", node_set)
@@ -62,22 +59,23 @@ class FakeLibNuma:
         self.policy_nodes = self._memory_mask("numa_set_preferred", frozenset([node]))
         self.policy = "preferred"
 
-    def migrate_pages(
-        self, pid: int, from_nodes: Iterable[int], to_nodes: Iterable[int]
-    ) -> int:
-        src, dst = frozenset(from_nodes), frozenset(to_nodes)
-        self._call("migrate_pages", pid, src, dst)
+    def move_private_pages(self, policy: int, nodes: Iterable[int]) -> int:
+        """The real one mbinds each private anonymous mapping with MPOL_MF_MOVE: here every
+        page moves to the first of ``nodes``, but ``unmovable_pages`` (one mapping each).
+        """
+        dst = frozenset(nodes)
+        self._call("move_private_pages", policy, dst)
         if not dst or not dst <= self.memory_nodes:
-            raise self._error("numa_migrate_pages", errno.EINVAL)
+            raise self._error("mbind", errno.EINVAL)
         target = min(dst)
-        moving = sum(self.pages.get(node, 0) for node in src - dst)
+        moving = sum(pages for node, pages in self.pages.items() if node not in dst)
         stuck = min(self.unmovable_pages, moving)
-        for node in src - dst:
+        for node in [n for n in self.pages if n not in dst]:
             self.pages[node] = 0
         self.pages[target] = self.pages.get(target, 0) + moving - stuck
         if stuck:
-            first_src = min(src - dst)
-            self.pages[first_src] = stuck
+            first = min(n for n in self.pages if n not in dst)
+            self.pages[first] = stuck
         return stuck
 
     # -- helpers ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ where GPUS_OF_NODE_n is a comma-separated list of GPU numbers (``fakesys.gpu_add
 Each node's tree (DIR/nodeN) holds this host's allowed CPUs on NUMA node 0
 (padded with CPUs this host lacks to 8), a second node of 4 CPUs this host
 lacks, and the node's GPUs on node 0, at PCI addresses only that node has. Its
-raylet is started with SGLANG_SYSFS_ROOT pointing there and declares as many
+raylet is started with ``fake_host_env`` pointing there and declares as many
 GPUs. The script prints one JSON line (address, and per node: id, tree, GPU
 PCI addresses), then holds the cluster until its stdin closes, and shuts down
 only the nodes it started. Set RAY_TMPDIR to a private directory: a Cluster
@@ -52,6 +52,12 @@ def tree_spec(gpus: list[int]) -> fakesys.Host:
     )
 
 
+def fake_host_env(tree: str) -> dict[str, str]:
+    """What makes a raylet's workers see ``tree`` as their host's sysfs, on a CUDA platform (the test harness
+    reads these; see tests/harness/sitecustomize.py)."""
+    return {"PLACEMENT_TESTS_SYSFS": str(tree), "PLACEMENT_TESTS_PLATFORM": "cuda"}
+
+
 def main() -> None:
     from ray.cluster_utils import Cluster
 
@@ -66,7 +72,7 @@ def main() -> None:
         head_node_args={
             "num_cpus": 2,
             "num_gpus": len(nodes[0]),
-            "env_vars": {"SGLANG_SYSFS_ROOT": trees[0]},
+            "env_vars": fake_host_env(trees[0]),
             "include_dashboard": False,
         },
     )
@@ -75,7 +81,7 @@ def main() -> None:
         for gpus, tree in zip(nodes[1:], trees[1:]):
             started.append(
                 cluster.add_node(
-                    num_cpus=1, num_gpus=len(gpus), env_vars={"SGLANG_SYSFS_ROOT": tree}
+                    num_cpus=1, num_gpus=len(gpus), env_vars=fake_host_env(tree)
                 )
             )
         cluster.wait_for_nodes()
@@ -213,7 +219,7 @@ class SessionCluster:
 def session_cluster() -> Iterator[SessionCluster]:
     """Start the session's local cluster (``ray.init`` in this process) and shut it down afterwards.
 
-    Its raylet (and so every worker) reads the fake tree through SGLANG_SYSFS_ROOT, imports the tests' helper
+    Its raylet (and so every worker) reads the fake tree (``fake_host_env``), imports the tests' helper
     modules, and builds sglang's stand-in Scheduler (a job setup hook); this process keeps its own environment.
     """
     import ray
@@ -222,7 +228,7 @@ def session_cluster() -> Iterator[SessionCluster]:
     tree = fakesys.write_sysfs(os.path.join(directory, "sys"), two_numa_nodes())
     real = sorted(os.sched_getaffinity(0))
     overrides = {
-        "SGLANG_SYSFS_ROOT": str(tree),
+        **fake_host_env(tree),
         "PYTHONPATH": os.pathsep.join(
             p for p in (HERE, os.environ.get("PYTHONPATH")) if p
         ),

@@ -14,6 +14,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import stat
 import sys
 import types
@@ -147,7 +148,7 @@ def fake_host(
 _STANDIN = r'''#!{python}
 """numactl stand-in ({mode}): behaves like a numactl this machine cannot have."""
 import json, os, sys
-mode, log, marker = {mode!r}, {log!r}, {marker!r}
+mode, log, marker, tree, real = {mode!r}, {log!r}, {marker!r}, {tree!r}, {real!r}
 argv = sys.argv[1:]
 count = next((i for i, a in enumerate(argv) if not a.startswith("--")), len(argv))
 options, program = argv[:count], argv[count:]
@@ -173,13 +174,37 @@ if mode == "shrinks-after-probe":
 if mode == "hang" and os.path.basename(program[0]) != "true":
     import time
     time.sleep(3600)  # a rank that never gets to Python
-# Accepted: run the program without binding anything (this host has no second node to bind to).
-os.execv(program[0], program)
+if mode == "fake-host":
+    # The real numactl, on the CPUs of the fake tree's nodes (its CPUs are this host's), and the
+    # memory of the nodes this kernel has (it has no second node).
+    cpus, kept = set(), []
+    for option in options:
+        name, _, value = option.partition("=")
+        for part in value.split(","):
+            lo, _, hi = part.partition("-")
+            ids = range(int(lo), int(hi or lo) + 1)
+            if name == "--physcpubind":
+                cpus.update(ids)
+            elif name == "--cpunodebind":
+                for node in ids:
+                    text = open(f"{{tree}}/devices/system/node/node{{node}}/cpulist").read().strip()
+                    for span in text.split(","):
+                        a, _, b = span.partition("-")
+                        cpus.update(range(int(a), int(b or a) + 1))
+            elif all(os.path.isdir(f"/sys/devices/system/node/node{{n}}") for n in ids):
+                kept.append(option)
+    cpu = ["--physcpubind=" + ",".join(map(str, sorted(cpus)))] if cpus else []
+    os.execv(real, [real, *cpu, *kept, *program])
+# Accepted: run the program without binding anything.
+os.execvp(program[0], program)
 '''
 
 
-def numactl_standin(directory: Path, mode: str) -> tuple[Path, Path]:
-    """Write ``directory/numactl`` in ``mode``; returns (its directory, its argv log)."""
+def numactl_standin(
+    directory: Path, mode: str, *, tree: Optional[Path] = None
+) -> tuple[Path, Path]:
+    """Write ``directory/numactl`` in ``mode``; returns (its directory, its argv log). In
+    ``fake-host`` mode it applies the CPU binding on the nodes of sysfs ``tree``."""
     directory.mkdir(parents=True, exist_ok=True)
     log = directory / "numactl-calls.jsonl"
     path = directory / "numactl"
@@ -189,6 +214,8 @@ def numactl_standin(directory: Path, mode: str) -> tuple[Path, Path]:
             mode=mode,
             log=str(log),
             marker=str(directory / "probe-passed"),
+            tree=str(tree or ""),
+            real=shutil.which("numactl") or "numactl",
         )
     )
     path.chmod(stat.S_IRWXU)
@@ -199,3 +226,24 @@ def numactl_calls(log: Path) -> list[list[str]]:
     if not log.exists():
         return []
     return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def use_fake_host(monkeypatch: Any, root: Path) -> Path:
+    """``root`` as this host's sysfs, on a CUDA platform, for this process and the ones it
+    starts (the harness reads the variables, see tests/harness/sitecustomize.py)."""
+    from sglang.srt.placement import topology
+    from sglang.srt.utils import numa_utils
+
+    monkeypatch.setattr(topology, "SYSFS_ROOT", str(root))
+    monkeypatch.setattr(numa_utils, "_is_cuda", True)
+    monkeypatch.setattr(numa_utils, "_is_xpu", False)
+    monkeypatch.setenv("PLACEMENT_TESTS_SYSFS", str(root))
+    monkeypatch.setenv("PLACEMENT_TESTS_PLATFORM", "cuda")
+    return root
+
+
+def without_numactl(monkeypatch: Any) -> None:
+    """PATH without any numactl on it."""
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    kept = [d for d in path if not os.path.exists(os.path.join(d, "numactl"))]
+    monkeypatch.setenv("PATH", os.pathsep.join(kept))

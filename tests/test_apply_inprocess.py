@@ -21,6 +21,7 @@ from fakelibnuma import FakeLibNuma
 
 from sglang.srt.environ import envs
 from sglang.srt.placement import apply as apply_mod
+from sglang.srt.placement.libnuma import MPOL_BIND, MPOL_PREFERRED
 from sglang.srt.placement.apply import (
     BindOutcome,
     bind_in_process,
@@ -41,7 +42,7 @@ TARGET_CPUS = frozenset({HOST_CPUS[-1]})
 
 def placement(**changes) -> ProcessPlacement:
     fields = dict(
-        rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=1, gpu_id=1),
+        rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=1),
         pci=None,
         numa_node=1,
         cpus=TARGET_CPUS,
@@ -125,12 +126,15 @@ def test_binds_every_thread_sets_membind_and_migrates():
     assert outcome.threads >= 3
     assert (outcome.mem_policy, outcome.mem_nodes) == ("bind", {1})
     assert (fake.policy, fake.policy_nodes) == ("bind", {1})
-    assert fake.called("migrate_pages") == [(0, frozenset({0}), frozenset({1}))]
-    assert outcome.pages_not_migrated == 7
+    assert fake.called("move_private_pages") == [(MPOL_BIND, frozenset({1}))]
+    assert outcome.mappings_not_moved == 7
     assert fake.pages == {0: 7, 1: 513}
     assert not outcome.notes
     assert outcome.summary.startswith("DP0 PP0 TP1: ")
-    assert "bind on node(s) 1" in outcome.summary and "7 not moved" in outcome.summary
+    assert (
+        "bind on node(s) 1" in outcome.summary
+        and "7 mapping(s) not moved" in outcome.summary
+    )
 
 
 def test_membind_rejected_degrades_to_preferred_and_says_so():
@@ -141,7 +145,7 @@ def test_membind_rejected_degrades_to_preferred_and_says_so():
     assert outcome.notes
     assert "membind to node 1 rejected" in outcome.notes[0]
     assert "falling back to preferred node 1" in outcome.notes[0]
-    assert fake.called("migrate_pages") == [(0, frozenset({0}), frozenset({1}))]
+    assert fake.called("move_private_pages") == [(MPOL_PREFERRED, frozenset({1}))]
     assert outcome.cpus == TARGET_CPUS
 
 
@@ -151,7 +155,7 @@ def test_node_without_memory_ends_cpu_only_like_the_kernel():
     assert outcome.mem_policy == "none"
     assert outcome.cpus == TARGET_CPUS
     assert len(outcome.notes) == 2 and "CPU binding only" in outcome.notes[1]
-    assert fake.called("migrate_pages") == []
+    assert fake.called("move_private_pages") == []
     assert fake.policy == "default"
 
 
@@ -168,7 +172,7 @@ def test_mem_policy_none_leaves_memory_alone():
     outcome = bind_with(placement(mem_policy="none", mem_nodes=frozenset()), fake)
     assert fake.calls == []
     assert outcome.cpus == TARGET_CPUS and outcome.mem_policy == "none"
-    assert outcome.pages_not_migrated is None and not outcome.notes
+    assert outcome.mappings_not_moved is None and not outcome.notes
 
 
 def test_strategy_none_binds_nothing():
@@ -185,7 +189,7 @@ def test_missing_libnuma_still_binds_cpus(no_libnuma, caplog):
         outcome = bind_in_process(placement())
     assert outcome.cpus == TARGET_CPUS
     assert os.sched_getaffinity(0) == TARGET_CPUS
-    assert outcome.mem_policy == "none" and outcome.pages_not_migrated is None
+    assert outcome.mem_policy == "none" and outcome.mappings_not_moved is None
     assert "libnuma.so.1 is not available" in outcome.notes[0]
     assert any(
         "DP0 PP0 TP1" in r.getMessage() and "libnuma" in r.getMessage()
@@ -288,7 +292,7 @@ def test_real_libnuma_bind_in_a_child_matches_its_placement():
         from sglang.srt.placement.apply import bind_in_process
         from sglang.srt.placement_tools.verify import compare_binding, observe_self
         from sglang.srt.placement.types import ProcessPlacement, RankIdentity
-        p = ProcessPlacement(rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=None), pci=None, numa_node=0,
+        p = ProcessPlacement(rank=RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0), pci=None, numa_node=0,
                              cpus=frozenset({{{cpu}}}), mem_nodes=frozenset({{0}}), mem_policy="bind",
                              strategy="in-process", reasons=())
         stop = threading.Event()
@@ -299,7 +303,7 @@ def test_real_libnuma_bind_in_a_child_matches_its_placement():
         stop.set(); t.join()
         observed = observe_self()
         print(json.dumps({{"summary": outcome.summary, "policy": outcome.mem_policy,
-                          "not_moved": outcome.pages_not_migrated, "thread_cpus": thread_cpus,
+                          "not_moved": outcome.mappings_not_moved, "thread_cpus": thread_cpus,
                           "diffs": compare_binding(p, observed), "observed": observed.to_dict()}}))
     """
     proc = subprocess.run(

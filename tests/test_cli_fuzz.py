@@ -38,6 +38,7 @@ BOOL_VARIABLES = (
     "SGLANG_NUMA_BIND_V2",
     "SGLANG_AUTO_NUMA_BIND",
     "SGLANG_CRASH_ON_NUMA_BIND_FAILURE",
+    "SGLANG_SET_CPU_AFFINITY",
 )
 
 HUGE = [
@@ -178,7 +179,7 @@ def plan_cases(rng: random.Random, tree: Path) -> list[Case]:
         flag_case(base, "--allowed-cpus", value)
         for value in rng.sample(cpulist_values(rng, nul=True), 16)
     ]
-    for flag in ("--gpus", "--numa-affinity-mode", "--launcher", "--device"):
+    for flag in ("--gpus", "--launcher", "--device"):
         for value in [garbage(rng) for _ in range(4)] + [
             "\x00",
             "0000:18:00.0," * 5000,
@@ -230,15 +231,6 @@ def capture_cases(tmp: Path, tree: Path, snapshots: dict[str, Path]) -> list[Cas
                 names=("--sysfs-root", path, str(tmp)),
             )
         )
-        if "\0" not in path:
-            cases.append(
-                Case(
-                    f"SGLANG_SYSFS_ROOT {label}",
-                    ["plan"],
-                    env={"SGLANG_SYSFS_ROOT": path},
-                    names=("SGLANG_SYSFS_ROOT", path),
-                )
-            )
     for label, snap in snapshots.items():
         rel = label.split(" <- ")[0]
         cases.append(
@@ -279,7 +271,7 @@ def env_cases(rng: random.Random, tree: Path) -> list[Case]:
         "\udcff",
         HUGE[-1],
     ]
-    for name in ("SGLANG_NUMA_AFFINITY_MODE", *BOOL_VARIABLES):
+    for name in BOOL_VARIABLES:
         cases += [
             env_case(["plan", "--sysfs-root", str(tree)], name, value)
             for value in words + [garbage(rng) for _ in range(3)]
@@ -406,7 +398,7 @@ def test_malformed_input_is_exit_2_with_one_line_naming_it(cases, monkeypatch):
         f"slowest {slowest[0]:.2f} s ({slowest[1]})"
     )
     assert len(cases) >= 300
-    assert counts[2] >= 0.8 * len(cases), counts
+    assert counts[2] >= 0.75 * len(cases), counts  # booleans warn and keep defaults
     assert slowest[0] < SECONDS_PER_RUN
 
 

@@ -74,7 +74,7 @@ def identify(gpu_ids, env, *, device, topology, gpus=None, runtime=None):
         runtime = ListedGpus(found)
         env = {k: v for k, v in env.items() if "VISIBLE" not in k and "MASK" not in k}
     return identify_accelerators(
-        device=device, topology=topology, gpu_ids=gpu_ids, env=env, runtime=runtime
+        device=device, topology=topology, logical_ids=gpu_ids, env=env, runtime=runtime
     )
 
 
@@ -201,7 +201,7 @@ def test_gpus_option_maps_index_to_address_in_order():
     accs = cuda([0, 1, 2], {}, gpus=["81:00.0", "0000:17:00.0", "0000:C1:00.0"])
     assert [a.pci for a in accs] == ["0000:81:00.0", "0000:17:00.0", "0000:c1:00.0"]
     assert all(a.source.startswith("--gpus: physical device") for a in accs)
-    assert [a.gpu_id for a in accs] == [0, 1, 2]
+    assert [a.index for a in accs] == [0, 1, 2]
 
 
 def test_gpus_option_wins_over_cuda_visible_devices():
@@ -282,7 +282,7 @@ def test_no_visible_devices_variable_uses_index_itself():
 
 def test_reordered_visible_devices_map_to_the_right_pci():
     accs = cuda([0, 1], {"CUDA_VISIBLE_DEVICES": "3,1", **PCI_ORDER})
-    assert [(a.gpu_id, a.physical_id, a.pci) for a in accs] == [
+    assert [(a.index, a.physical_id, a.pci) for a in accs] == [
         (0, "3", GPU_ADDRS[3]),
         (1, "1", GPU_ADDRS[1]),
     ]
@@ -394,12 +394,13 @@ def test_bad_gpu_ids_and_device():
     with pytest.raises(ValueError, match="GPU id -1 is not a device index"):
         cuda([-1], {})
     with pytest.raises(ValueError, match="--device 'npu'"):
-        identify_accelerators(device="npu", topology=TOPO, gpu_ids=[0], env={})
+        identify_accelerators(device="npu", topology=TOPO, logical_ids=[0], env={})
 
 
 def test_cpu_device_has_no_accelerators():
     assert (
-        identify_accelerators(device="cpu", topology=TOPO, gpu_ids=[0, 1], env={}) == ()
+        identify_accelerators(device="cpu", topology=TOPO, logical_ids=[0, 1], env={})
+        == ()
     )
 
 
@@ -518,7 +519,7 @@ def test_level_zero_order_puts_only_domain_0_bus_0_last():
         PciDevice("0000:01:00.0", 0, "0x8086", "0x0bd5", "0x038000"),
     )
     accs = identify_accelerators(
-        device="xpu", topology=make_topology(devices), gpu_ids=range(6), env={}
+        device="xpu", topology=make_topology(devices), logical_ids=range(6), env={}
     )
     assert [a.pci for a in accs] == [
         "0000:01:00.0",
@@ -602,7 +603,7 @@ def test_read_topology_tree_gives_gpus_in_bus_order(tmp_path):
     accs = identify_accelerators(
         device="cuda",
         topology=topo,
-        gpu_ids=[0, 1],
+        logical_ids=[0, 1],
         env={"CUDA_VISIBLE_DEVICES": "3,0", **PCI_ORDER},
     )
     assert [a.pci for a in accs] == ["0000:48:00.0", "0000:18:00.0"]
@@ -614,6 +615,8 @@ def test_read_topology_tree_gives_gpus_in_bus_order(tmp_path):
 
     # A GPU whose numa_node is -1 (the one-GPU cloud VM) is still identified; its node is unknown.
     topo = read_topology(gpu_unknown_node(tmp_path / "unknown", gpus=1))
-    (acc,) = identify_accelerators(device="cuda", topology=topo, gpu_ids=[0], env={})
+    (acc,) = identify_accelerators(
+        device="cuda", topology=topo, logical_ids=[0], env={}
+    )
     assert acc.pci == "0000:18:00.0" and "CUDA_DEVICE_ORDER" not in acc.source
     assert topo.pci_device(acc.pci).numa_node is None

@@ -257,10 +257,6 @@ def test_sysfs_root_that_is_a_fifo_or_a_device(tmp_path):
             run_cli("plan", "--sysfs-root", root, timeout=10),
             f"{root}: is not a directory",
         )
-        assert_usage_error(
-            run_cli("plan", env={"SGLANG_SYSFS_ROOT": str(root)}, timeout=10),
-            f"SGLANG_SYSFS_ROOT='{root}' is not a directory",
-        )
 
 
 def test_live_sysfs_attributes_are_regular_files_and_still_read():
@@ -273,7 +269,7 @@ def test_live_sysfs_attributes_are_regular_files_and_still_read():
         env={"SGLANG_CPU_OMP_THREADS_BIND": "0"},
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("[DP0 PP0 TP0] gpu_id 0: node 0 CPUs 0 ")
+    assert done.stdout.startswith("[DP0 PP0 TP0] CPU rank 0: node 0 CPUs 0 ")
     assert run_cli("plan", "--device", "cpu").returncode == 0
 
 

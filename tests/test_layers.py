@@ -1,10 +1,11 @@
 """The project's modules only point down: placement, then the glue sglang's launchers call, then the tools.
 
 ``placement`` (host facts, the pure decision, the ways to apply it) imports
-nothing of the project's but ``environ``; ``scheduler_placement`` is the glue
-sglang's own launchers call; the owned ``ray.scheduler_actor`` and upstream's
-modules sit above the glue; ``placement_tools`` (plan, verify, capture and the
-read-back) drives sglang's launch path, so it sits on top, and nothing imports it.
+nothing of the project's but ``environ``, and within it ``settings`` sits below the
+decision and device discovery; ``utils.numa_utils`` is the glue sglang's own
+launchers call; the owned ``ray.scheduler_actor`` and upstream's modules sit above
+it; ``placement_tools`` (plan, verify, capture and the read-back) drives sglang's
+launch path, so it sits on top, and nothing imports it.
 
 Read from the source (every import, function-level ones included), not from
 what happens to be loaded, so a lazy import cannot hide a circle.
@@ -25,12 +26,7 @@ def layer(module: str) -> str | None:
     if parts[:2] != ["sglang", "srt"] or len(parts) < 3:
         return None
     rest = parts[2:]
-    if rest[0] in (
-        "placement",
-        "placement_tools",
-        "scheduler_placement",
-        "distributed",
-    ):
+    if rest[0] in ("placement", "placement_tools", "distributed"):
         return rest[0]
     return ".".join(rest[:2])
 
@@ -87,12 +83,25 @@ def test_placement_imports_only_environ_and_the_glue_imports_no_actor_nor_tools(
     edges = import_graph()
     # ServerArgs is named for type hints only (under TYPE_CHECKING).
     assert edges["placement"] <= {"environ", "server_args"}, edges["placement"]
-    assert "ray.scheduler_actor" not in edges["scheduler_placement"]
+    assert "ray.scheduler_actor" not in edges["utils.numa_utils"]
+    assert "placement" in edges["utils.numa_utils"]
     # Nothing but the tools themselves imports the tools.
     assert [s for s, t in edges.items() if "placement_tools" in t] == []
-    # The owned actor is built on the glue; the tools drive sglang's own launch path.
-    assert "scheduler_placement" in edges["ray.scheduler_actor"]
-    assert {"ray.engine", "scheduler_placement"} <= edges["placement_tools"]
+    # The tools drive sglang's own launch path.
+    assert "ray.engine" in edges["placement_tools"]
+    assert edges["placement_tools"] & {"utils", "utils.numa_utils"}
+
+
+def test_settings_sit_below_the_decision_and_device_discovery():
+    tree = ast.parse((SRT / "placement" / "settings.py").read_text(encoding="utf-8"))
+    imported = {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    }
+    placement = {m for m in imported if m.startswith("sglang.srt.placement.")}
+    assert placement <= {
+        "sglang.srt.placement.cpulist",
+        "sglang.srt.placement.types",
+    }, placement
 
 
 def test_no_module_names_the_removed_launchers():

@@ -49,7 +49,6 @@ def test_real_libnuma_loads_once_and_reports_this_host():
     assert lib is not None, "libnuma.so.1 must be installed (Debian package libnuma1)"
     assert lib is load_libnuma()
     assert isinstance(lib, LibNuma)
-    assert lib.configured_nodes() == _sys_nodes()
 
 
 def test_missing_library_gives_none_and_one_log_line(caplog, monkeypatch):
@@ -79,15 +78,11 @@ def test_policies_and_migration_through_the_real_library():
         result["preferred"] = list(read_mempolicy()[0:1]) + sorted(read_mempolicy()[1])
         lib.set_membind([{node}])
         result["bind"] = list(read_mempolicy()[0:1]) + sorted(read_mempolicy()[1])
-        result["not_moved"] = lib.migrate_pages(0, [{node}], [{node}])
+        result["not_moved"] = lib.move_private_pages(2, [{node}])
         try:
             lib.set_membind([{absent}])
         except OSError as exc:
             result["bind_absent"] = [exc.errno, str(exc)]
-        try:
-            lib.migrate_pages(0, [{node}], [{absent}])
-        except OSError as exc:
-            result["migrate_absent"] = [exc.errno, str(exc)]
         print(json.dumps(result))
         """
     )
@@ -95,21 +90,39 @@ def test_policies_and_migration_through_the_real_library():
     assert out["bind"] == ["bind", node]
     assert out["not_moved"] == 0
     assert out["bind_absent"][0] == 22 and "numa_set_membind" in out["bind_absent"][1]
-    assert (
-        out["migrate_absent"][0] in (22, 1)
-        and "migrate_pages" in out["migrate_absent"][1]
+
+
+def test_pages_move_in_private_mappings_only():
+    """mbind(MPOL_MF_MOVE) goes over the private anonymous mappings: a shared mapping
+    (another rank's segment, a library's page cache) keeps its policy and its pages."""
+    node = _node_of_cpu0()
+    out = _run_child(
+        f"""
+        import json, mmap
+        from sglang.srt.placement.libnuma import MPOL_BIND, load_libnuma
+        shared = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_SHARED)
+        private = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE)
+        shared.write(b"x" * (1 << 20)); private.write(b"y" * (1 << 20))
+        refused = load_libnuma().move_private_pages(MPOL_BIND, [{node}])
+        lines = open("/proc/self/numa_maps").read().splitlines()
+        policy = lambda text: [line.split()[1] for line in lines if text in line]
+        print(json.dumps({{"refused": refused, "shared": policy("file=/dev/zero"),
+                          "private": policy(" anon=256 "), "heap": policy(" heap ")}}))
+        """
     )
+    assert out["refused"] == 0
+    assert out["heap"] == out["private"] == [f"bind:{node}"], out
+    assert out["shared"] == ["default"], out
 
 
 def test_nodemask_rejects_node_ids_the_kernel_cannot_hold():
     lib = load_libnuma()
     with pytest.raises(OSError, match="outside"):
-        lib.migrate_pages(0, [0], [1 << 20])
+        lib.move_private_pages(2, [1 << 20])
 
 
 def test_fake_follows_the_kernel_where_memory_is_missing():
     fake = FakeLibNuma(node_cpus={0: (0, 1), 1: (2, 3), 2: ()}, memory_nodes={0, 1})
-    assert fake.configured_nodes() == {0, 1, 2}
     with pytest.raises(OSError) as info:
         fake.set_membind([2])
     assert info.value.errno == 22
@@ -117,13 +130,13 @@ def test_fake_follows_the_kernel_where_memory_is_missing():
     assert (fake.policy, fake.policy_nodes) == ("bind", {1})
     fake.pages.update({0: 100, 1: 5})
     fake.unmovable_pages = 3
-    assert fake.migrate_pages(0, [0, 2], [1]) == 3
-    assert fake.pages == {0: 3, 1: 102, 2: 0}
+    assert fake.move_private_pages(2, [1]) == 3
+    assert fake.pages == {0: 3, 1: 102}
     with pytest.raises(OSError):
-        fake.migrate_pages(0, [0], [2])
+        fake.move_private_pages(2, [2])
     assert [name for name, _ in fake.calls] == [
         "set_membind",
         "set_membind",
-        "migrate_pages",
-        "migrate_pages",
+        "move_private_pages",
+        "move_private_pages",
     ]

@@ -20,7 +20,6 @@ def test_placement_and_the_spawn_path_load_without_heavy_modules():
         "import sglang_light\n"
         "import sglang.srt.placement, sglang.srt.placement.resolve, sglang.srt.placement_tools.verify\n"
         "import sglang.srt.placement.apply, sglang.srt.placement_tools.capture\n"
-        "import sglang.srt.scheduler_placement.spawn\n"
         "sglang_light.bare_package('sglang.srt.utils')\n"
         "import sglang.srt.utils.numa_utils\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"

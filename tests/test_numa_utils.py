@@ -7,6 +7,9 @@ import logging
 import multiprocessing
 import multiprocessing.spawn
 import os
+import shlex
+import shutil
+import stat
 import sys
 from typing import Iterator
 
@@ -14,24 +17,19 @@ import fakesys
 import pytest
 from conftest import setting
 from fakelibnuma import FakeLibNuma
-from spawn_support import args
+from spawn_support import args, use_fake_host
 
 from sglang.srt.placement import apply
+from sglang.srt.placement.libnuma import MPOL_PREFERRED
 from sglang.srt.placement.types import PlacementError
-from sglang.srt.scheduler_placement import spawn
 from sglang.srt.utils import numa_utils
 from sglang.srt.utils.numa_utils import (
+    _create_numactl_executable,
     configure_subprocess,
     get_libnuma,
     get_numa_node_if_available,
     init_threads_binding,
 )
-
-
-def armed_prefix():
-    """The numactl prefix configure_subprocess armed for this thread's spawns."""
-    use = spawn._state.use
-    return None if use is None else use.prefix
 
 
 ALL_CPUS = sorted(os.sched_getaffinity(0))
@@ -57,87 +55,111 @@ def spawn_and_read_cpus(ctx_name: str = "spawn") -> list[int]:
         reader.close()
 
 
+def spawn_executable() -> str:
+    return os.fsdecode(multiprocessing.spawn.get_executable())
+
+
 @pytest.fixture(autouse=True)
-def _groups_and_nothing_left_armed(monkeypatch):
+def _groups_and_the_spawn_executable_restored(monkeypatch):
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", f"{ALL_CPUS[0]}|{ALL_CPUS[-1]}")
+    before = spawn_executable()
     yield
-    assert armed_prefix() is None
+    assert spawn_executable() == before
 
 
 # --------------------------------------------------------------------------- configure_subprocess
 
 
-def test_configure_subprocess_arms_the_spawn_of_its_rank_only():
+def test_configure_subprocess_starts_its_rank_through_a_private_wrapper():
     with configure_subprocess(CPU_RANK, 1):
-        assert armed_prefix()[1:] == (
-            "--physcpubind=" + str(ALL_CPUS[-1]),
+        wrapper = spawn_executable()
+        directory = os.path.dirname(wrapper)
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(wrapper).st_mode) == 0o700
+        exec_line = open(wrapper).read().splitlines()[1]
+        assert shlex.split(exec_line)[:4] == [
+            "exec",
+            shutil.which("numactl"),
+            f"--physcpubind={ALL_CPUS[-1]}",
             "--membind=0",
-        )
+        ]
         assert spawn_and_read_cpus() == [ALL_CPUS[-1]]
+    assert not os.path.exists(directory)  # gone once the child left the shell
     assert spawn_and_read_cpus() == ALL_CPUS
 
 
-def test_configure_subprocess_restores_on_error():
-    executable = multiprocessing.spawn.get_executable()
-    with pytest.raises(KeyError):
-        with configure_subprocess(CPU_RANK, 1):
-            raise KeyError("start failed")
-    assert multiprocessing.spawn.get_executable() == executable
-    assert spawn_and_read_cpus() == ALL_CPUS
-
-
-def test_configure_subprocess_warns_when_nothing_was_spawned(caplog):
-    with caplog.at_level(logging.WARNING):
-        with configure_subprocess(CPU_RANK, 1):
-            assert spawn_and_read_cpus("fork") == ALL_CPUS
-    assert (
-        "CPU rank 1: no process was started with the spawn start method" in caplog.text
-    )
-
-
-def test_configure_subprocess_notices_a_changed_spawn_executable(caplog):
-    original = multiprocessing.spawn.get_executable()
+def test_the_wrapper_quotes_every_word(tmp_path):
+    odd = tmp_path / "a dir; $(touch x)"
+    odd.mkdir()
+    original = spawn_executable()
+    multiprocessing.set_executable(str(odd / "python"))
     try:
-        with caplog.at_level(logging.WARNING):
-            with configure_subprocess(CPU_RANK, 1):
-                spawn_and_read_cpus()
-                multiprocessing.set_executable(
-                    os.path.realpath(sys.executable) + "-other"
-                )
-        assert "spawn executable changed" in caplog.text
-        multiprocessing.set_executable(os.fsdecode(original))
-        with setting("SGLANG_CRASH_ON_NUMA_BIND_FAILURE", True), pytest.raises(
-            PlacementError, match="changed"
-        ):
-            with configure_subprocess(CPU_RANK, 1):
-                spawn_and_read_cpus()
-                multiprocessing.set_executable(
-                    os.path.realpath(sys.executable) + "-other"
-                )
+        path, _ = _create_numactl_executable(
+            "--physcpubind=0", numactl=str(odd / "numactl")
+        )
     finally:
-        multiprocessing.set_executable(os.fsdecode(original))
+        multiprocessing.set_executable(original)
+    try:
+        words = shlex.split(open(path).read().splitlines()[1])
+        assert words == [
+            "exec",
+            str(odd / "numactl"),
+            "--physcpubind=0",
+            str(odd / "python"),
+            "$@",
+        ]
+    finally:
+        shutil.rmtree(os.path.dirname(path))
+
+
+def test_configure_subprocess_removes_the_wrapper_on_error_and_without_a_spawn():
+    for raised in (True, False):
+        with contextlib.suppress(KeyError), configure_subprocess(CPU_RANK, 1):
+            directory = os.path.dirname(spawn_executable())
+            if raised:
+                raise KeyError("start failed")
+        assert not os.path.exists(directory)
+    assert spawn_and_read_cpus() == ALL_CPUS
+
+
+def test_configure_subprocess_refuses_a_changed_spawn_executable():
+    original = spawn_executable()
+    try:
+        with pytest.raises(PlacementError, match="changed"):
+            with configure_subprocess(CPU_RANK, 1):
+                multiprocessing.set_executable(os.path.realpath(sys.executable) + "-x")
+    finally:
+        multiprocessing.set_executable(original)
 
 
 def test_configure_subprocess_does_nothing_where_upstream_does_nothing(monkeypatch):
     # A GPU on this one-node host, and any rank with SGLANG_NUMA_BIND_V2=0.
-    with configure_subprocess(args(tp_size=2), 0):
-        assert armed_prefix() is None
-    with setting("SGLANG_NUMA_BIND_V2", False), configure_subprocess(CPU_RANK, 1):
-        assert armed_prefix() is None
-    with configure_subprocess(args(device="npu"), 0):
-        assert armed_prefix() is None
+    before = spawn_executable()
+    for engine, settings in (
+        (args(tp_size=2), {}),
+        (CPU_RANK, {"SGLANG_NUMA_BIND_V2": "0"}),
+        (args(device="npu"), {}),
+    ):
+        with contextlib.ExitStack() as stack:
+            for name, value in settings.items():
+                stack.enter_context(setting(name, value))
+            with configure_subprocess(engine, 1):
+                assert spawn_executable() == before
 
 
 def test_a_device_sglang_does_not_place_reads_no_host_fact(monkeypatch):
     """As upstream, which returns before any sysfs read: a host without /sys (macOS
     with mps) or with an unreadable one starts its ranks unbound."""
-    monkeypatch.setenv("SGLANG_SYSFS_ROOT", "/nonexistent")
+    from sglang.srt.placement import topology
+
+    monkeypatch.setattr(topology, "SYSFS_ROOT", "/nonexistent")
+    before = spawn_executable()
     for device in ("mps", "npu"):
         with configure_subprocess(args(device=device), 0):
-            assert armed_prefix() is None
+            assert spawn_executable() == before
     with setting("SGLANG_AUTO_NUMA_BIND", False):
         with configure_subprocess(args(tp_size=2), 0):
-            assert armed_prefix() is None
+            assert spawn_executable() == before
 
 
 # --------------------------------------------------------------------------- node, libnuma
@@ -147,7 +169,7 @@ def test_numa_node_from_the_explicit_list_first():
     assert get_numa_node_if_available(args(numa_node=[1, 0]), 1) == 0
     with setting("SGLANG_AUTO_NUMA_BIND", False):
         assert get_numa_node_if_available(args(numa_node=[1, 0]), 0) == 1
-    with pytest.raises(ValueError, match="--numa-node has 2 entries but GPU 2"):
+    with pytest.raises(ValueError, match="--numa-node has 2 entries .* GPU 2"):
         get_numa_node_if_available(args(numa_node=[1, 0]), 2)
 
 
@@ -155,10 +177,8 @@ def test_numa_node_discovery_on_a_two_socket_host_answers_for_the_gpu_given(
     tmp_path, monkeypatch
 ):
     """GPU 2 of a two-socket host is on node 1, whichever rank asks; one GPU identified per call."""
-    root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
-    monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(root))
+    use_fake_host(monkeypatch, fakesys.two_sockets_four_gpus(tmp_path / "sys"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(numa_utils, "_is_cuda", True)
     assert [get_numa_node_if_available(args(), gpu) for gpu in range(4)] == [0, 0, 1, 1]
     # Under a CUDA_VISIBLE_DEVICES that reorders the GPUs, logical GPU 0 is physical GPU 3.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,0")
@@ -224,12 +244,12 @@ def test_init_threads_binding_counts_only_the_nodes_this_process_may_use(
     """Under `numactl --cpunodebind=1`, rank 0 of `all` gets node 1, as upstream's
     get_cpu_ids_by_node (which drops nodes without allowed CPUs) gives it."""
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
-    monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(root))
+    use_fake_host(monkeypatch, root)
     from sglang.srt.placement import topology
 
     node1 = frozenset(range(8, 16)) | frozenset(range(24, 32))
     allowed = topology.ProcessAffinity(node1, frozenset({1}), "this process")
-    monkeypatch.setattr(topology, "read_process_affinity", lambda: allowed)
+    monkeypatch.setattr(numa_utils, "read_process_affinity", lambda: allowed)
     with setting("SGLANG_CPU_OMP_THREADS_BIND", "all"):
         assert (
             init_threads_binding(numa_index=0, world_size=1) == "8,9,10,11,12,13,14,15"
@@ -272,7 +292,7 @@ def legacy_host(tmp_path, monkeypatch):
             }
         ),
     )
-    monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(root))
+    use_fake_host(monkeypatch, root)
     monkeypatch.setattr(numa_utils, "get_libnuma", AvailableLibnuma)
     # The bind itself goes through placement's one libnuma: nodes 0-2 with memory.
     lib = FakeLibNuma(node_cpus={0: (), 1: (), 2: ()})
@@ -298,7 +318,7 @@ def test_legacy_bind_takes_the_nodes_allowed_cpus_for_every_thread_then_prefers_
     # Preferred memory on the node, as upstream; then the pages touched so far move.
     assert legacy_host.calls == [
         ("set_preferred", (1,)),
-        ("migrate_pages", (0, frozenset({0, 2}), frozenset({1}))),
+        ("move_private_pages", (MPOL_PREFERRED, frozenset({1}))),
     ]
 
 

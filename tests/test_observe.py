@@ -12,7 +12,13 @@ import sys
 import pytest
 
 from sglang.srt.placement.cpulist import parse_cpulist
-from sglang.srt.placement.types import PlacementError, ProcessPlacement, RankIdentity
+from sglang.srt.placement.types import (
+    DeviceIndex,
+    DeviceRef,
+    PlacementError,
+    ProcessPlacement,
+    RankIdentity,
+)
 from sglang.srt.placement_tools import verify
 from sglang.srt.placement_tools.verify import (
     ObservedBinding,
@@ -35,7 +41,7 @@ NUMA_MAPS = """\
 
 def placement(**changes) -> ProcessPlacement:
     fields = dict(
-        rank=RankIdentity(dp_rank=1, pp_rank=0, tp_rank=2, gpu_id=2),
+        rank=RankIdentity(DeviceRef(DeviceIndex.LOGICAL_GPU, 2), 1, 0, 2),
         pci=None,
         numa_node=1,
         cpus=frozenset({2, 3}),

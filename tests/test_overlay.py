@@ -27,6 +27,7 @@ BOOTSTRAP, ENGINE, ENVIRON = (
     "srt/environ.py",
 )
 NUMA = "srt/utils/numa_utils.py"
+SCHEDULER = "srt/managers/scheduler.py"
 SHM_IMPORT = (
     "from sglang.srt.distributed.shm_collective import finish_shm_collective, "
     "start_shm_collective"
@@ -38,8 +39,7 @@ SHM_OLD = (
     "_set_shm_master_env(dist_init_method)",
     "torch.ops.sgl_kernel.initialize(parallel.tp_size, parallel.tp_rank)",
 )
-ENV_FIELDS = {"SGLANG_CPU_OMP_THREADS_BIND": "EnvStr('all')", "SGLANG_NUMA_AFFINITY_MODE": "EnvStr('node')",
-              "SGLANG_SYSFS_ROOT": "EnvStr('/sys')"}  # fmt: skip
+ENV_FIELDS = {"SGLANG_CPU_OMP_THREADS_BIND": "EnvStr('all')"}
 REPO_FILES = {
     "srt/placement/__init__.py": '"""Placement."""\n',
     "srt/placement/plan.py": "def plan():\n    return 1\n",
@@ -284,7 +284,18 @@ def test_first_run_applies(pkg: Path, repo: Path, pristine: Path) -> None:
         assert (pkg / rel).stat().st_mode == (pristine / rel).stat().st_mode
     manifest = json.loads((pkg / ".placement-overlay.json").read_text())
     assert set(manifest["added"]) == set(REPO_FILES) - {NUMA}
-    assert set(manifest["replaced"]) == {BOOTSTRAP, ENVIRON, NUMA}
+    assert set(manifest["replaced"]) == {BOOTSTRAP, ENVIRON, NUMA, SCHEDULER}
+
+    # configure_scheduler_process places its rank through numa_utils: one call where
+    # upstream's NUMA-blind SGLANG_SET_CPU_AFFINITY slice and the legacy bind were.
+    old_s, new_s = ((p / SCHEDULER).read_text() for p in (pristine, pkg))
+    body = _top(ast.parse(new_s), "configure_scheduler_process").body
+    assert ast.unparse(body[-1]) == "bind_scheduler_process(server_args, gpu_id)"
+    assert "set_gpu_proc_affinity" not in new_s
+    assert "from sglang.srt.utils.numa_utils import bind_scheduler_process" in new_s
+    removed = [line for line in difflib.ndiff(old_s.splitlines(), new_s.splitlines())
+               if line.startswith("- ")]  # fmt: skip
+    assert len(removed) == 9, removed  # the two imports, the comment and the block
 
 
 def test_overlaid_environ_loads(pkg: Path, repo: Path) -> None:
@@ -294,13 +305,13 @@ def test_overlaid_environ_loads(pkg: Path, repo: Path) -> None:
         f"spec = importlib.util.spec_from_file_location('overlaid_environ', {str(pkg / ENVIRON)!r})\n"
         "mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)\n"
         "e = mod.envs\n"
-        "print(e.SGLANG_NUMA_AFFINITY_MODE.get(), e.SGLANG_CPU_OMP_THREADS_BIND.get(), e.SGLANG_SYSFS_ROOT.get())\n"
+        "print(e.SGLANG_CPU_OMP_THREADS_BIND.get())\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       env={**env, "SGLANG_SYSFS_ROOT": "/fake/sys"})  # fmt: skip
+                       env={**env, "SGLANG_CPU_OMP_THREADS_BIND": "0-3|4-7"})  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["node", "all", "/fake/sys"]
+    assert r.stdout.split() == ["0-3|4-7"]
 
 
 def test_second_run_changes_nothing(pkg: Path, repo: Path) -> None:
@@ -327,7 +338,7 @@ def test_diff_writes_nothing(pkg: Path, repo: Path, pristine: Path) -> None:
     for rel in set(REPO_FILES) - {NUMA}:
         assert f"--- /dev/null\n+++ b/sglang/{rel}\n@@ -0,0 +1" in r.stdout
     n = sum(text.count("\n") for rel, text in REPO_FILES.items() if rel != NUMA)
-    summary = rf"overlay --diff: 3 upstream files changed \(\+\d+ -\d+ lines\), 3 new files \({n} lines\)\n"
+    summary = rf"overlay --diff: 4 upstream files changed \(\+\d+ -\d+ lines\), 3 new files \({n} lines\)\n"
     assert re.fullmatch(summary, r.stderr), r.stderr
     # the printed diff is exactly what a real run then does
     assert overlay(pkg, repo).returncode == 0
@@ -347,8 +358,10 @@ UNKNOWN_SHAPES = {  # upstream edit -> (file, name the refusal must give)
     "no LOCAL_SIZE statement": (BOOTSTRAP, f"        {SHM_KEEP}\n", "", "_init_cpu_threads_env"),
     "no group build": (BOOTSTRAP, "    initialize_model_parallel(\n", "    initialize_model_parallel_v2(\n",
                        "_init_parallel_groups"),
-    "conflicting env field": (ENVIRON, NUMA_ANCHOR, NUMA_ANCHOR + '    SGLANG_SYSFS_ROOT = EnvStr("/proc")\n',
-                              "Envs.SGLANG_SYSFS_ROOT"),
+    "conflicting env field": (ENVIRON, NUMA_ANCHOR, NUMA_ANCHOR + '    SGLANG_CPU_OMP_THREADS_BIND = EnvStr("0")\n',
+                              "Envs.SGLANG_CPU_OMP_THREADS_BIND"),
+    "no affinity step": (SCHEDULER, "        set_gpu_proc_affinity(gpu_id)\n", "        pass\n",
+                         "configure_scheduler_process"),
 }  # fmt: skip
 
 
@@ -407,7 +420,7 @@ def test_module_deleted_from_repo_is_removed(pkg: Path, repo: Path) -> None:
 def test_hard_linked_copy_stays_pristine(
     pkg: Path, repo: Path, link_source: Path
 ) -> None:
-    touched = (BOOTSTRAP, ENVIRON, NUMA)
+    touched = (BOOTSTRAP, ENVIRON, NUMA, SCHEDULER)
     assert all(
         (pkg / r).stat().st_ino == (link_source / r).stat().st_ino for r in touched
     )
@@ -507,7 +520,7 @@ def test_checkout_gets_the_package_and_the_ported_tests(
         and f"added python/sglang/{'srt/placement/plan.py'}" in lines
     )
     assert (
-        lines[-1] == f"overlay: {len(REPO_FILES) + 2 + 2} file(s) changed in {checkout}"
+        lines[-1] == f"overlay: {len(REPO_FILES) + 3 + 2} file(s) changed in {checkout}"
     )
     manifest = json.loads((pkg / ".placement-overlay.json").read_text())
     assert manifest["tests_added"] == [PORTED_NEW]
@@ -552,7 +565,7 @@ def test_checkout_diff_names_checkout_paths_and_writes_nothing(
     n = sum(t.count("\n") for rel, t in REPO_FILES.items() if rel != NUMA) + REPO_TESTS[
         PORTED_NEW
     ].count("\n")
-    summary = rf"overlay --diff: 4 upstream files changed \(\+\d+ -\d+ lines\), 4 new files \({n} lines\)\n"
+    summary = rf"overlay --diff: 5 upstream files changed \(\+\d+ -\d+ lines\), 4 new files \({n} lines\)\n"
     assert re.fullmatch(summary, r.stderr), r.stderr
     # The diff is the pull request against the checkout: it applies at its root as it is.
     check = subprocess.run(["git", "apply", "--check", "-"], input=r.stdout, cwd=checkout, capture_output=True,

@@ -76,27 +76,10 @@ def test_plan_json_two_sockets_four_gpus(tmp_path, capsys):
     )
 
 
-def test_plan_json_sub_numa_clustering_socket_mode(tmp_path, capsys):
-    root = fakesys.sub_numa_clustering(tmp_path / "sys")
-    ranks = plan_json(
-        capsys, "--tp-size", 8, "--sysfs-root", root, "--numa-affinity-mode", "socket"
-    )
-    assert [r["numa_node"] for r in ranks] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert ranks[0]["cpus"] == "0-7,16-23" and ranks[7]["cpus"] == "8-15,24-31"
-    node = plan_json(capsys, "--tp-size", 8, "--sysfs-root", root)
-    assert node[2]["cpus"] == "4-7,20-23"
-
-
-def test_plan_json_exclusive_mode_on_fake_tree(tmp_path, capsys):
+def test_plan_json_set_cpu_affinity_slices_each_node_between_its_gpus(tmp_path, capsys):
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
     ranks = plan_json(
-        capsys,
-        "--tp-size",
-        4,
-        "--sysfs-root",
-        root,
-        "--numa-affinity-mode",
-        "exclusive",
+        capsys, "--tp-size", 4, "--sysfs-root", root, "--set-cpu-affinity"
     )
     assert [r["cpus"] for r in ranks] == [
         "0-3,16-19",
@@ -104,13 +87,16 @@ def test_plan_json_exclusive_mode_on_fake_tree(tmp_path, capsys):
         "8-11,24-27",
         "12-15,28-31",
     ]
+    assert "2 of the 2 GPUs on node 0" in "; ".join(ranks[1]["reasons"])
 
 
 def test_plan_json_sparse_and_cpuless_and_unknown(tmp_path, capsys):
     sparse = plan_json(
         capsys, "--tp-size", 2, "--sysfs-root", fakesys.sparse_nodes(tmp_path / "a")
     )
-    assert [r["numa_node"] for r in sparse] == [0, 2] and sparse[1]["cpus"] == "4-7"
+    # As upstream's _is_numa_available: without a node 1, no GPU node is looked for.
+    assert [r["strategy"] for r in sparse] == ["none", "none"]
+    assert "one NUMA node" in sparse[0]["reasons"][0]
     unknown = plan_json(
         capsys, "--tp-size", 1, "--sysfs-root", fakesys.gpu_unknown_node(tmp_path / "b")
     )
@@ -173,7 +159,6 @@ def test_plan_still_warns_of_a_setting_it_cannot_read_and_leaves_filters_alone(
             {},
             "argument --tensor-parallel-size/--tp-size/--tp: invalid int value: 'x'",
         ),
-        (["--numa-affinity-mode", "cores"], {}, "invalid choice: 'cores'"),
         (
             ["--allowed-cpus", "0-3,a"],
             {},
@@ -194,12 +179,7 @@ def test_plan_still_warns_of_a_setting_it_cannot_read_and_leaves_filters_alone(
         (
             ["--numa-node", "0"],
             {},
-            "--numa-node has 1 entry (0) but DP0 PP0 TP1 uses GPU 1",
-        ),
-        (
-            [],
-            {"SGLANG_NUMA_AFFINITY_MODE": "perhaps"},
-            "SGLANG_NUMA_AFFINITY_MODE='perhaps' is not valid",
+            "--numa-node has 1 entry (0) but a rank uses GPU 1",
         ),
         (
             ["--device", "cpu"],
@@ -289,19 +269,12 @@ def test_real_h200_host_snapshot_binds_nothing_and_says_why(capsys):
     (rank,) = plan_json(capsys, "--tp-size", 1, "--sysfs-root", H200_SNAPSHOT)
     # One node: sglang's own precondition says there is nothing to bind, before any device is asked about.
     assert rank["strategy"] == "none" and rank["numa_node"] is None and not rank["cpus"]
-    assert any("this host has one NUMA node with CPUs" in r for r in rank["reasons"])
+    assert any("this host has one NUMA node" in r for r in rank["reasons"])
+    # SGLANG_SET_CPU_AFFINITY=1 without a node: upstream's own slice (all of it, tp 1).
     (rank,) = plan_json(
-        capsys,
-        "--tp-size",
-        1,
-        "--sysfs-root",
-        H200_SNAPSHOT,
-        "--numa-affinity-mode",
-        "exclusive",
+        capsys, "--tp-size", 1, "--sysfs-root", H200_SNAPSHOT, "--set-cpu-affinity"
     )
-    assert (
-        rank["numa_node"] == 0 and rank["cpus"] == "0-15" and rank["strategy"] == "exec"
-    )
+    assert (rank["strategy"], rank["cpus"]) == ("cpu-affinity", "0-15")
 
 
 def test_verify_refuses_a_snapshot_since_it_runs_ranks_on_this_host(tmp_path):
@@ -332,11 +305,11 @@ def test_the_affinity_flag_overrides_the_setting_it_stands_for(
     tmp_path, capsys, monkeypatch
 ):
     root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
-    monkeypatch.setenv("SGLANG_NUMA_AFFINITY_MODE", "perhaps")
-    args = ("--tp-size", 4, "--sysfs-root", root, "--numa-affinity-mode", "exclusive")
+    monkeypatch.setenv("SGLANG_SET_CPU_AFFINITY", "0")
+    args = ("--tp-size", 4, "--sysfs-root", root, "--set-cpu-affinity")
     ranks = plan_json(capsys, *args)
     assert [r["cpus"] for r in ranks][:2] == ["0-3,16-19", "4-7,20-23"]
-    assert os.environ["SGLANG_NUMA_AFFINITY_MODE"] == "perhaps"  # restored after
+    assert os.environ["SGLANG_SET_CPU_AFFINITY"] == "0"  # restored after
 
 
 def test_one_visible_device_per_process_past_the_visible_list_is_named_not_bound(
@@ -358,24 +331,3 @@ def test_one_visible_device_per_process_past_the_visible_list_is_named_not_bound
             for why in rank["reasons"]
         ), rank["reasons"]
         assert not any("spawned as GPU 0" in why for why in rank["reasons"])
-
-
-def test_a_plan_opens_the_device_runtime_once_for_all_its_ranks(
-    tmp_path, capsys, monkeypatch
-):
-    import contextlib
-
-    from sglang.srt.placement_tools import engine
-
-    opened = []
-
-    @contextlib.contextmanager
-    def counting(device, topology):
-        opened.append(device)
-        yield None
-
-    monkeypatch.setattr(engine, "open_runtime", counting)
-    root = fakesys.two_sockets_four_gpus(tmp_path / "sys")
-    ranks = plan_json(capsys, "--tp-size", 4, "--sysfs-root", root)
-    assert [r["numa_node"] for r in ranks] == [0, 0, 1, 1]
-    assert opened == ["cuda"]

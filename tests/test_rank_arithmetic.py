@@ -233,7 +233,7 @@ def test_local_ranks_are_the_ranks_sglang_launches(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     args = engine_args(tp, pp, dp, nnodes, node_rank, base, step)
     expected = [
-        (r.dp_rank, r.pp_rank, r.tp_rank, r.gpu_id, None)
+        (r.dp_rank, r.pp_rank, r.tp_rank, r.device.index, None)
         for r in ranks.local_ranks(args)
     ]
     assert len(expected) == dp * tp * pp // nnodes
@@ -261,7 +261,7 @@ def test_one_visible_device_per_process_is_reindexed(
     args = engine_args(2, 1, dp, 1, 0, 1, 2)
     expected = []
     for r in ranks.local_ranks(args):
-        gpu_id, spawned_env = ranks.reindexed(r.gpu_id, env)
+        gpu_id, spawned_env = ranks.reindexed(r.device.index, env)
         visible_to_child = spawned_env["CUDA_VISIBLE_DEVICES"]
         expected.append((r.dp_rank, r.pp_rank, r.tp_rank, gpu_id, visible_to_child))
     assert {rank[3] for rank in expected} == {0}

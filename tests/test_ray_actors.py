@@ -3,17 +3,16 @@
 The cluster declares 4 GPUs; its raylet reads a fake /sys of three NUMA nodes:
 GPUs 0 and 1 on node 0, GPUs 2 and 3 on node 1, each node holding one real
 CPU of this host, and node 2 only CPUs this host lacks (``ray_gpu_cluster``).
-sglang's own ``SchedulerActor``, given a real ``ServerArgs``, runs up to its
-``Scheduler``, which the job's setup hook replaces with a stand-in that reports
-where its process runs (``upstream_standins``); its worker imports sglang's
-engine (about 20 s here). The other tests use verify's probe: upstream's
-constructor arguments and the same ``bind_scheduler_actor``, in a light worker.
+sglang's own ``SchedulerActor`` runs up to its ``Scheduler``, which the job's setup
+hook replaces with a stand-in that reports where its process runs and the placement
+its configure step applied (``upstream_standins``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from typing import Any, Iterator
 
@@ -24,9 +23,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_gpu_cluster import GPU_NODE, NO_CPU_NODE
 
-from sglang.srt.placement.cpulist import parse_cpulist
-from sglang.srt.placement_tools import PlanArgs
-from sglang.srt.placement_tools.verify_ray import ProbeActor, probe_as_scheduler_actor
+from sglang.srt.ray.scheduler_actor import SchedulerActor
 
 pytestmark = pytest.mark.ray
 
@@ -90,15 +87,13 @@ def in_bundle(actor_class: Any, pg: Any, bundle: int, env: dict, *args: Any) -> 
 
 
 def reports(actors: list) -> list[dict]:
-    infos = ray.get([a.get_info.remote() for a in actors], timeout=TIMEOUT_S)
-    for info in infos:
-        info["cpus"] = sorted(parse_cpulist(info["observed"]["cpus"]))
-    return infos
+    return ray.get([a.get_info.remote() for a in actors], timeout=TIMEOUT_S)
 
 
-def gpu_less_tree(tmp_path) -> str:
+def gpu_less_tree(tmp_path) -> dict:
+    """A raylet's workers' host with no GPU in sysfs."""
     real = sorted(os.sched_getaffinity(0))
-    return str(
+    tree = str(
         fakesys.write_sysfs(
             tmp_path / "no-gpus",
             fakesys.Host(
@@ -110,6 +105,7 @@ def gpu_less_tree(tmp_path) -> str:
             ),
         )
     )
+    return {"PLACEMENT_TESTS_SYSFS": tree}
 
 
 def test_actors_sharing_a_bundle_each_bind_to_their_own_gpus_node_every_thread(
@@ -119,86 +115,72 @@ def test_actors_sharing_a_bundle_each_bind_to_their_own_gpus_node_every_thread(
     # nodes, each rank created by upstream's _create_scheduler_actor.
     from sglang.srt.ray import engine
 
-    args = PlanArgs(tp_size=4, device="cuda")
+    args = server_args(tp_size=4, device="cuda")
     with group([{"CPU": 1, "GPU": 4}], strategy="STRICT_PACK") as (pg, actors):
-        with probe_as_scheduler_actor(engine):
-            for tp in range(4):
-                actors.append(
-                    engine._create_scheduler_actor(
-                        pg=pg, bundle_idx=0, gpu_id=tp, server_args=args,
-                        port_args=None, tp_rank=tp, pp_rank=0, dp_rank=0,
-                        dist_init_addr="127.0.0.1:29999", rank0_node_ip="127.0.0.1",
-                    )
-                )  # fmt: skip
+        for tp in range(4):
+            actors.append(
+                engine._create_scheduler_actor(
+                    pg=pg, bundle_idx=0, gpu_id=tp, server_args=args,
+                    port_args=None, tp_rank=tp, pp_rank=0, dp_rank=0,
+                    dist_init_addr="127.0.0.1:29999", rank0_node_ip="127.0.0.1",
+                )
+            )  # fmt: skip
         infos = reports(actors)
-    assert sorted(i["gpu_id"] for i in infos) == [0, 1, 2, 3]
+    assert sorted(i["configured_gpu_id"] for i in infos) == [0, 1, 2, 3]
     for info in infos:
-        gpu, placement = info["gpu_id"], info["placement"]
+        gpu, placement = info["configured_gpu_id"], info["placement"]
         # Its own device, by Ray's id: under Ray's CUDA_VISIBLE_DEVICES=<gpu>, index
         # 0 would name GPU 0.
-        assert info["accelerator_ids"] == [str(gpu)] and placement["gpu_id"] == gpu
+        assert info["cuda_visible_devices"] == str(gpu)
+        assert (placement["gpu_id"], placement["numbering"]) == (gpu, "physical")
         assert placement["strategy"] == "in-process" and not placement["degraded"]
-        assert placement["pci"] == cluster.gpus[gpu]
         assert placement["numa_node"] == GPU_NODE[gpu]
         cpu = cluster.gpu_cpu(gpu)
-        assert info["cpus"] == [cpu] and set(info["thread_cpus"].values()) == {str(cpu)}
-        # Every thread was moved (Ray's worker runs several; those started later
-        # inherit the CPUs).
-        assert 1 < info["threads_bound"] <= len(info["thread_cpus"])
-        # Memory is bound, and the pages migrated, where this host has the node's
-        # memory: node 0 (the fake node 1 has none here).
-        if GPU_NODE[gpu] == 0:
-            assert (placement["mem_policy"], placement["mem_nodes"]) == ("bind", "0")
-            assert info["observed"]["policy"] == "bind"
-            assert info["pages_not_migrated"] == 0
-        else:
-            assert placement["mem_policy"] == "none"
-            assert info["pages_not_migrated"] is None
+        # Every thread was moved (Ray's worker runs several).
+        assert info["cpus"] == [cpu] and info["thread_cpu_sets"] == [(cpu,)]
+        # Memory is bound where this host has the node's memory: node 0 (the fake
+        # node 1 has none here: membind, then preferred, are refused).
+        expected = ("bind", [0]) if GPU_NODE[gpu] == 0 else ("default", [])
+        assert (info["policy"], info["policy_nodes"]) == expected
 
 
 def test_a_gpu_its_node_cannot_identify_leaves_the_actor_unbound_with_the_reason(
     cluster, tmp_path
 ):
-    env = {"SGLANG_SYSFS_ROOT": gpu_less_tree(tmp_path)}
     with group(ONE_GPU) as (pg, actors):
-        args = (PlanArgs(tp_size=1, device="cuda"), None, 0, 0, 0, 0)
-        actors.append(in_bundle(ProbeActor, pg, 0, env, *args))
+        args = (server_args(tp_size=1, device="cuda"), None, 0, 0, 0, 0)
+        actors.append(in_bundle(SchedulerActor, pg, 0, gpu_less_tree(tmp_path), *args))
         (info,) = reports(actors)
     placement = info["placement"]
     assert placement["strategy"] == "none" and placement["degraded"]
     (why,) = placement["reasons"]
-    gpu = info["gpu_id"]
-    assert why.startswith(f"GPU {gpu} ({gpu}): no PCI address")
-    assert f"lists 0 NVIDIA GPU(s), none at index {gpu} (no CUDA_VISIBLE_DEVICES" in why
+    gpu = info["configured_gpu_id"]
+    assert why.startswith(f"no NUMA node found for Ray GPU {gpu}")
+    assert f"lists 0 NVIDIA GPU(s), none at index {gpu}" in why
     assert info["cpus"] == sorted(os.sched_getaffinity(0))
 
 
 def test_under_crash_setting_an_unidentified_gpu_fails_the_actor_before_its_scheduler(
     cluster, tmp_path
 ):
-    from sglang.srt.ray.scheduler_actor import SchedulerActor
-
-    env = {
-        "SGLANG_SYSFS_ROOT": gpu_less_tree(tmp_path),
-        "SGLANG_CRASH_ON_NUMA_BIND_FAILURE": "1",
-    }
+    env = {**gpu_less_tree(tmp_path), "SGLANG_CRASH_ON_NUMA_BIND_FAILURE": "1"}
     args = (server_args(tp_size=1, device="cuda"), None, 0, 0, 0, 0)
     with group(ONE_GPU) as (pg, actors):
         actors.append(in_bundle(SchedulerActor, pg, 0, env, *args))
         with pytest.raises(ray.exceptions.RayActorError) as info:
             ray.get(actors[0].get_info.remote(), timeout=TIMEOUT_S)
     message = str(info.value)
-    assert "PlacementError: DP0 PP0 TP0: GPU " in message
-    assert "no PCI address" in message and "lists 0 NVIDIA GPU(s)" in message
-    assert "skipping NUMA binding for DP0 PP0 TP0." in message
-    # Raised in the bind, before the (stand-in) Scheduler was built.
-    assert "upstream_standins" not in message
+    assert "PlacementError: no NUMA node found for Ray GPU" in message
+    assert "lists 0 NVIDIA GPU(s)" in message and "skipping NUMA binding" in message
+    # Raised in the bind of configure_scheduler_process, before the Scheduler was built.
+    frames = re.findall(r'upstream_standins.py", line \d+, in (\w+)', message)
+    assert frames == ["configure_scheduler_process"], frames
 
 
 def test_a_rank_less_bound_than_intended_runs_unbound_with_the_reason(cluster):
-    args = (PlanArgs(tp_size=1, numa_node=[NO_CPU_NODE] * 4), None, 0, 0, 0, 0)
+    args = server_args(tp_size=1, device="cuda", numa_node=[NO_CPU_NODE] * 4)
     with group(ONE_GPU) as (pg, actors):
-        actors.append(in_bundle(ProbeActor, pg, 0, {}, *args))
+        actors.append(in_bundle(SchedulerActor, pg, 0, {}, args, None, 0, 0, 0, 0))
         (info,) = reports(actors)
     placement = info["placement"]
     assert placement["strategy"] == "none" and placement["degraded"]
@@ -210,8 +192,6 @@ def test_a_rank_less_bound_than_intended_runs_unbound_with_the_reason(cluster):
 
 
 def test_cpu_device_actors_bind_to_the_cpus_of_the_id_bootstrap_will_use(cluster):
-    from sglang.srt.ray.scheduler_actor import SchedulerActor
-
     real = sorted(os.sched_getaffinity(0))
     groups = f"{real[1]}|{real[0]}"  # rank index 0 on the second CPU, 1 on the first
     env = {"SGLANG_CPU_OMP_THREADS_BIND": groups}
@@ -220,41 +200,42 @@ def test_cpu_device_actors_bind_to_the_cpus_of_the_id_bootstrap_will_use(cluster
             # RayEngine passes gpu_id 0 in a custom group.
             args = (server_args(tp_size=2, device="cpu"), None, 0, tp, 0, 0)
             actors.append(in_bundle(SchedulerActor, pg, tp, env, *args))
-        infos = ray.get([a.get_info.remote() for a in actors], timeout=300)
+        infos = reports(actors)
     # Bootstrap's init_threads_binding(numa_index=get_device().gpu_id) sees the id
     # sglang's actor publishes: Ray's GPU id, which configure_scheduler_process got.
     assert sorted(i["configured_gpu_id"] for i in infos) == [0, 1]
     for info in infos:
         cpu = real[1 - info["configured_gpu_id"]]
-        assert info["cpus"] == [cpu] and info["thread_cpus"] == [(cpu,)]
+        assert info["cpus"] == [cpu] and info["thread_cpu_sets"] == [(cpu,)]
         assert info["omp_bind_env"] == groups
+        assert info["placement"]["numbering"] == "cpu-rank"
 
 
-def test_cpu_device_actors_sharing_a_bundle_bind_by_the_id_they_got(cluster):
-    args = PlanArgs(tp_size=2, device="cpu")
-    with group([{"CPU": 1, "GPU": 2}], strategy="STRICT_PACK") as (pg, actors):
-        for tp in range(2):
-            actors.append(in_bundle(ProbeActor, pg, 0, {}, args, None, tp, tp, 0, 0))
-        infos = reports(actors)
-    assert sorted(i["gpu_id"] for i in infos) == [0, 1]
-    for info in infos:
-        index, placement = info["gpu_id"], info["placement"]
-        # SGLANG_CPU_OMP_THREADS_BIND=all: rank index i runs on NUMA node i's CPUs.
-        assert placement["strategy"] == "in-process" and placement["numa_node"] == index
-        assert info["cpus"] == [cluster.node_cpu[index]]
+def test_set_cpu_affinity_without_a_node_keeps_upstreams_slice_in_the_actor(
+    cluster, tmp_path
+):
+    # One NUMA node here: the rank's node is unknown, so the setting's own rule runs.
+    real = sorted(os.sched_getaffinity(0))
+    one_node = fakesys.write_sysfs(
+        tmp_path / "one", fakesys.Host(nodes={0: fakesys.NodeSpec(cpus=real)})
+    )
+    env = {"PLACEMENT_TESTS_SYSFS": str(one_node), "SGLANG_SET_CPU_AFFINITY": "1"}
+    args = (server_args(tp_size=2, device="cuda"), None, 0, 0, 0, 0)
+    with group(ONE_GPU) as (pg, actors):
+        actors.append(in_bundle(SchedulerActor, pg, 0, env, *args))
+        (info,) = reports(actors)
+    assert info["placement"]["strategy"] == "cpu-affinity"
+    assert info["cpus"] == sorted(map(int, info["placement"]["cpus"].split(",")))
 
 
 def test_with_bind_v2_off_the_legacy_bind_of_configure_scheduler_process_places_it(
     cluster,
 ):
-    from sglang.srt.ray.scheduler_actor import SchedulerActor
-
     env = {"SGLANG_NUMA_BIND_V2": "0"}
     args = (server_args(tp_size=1, device="cuda", numa_node=[1] * 4), None, 0, 0, 0, 0)
     with group(ONE_GPU) as (pg, actors):
         actors.append(in_bundle(SchedulerActor, pg, 0, env, *args))
-        (info,) = ray.get([actors[0].get_info.remote()], timeout=300)
-    # The legacy bind moved the process to node 1's CPU; the actor's own bind did
-    # nothing, which would have set a bind memory policy.
+        (info,) = reports(actors)
+    # The legacy bind moved the process to node 1's CPU with a preferred policy.
     assert info["cpus"] == [cluster.node_cpu[1]]
-    assert info["policy"] != "bind"
+    assert info["placement"]["strategy"] == "v1" and info["policy"] != "bind"

@@ -1,7 +1,7 @@
 """``verify --launcher ray`` as a command: an engine over two Ray nodes, a cluster of its own, and its refusals.
 
 In the two-node cluster (two raylets on this host, two GPUs each) each raylet
-has its own fake /sys (SGLANG_SYSFS_ROOT) whose GPUs sit at PCI addresses only
+has its own fake /sys (``ray_gpu_cluster.fake_host_env``) whose GPUs sit at PCI addresses only
 that node has, all on NUMA node 0 with this host's CPUs (padded with CPUs it
 lacks), so a rank planned from the wrong node's tree, or from the driver's,
 would name a GPU its node does not hold. Each rank places itself on the node it
@@ -44,7 +44,7 @@ def test_every_rank_places_itself_from_its_own_nodes_tree_and_binds_there(two_no
             "--timeout",
             "150",
         ],
-        env={**two_nodes["env"], "SGLANG_SYSFS_ROOT": "/nonexistent/driver/sys"},
+        env={**two_nodes["env"], "PLACEMENT_TESTS_SYSFS": "/nonexistent/driver/sys"},
         timeout=240,
     )
     assert status == 0, err[-4000:]
@@ -60,9 +60,8 @@ def test_every_rank_places_itself_from_its_own_nodes_tree_and_binds_there(two_no
     for r in rows:
         # The node is one of the cluster's (verify joined it), and the rank's GPU is
         # the one Ray gave it, in that node's own tree; it bound itself there.
-        node = r["node_id"]
-        assert r["pci"] == gpus_of[node][int(r["accelerator_ids"][0])], (r, node)
-        assert r["ok"] and r["strategy"] == "in-process", r
+        assert int(r["accelerator_ids"][0]) < len(gpus_of[r["node_id"]])
+        assert r["ok"] and r["strategy"] == "in-process" and r["numa_node"] == 0, r
         assert r["observed_cpus"] == r["cpus"]
     assert sorted(r["node_id"] for r in rows) == sorted(list(gpus_of) * 2)
     # Rank 0 is on the driver's node's bundle, with TP1; the other node holds TP2 and TP3.
@@ -74,10 +73,10 @@ def test_every_rank_places_itself_from_its_own_nodes_tree_and_binds_there(two_no
     )
 
 
-def test_exclusive_mode_gives_each_rank_of_a_node_its_own_cpus(two_nodes):
+def test_set_cpu_affinity_gives_each_rank_of_a_node_its_own_cpus(two_nodes):
     status, out, err = run_json(
         [*VERIFY, "--device", "cuda", "--tp-size", "2", "--timeout", "150",
-         "--numa-affinity-mode", "exclusive"],
+         "--set-cpu-affinity"],
         env=two_nodes["env"], timeout=240,
     )  # fmt: skip
     assert status == 0, err[-4000:]
@@ -89,7 +88,9 @@ def test_exclusive_mode_gives_each_rank_of_a_node_its_own_cpus(two_nodes):
         assert (
             r["observed_cpus"] == r["cpus"]
         )  # really bound here: these CPUs exist on this host
-        assert any(why.startswith("exclusive mode: GPU ") for why in r["reasons"])
+        assert any(
+            why.startswith("SGLANG_SET_CPU_AFFINITY=1: GPU ") for why in r["reasons"]
+        )
 
 
 def test_a_rank_that_cannot_start_fails_verify_in_one_line_naming_it(two_nodes):
@@ -102,10 +103,10 @@ def test_a_rank_that_cannot_start_fails_verify_in_one_line_naming_it(two_nodes):
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     (line,) = [l for l in done.stderr.splitlines() if l.startswith("error: ")]
     assert (
-        ": the probe rank failed: PlacementError: --numa-node has 1 entry (0) but DP0 PP0 TP"
+        ": the probe rank failed: SettingError: --numa-node has 1 entry (0) but a rank"
         in line
     )
-    assert " uses GPU 1: give one node per GPU id" in line
+    assert " uses GPU 1: give one NUMA node per GPU id" in line
 
 
 def test_verify_with_ray_refuses_a_driver_side_sysfs_root_without_starting_ray(
@@ -117,10 +118,7 @@ def test_verify_with_ray_refuses_a_driver_side_sysfs_root_without_starting_ray(
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert (
-        "drop --sysfs-root" in done.stderr
-        and "SGLANG_SYSFS_ROOT of its raylet" in done.stderr
-    )
+    assert "drop --sysfs-root" in done.stderr
 
 
 def test_verify_without_ray_address_starts_a_local_cluster_and_stops_it():

@@ -22,7 +22,7 @@ from sglang.srt.placement.topology import (
 from sglang.srt.placement.types import Cpu, PlacementError
 
 CAPTURE_FIX = "re-capture it with `python -m sglang.srt.placement_tools capture DIR`"
-TREE_FIX = "set SGLANG_SYSFS_ROOT to a sysfs tree"
+TREE_FIX = "placement reads this host's NUMA topology there: is sysfs mounted?"
 
 
 def gpus(topology):
@@ -298,9 +298,7 @@ def broken(tmp_path, edit, *, snapshot=False):
 def test_root_that_does_not_exist(tmp_path):
     with pytest.raises(PlacementError) as err:
         read_topology(tmp_path / "nowhere")
-    assert str(err.value).startswith(
-        f"SGLANG_SYSFS_ROOT={tmp_path}/nowhere: does not exist; {TREE_FIX}"
-    )
+    assert str(err.value).startswith(f"{tmp_path}/nowhere: does not exist; {TREE_FIX}")
     with pytest.raises(PlacementError) as err:
         read_topology(tmp_path / "nowhere", setting="--sysfs-root")
     assert str(err.value).startswith(
@@ -444,30 +442,23 @@ def test_fake_tree_uses_real_sysfs_layout(tmp_path):
     assert Path("/sys/bus/pci/devices").iterdir().__next__().is_symlink()
 
 
-def test_the_cached_topology_is_read_again_when_online_cpus_change(tmp_path):
-    from sglang.srt.placement.topology import read_topology_cached
+def test_the_cached_topology_is_read_again_when_online_cpus_change(
+    tmp_path, monkeypatch
+):
+    from sglang.srt.placement import topology
 
     root = fakesys.one_node(tmp_path / "sys", cpus=4)
-    first = read_topology_cached(root)
-    assert read_topology_cached(root) is first
+    monkeypatch.setattr(topology, "SYSFS_ROOT", str(root))
+    first = topology.read_topology_cached()
+    assert topology.read_topology_cached() is first
     (root / "devices/system/cpu/online").write_text("0-2\n")
-    assert read_topology_cached(root).online_cpus == frozenset({0, 1, 2})
+    assert topology.read_topology_cached().online_cpus == frozenset({0, 1, 2})
 
 
-def test_l3_groups_are_read_from_cache_index3_without_offline_cpus(tmp_path):
+def test_offline_cpus_are_left_out(tmp_path):
     shape = fakesys.Shape(
-        sockets=2,
-        cores_per_node=4,
-        threads_per_core=2,
-        l3_per_node=2,
-        offline_cpus=frozenset({9}),
+        sockets=2, cores_per_node=4, threads_per_core=2, offline_cpus=frozenset({9})
     )
     topo = read_topology(fakesys.write_sysfs(tmp_path / "sys", shape))
-    assert topo.cpu(0).l3_cpus == frozenset({0, 1, 8})
-    assert topo.cpu(14).l3_cpus == frozenset({6, 7, 14, 15})
-    assert topo.cpu(9) is None
-
-    bare = read_topology(
-        fakesys.write_sysfs(tmp_path / "vm", dataclasses.replace(shape, l3_per_node=0))
-    )
-    assert all(cpu.l3_cpus is None for cpu in bare.cpus)
+    assert topo.cpu(9) is None and 9 not in topo.online_cpus
+    assert topo.cores_within(topo.online_cpus)[0] == frozenset({0, 8})

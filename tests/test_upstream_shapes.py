@@ -22,6 +22,7 @@ import fakesys
 import pytest
 import shm_kernel_standin as kernel
 from conftest import full_import_env
+from spawn_support import use_fake_host, without_numactl
 
 from sglang.srt.environ import envs
 
@@ -99,7 +100,7 @@ def test_spawned_child_of_configure_subprocess_runs_under_its_gpus_placement(
     tmp_path, monkeypatch
 ):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(two_node_tree(tmp_path / "sys")))
+    use_fake_host(monkeypatch, two_node_tree(tmp_path / "sys"))
     policy, nodes, _ = start_inside_configure_subprocess(
         server_args(tp_size=2, device="cuda"), 0
     )
@@ -116,16 +117,14 @@ def test_configure_subprocess_is_a_no_op_where_upstream_is_one(
     case, tmp_path, monkeypatch
 ):
     """(A CPU-device rank is placed on purpose, unlike upstream; SGLANG_NUMA_BIND_V2=0 is the way back.)"""
-    from sglang.srt.placement import numactl
-
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     device = "cuda"
     if case.startswith("cpu device"):
         device = "cpu"
     if case != "one NUMA node":
-        monkeypatch.setenv("SGLANG_SYSFS_ROOT", str(two_node_tree(tmp_path / "sys")))
+        use_fake_host(monkeypatch, two_node_tree(tmp_path / "sys"))
     if case == "no numactl":
-        monkeypatch.setattr(numactl, "find_numactl", lambda: None)
+        without_numactl(monkeypatch)
     if case.endswith("bind v1"):
         monkeypatch.setenv("SGLANG_NUMA_BIND_V2", "0")
     policy, _, cpus = start_inside_configure_subprocess(
@@ -225,9 +224,7 @@ def test_init_threads_binding_all_leaves_smt_siblings_out(tmp_path, monkeypatch)
         nodes={0: fakesys.NodeSpec(cpus=frozenset(real))},
         cores={cpu: (0, 0) for cpu in real},
     )
-    monkeypatch.setenv(
-        "SGLANG_SYSFS_ROOT", str(fakesys.write_sysfs(tmp_path / "sys", host))
-    )
+    use_fake_host(monkeypatch, fakesys.write_sysfs(tmp_path / "sys", host))
     with envs.SGLANG_CPU_OMP_THREADS_BIND.override("all"):
         assert init_threads_binding(numa_index=0, world_size=1) == str(real[0])
 
@@ -411,7 +408,7 @@ def test_scheduler_actors_created_as_ray_engine_creates_them_bind_to_their_gpus_
     assert [(i["cpus"], i["policy"], i["policy_nodes"]) for i in infos] == [
         ([cpu], "bind", [0])
     ] * 2
-    assert [i["thread_cpus"] for i in infos] == [[(cpu,)]] * 2
+    assert [i["thread_cpu_sets"] for i in infos] == [[(cpu,)]] * 2
     assert len(names) == 2 and all(
         "_dp0_pp0_tp" in n and "_bundle0" in n for n in names
     )

@@ -14,60 +14,51 @@ import sys
 import types
 from typing import Any, Optional
 
+from sglang.srt.placement.libnuma import read_mempolicy
+from sglang.srt.placement_tools.verify import ProbeScheduler
+
 CONFIGURED: dict[str, Any] = {}
 
 
-class Scheduler:
+class Scheduler(ProbeScheduler):
+    """verify's probe Scheduler (what it observes, the placement the actor applied), and
+    a few facts of the rank's process for the tests."""
+
     def __init__(self, *, server_args: Any, port_args: Any) -> None:
         import torch
 
-        from sglang.srt.placement.libnuma import read_mempolicy
-
+        super().__init__(server_args, port_args)
         torch.cuda.set_device = (
             lambda device: None
         )  # this host has no CUDA device; the event loop sets one
 
         policy, nodes = read_mempolicy()
-        self.info = {
-            "pid": os.getpid(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "cpus": sorted(os.sched_getaffinity(0)),
-            "thread_cpus": sorted(
+        self.info.update(
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            cpus=sorted(os.sched_getaffinity(0)),
+            thread_cpu_sets=sorted(
                 {
                     tuple(os.sched_getaffinity(int(tid)))
                     for tid in os.listdir("/proc/self/task")
                 }
             ),
-            "policy": policy,
-            "policy_nodes": sorted(nodes),
-            "configured_gpu_id": CONFIGURED.get("gpu_id"),
-            "model_path": server_args.model_path,
-            "omp_bind_env": os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"),
-        }
-
-    def get_init_info(self) -> dict:
-        return self.info
-
-    def run_event_loop(self) -> None:
-        return None
+            policy=policy,
+            policy_nodes=sorted(nodes),
+            configured_gpu_id=CONFIGURED.get("gpu_id"),
+            model_path=server_args.model_path,
+            omp_bind_env=os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"),
+        )
 
 
 def configure_scheduler_process(
     server_args: Any, gpu_id: int, *args: Any, **kwargs: Any
 ) -> None:
-    from sglang.srt.environ import envs
-    from sglang.srt.utils.numa_utils import (
-        get_numa_node_if_available,
-        numa_bind_to_node,
-    )
+    from sglang.srt.utils.numa_utils import bind_scheduler_process
 
     CONFIGURED["gpu_id"] = gpu_id
-    # The part of upstream's configure_scheduler_process that places the process: the
-    # legacy bind.
-    if not envs.SGLANG_NUMA_BIND_V2.get():
-        numa_node = get_numa_node_if_available(server_args, gpu_id)
-        if numa_node is not None:
-            numa_bind_to_node(numa_node)
+    # The part of configure_scheduler_process (as the overlay rewrites it) that places
+    # the process.
+    bind_scheduler_process(server_args, gpu_id)
 
 
 def resolve_spawn_dp_rank(dp_rank: Optional[int]) -> Optional[int]:

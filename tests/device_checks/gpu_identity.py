@@ -231,11 +231,11 @@ def identify_matrix(uuid: str | None) -> dict[str, Any]:
             key = f"cvd={env_name}/runtime={rt_name}"
             try:
                 accs = identify_accelerators(
-                    device="cuda", topology=topo, gpu_ids=[0], env=env, runtime=runtime
+                    device="cuda", topology=topo, logical_ids=[0], env=env, runtime=runtime
                 )
                 out[key] = [
                     {
-                        "gpu_id": a.gpu_id,
+                        "gpu_id": a.index,
                         "physical_id": a.physical_id,
                         "pci": a.pci,
                         "source": a.source,

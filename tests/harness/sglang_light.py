@@ -57,4 +57,41 @@ def bare_package(name: str) -> None:
     raise ImportError(f"{name} is not a package directory under {parent}")
 
 
+SYSFS_VAR = "PLACEMENT_TESTS_SYSFS"
+PLATFORM_VAR = "PLACEMENT_TESTS_PLATFORM"
+_NUMA_UTILS = "sglang.srt.utils.numa_utils"
+
+
+def fake_host_from_environment() -> None:
+    """This interpreter's seams set from the harness variables (see sitecustomize)."""
+    import os
+
+    root = os.environ.get(SYSFS_VAR)
+    if root:
+        from sglang.srt.placement import topology
+
+        topology.SYSFS_ROOT = root
+    if os.environ.get(PLATFORM_VAR) == "cuda":
+        sys.meta_path.insert(0, _CudaPlatform())
+
+
+class _CudaPlatform:
+    """Sets ``numa_utils._is_cuda`` once that module is loaded (loading it here would
+    import torch in every interpreter)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _NUMA_UTILS:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            module._is_cuda, module._is_xpu = True, False
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 install()

@@ -1,11 +1,13 @@
 """Inside a multi-NUMA VM: a Ray scheduler actor's bind, after torch, from node 0 to node 1.
 
 The process pins itself to cpu 0 (node 0), imports torch (as a Ray worker has
-by the time its actor binds), touches memory, then runs the function sglang's
-``SchedulerActor`` runs to bind itself (``bind_scheduler_actor``) for Ray's GPU
-id 1 with ``--numa-node 0 1`` (the VM has no GPU to discover), and reports
-where its pages are. ``--no-migrate`` applies the same placement without
-moving pages, for comparison. Prints one JSON object on its last line of stdout.
+by the time its actor binds), touches memory, private and shared (as another rank's
+segment or a library's page cache), then runs what sglang's ``SchedulerActor`` runs
+to bind itself (``configure_scheduler_process``'s ``bind_scheduler_process``, in a
+process that Ray's runtime context, faked, calls an actor of Ray's GPU 1) with
+``--numa-node 0 1`` (the VM has no GPU to discover), and reports where its pages
+are. ``--no-migrate`` applies the same placement without moving pages, for
+comparison. Prints one JSON object on its last line of stdout.
 
     python tests/vm_scripts/inprocess_bind.py [--no-migrate] [--mib 64]
 """
@@ -35,6 +37,17 @@ def _touch(mib: int) -> bytearray:
     return buf
 
 
+def _shared_ratio(nodes: list[int]) -> float:
+    """Share of the shared anonymous mapping's pages on ``nodes`` (it must not move)."""
+    with open("/proc/self/numa_maps") as f:
+        line = next(line for line in f if "file=/dev/zero" in line)
+    counts = {
+        int(k[1:]): int(v)
+        for k, v in (w.split("=") for w in line.split() if w[:1] == "N")
+    }
+    return sum(counts.get(n, 0) for n in nodes) / sum(counts.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--node", type=int, default=1)
@@ -53,18 +66,25 @@ def main() -> None:
     import torch  # noqa: F401
 
     torch_seconds = time.monotonic() - started
-    from types import SimpleNamespace
+    import mmap
+    import types
 
-    from sglang.srt.placement.apply import bind_in_process
-    from sglang.srt.placement.types import RankIdentity
+    sglang_light.bare_package("sglang.srt.utils")
     from sglang.srt.placement_tools.verify import compare_binding, observe_self
-    from sglang.srt.scheduler_placement.ray_rank import (
-        actor_placement,
-        bind_scheduler_actor,
-    )
+    from sglang.srt.utils import numa_utils
 
-    server_args = SimpleNamespace(numa_node=[0, args.node], tp_size=2)
+    # Ray's runtime context of an actor holding Ray's GPU ``args.node``.
+    ray = types.ModuleType("ray")
+    ray.is_initialized = lambda: True
+    ray.get_runtime_context = lambda: types.SimpleNamespace(
+        get_actor_id=lambda: "actor",
+        get_accelerator_ids=lambda: {"GPU": [str(args.node)]},
+    )
+    sys.modules["ray"] = ray
+    server_args = types.SimpleNamespace(numa_node=[0, args.node], tp_size=2)
     early = _touch(args.mib)
+    shared = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_SHARED)
+    shared.write(b"\x01" * (8 << 20))
     # From here on as a Ray worker that happened to start on node 0: its pages are
     # there, and it may run on every CPU of its raylet.
     os.sched_setaffinity(0, range(os.cpu_count() or 1))
@@ -86,15 +106,8 @@ def main() -> None:
     if args.no_migrate:  # what migration buys: the same bind, pages left in place
         from sglang.srt.placement.libnuma import LibNuma
 
-        LibNuma.migrate_pages = lambda self, pid, src, dst: None
-    outcome = bind_scheduler_actor(
-        server_args,
-        gpu_id=args.node,
-        assigned_gpus=[str(args.node)],
-        tp_rank=0,
-        pp_rank=0,
-        dp_rank=0,
-    )
+        LibNuma.move_private_pages = lambda self, policy, nodes: None
+    outcome = numa_utils.bind_scheduler_process(server_args, args.node)
     placement = outcome.placement
     bind_seconds = time.monotonic() - started
     after_bind = observe_self()
@@ -113,10 +126,14 @@ def main() -> None:
                 "threads_bound": outcome.threads,
                 "torch_import_seconds": round(torch_seconds, 1),
                 "resident_mib_before": sum(kb for _, kb in before.resident_kb) >> 10,
-                "pages_not_migrated": outcome.pages_not_migrated,
+                "mappings_not_moved": outcome.mappings_not_moved,
+                "shared_ratio_after_bind": _shared_ratio(target),
                 "bind_seconds": round(bind_seconds, 3),
                 "ratio_before": before.local_page_ratio(target),
                 "ratio_after_bind": after_bind.local_page_ratio(target),
+                "anon_ratio_after_bind": after_bind.local_page_ratio(
+                    target, anon_only=True
+                ),
                 "ratio_after_alloc": after.local_page_ratio(target),
                 "anon_ratio_after_alloc": after.local_page_ratio(
                     target, anon_only=True

@@ -72,12 +72,13 @@ def run_engine(
     plan = plan_json(server_args)
     rows = []
     for rank, placement in zip(local_ranks(server_args), plan):
-        if only is not None and rank.gpu_id != only:
+        index = rank.device.index
+        if only is not None and index != only:
             continue
-        gpu_id, saved = rank.gpu_id, os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpu_id, saved = index, os.environ.get("CUDA_VISIBLE_DEVICES")
         if reindex:
             # What upstream's maybe_reindex_device_id does around the spawn: one visible GPU, as GPU 0.
-            gpu_id, narrowed = reindexed(rank.gpu_id, os.environ)
+            gpu_id, narrowed = reindexed(index, os.environ)
             os.environ["CUDA_VISIBLE_DEVICES"] = narrowed["CUDA_VISIBLE_DEVICES"]
         try:
             observed = spawn(server_args, gpu_id, touch_mb=touch_mb)
@@ -90,7 +91,7 @@ def run_engine(
         rows.append(
             {
                 "rank": rank.label,
-                "gpu_id": rank.gpu_id,
+                "gpu_id": index,
                 "spawned_gpu_id": gpu_id,
                 "plan": placement,
                 "observed": observed,
@@ -122,8 +123,19 @@ def plan_json(server_args) -> list[dict]:
     return json.loads(done.stdout)["ranks"]
 
 
+def use_fake_gpu_tree() -> None:
+    """This VM's real nodes and CPUs, with two NVIDIA GPUs on each node (only the PCI entries are fake), as
+    this process's and its children's host, a CUDA one (the test harness's variables).
+    """
+    os.environ["PLACEMENT_TESTS_SYSFS"] = fake_gpu_tree()
+    os.environ["PLACEMENT_TESTS_PLATFORM"] = "cuda"
+    sglang_light.fake_host_from_environment()
+    if "sglang.srt.utils.numa_utils" in sys.modules:
+        sys.modules["sglang.srt.utils.numa_utils"]._is_cuda = True
+
+
 def fake_gpu_tree() -> str:
-    """This VM's real nodes and CPUs, with two NVIDIA GPUs on each node (only the PCI entries are fake)."""
+    """This VM's real nodes and CPUs, with two NVIDIA GPUs on each node."""
     from spawn_support import fake_host
 
     from sglang.srt.placement.topology import read_topology
@@ -160,7 +172,7 @@ def main() -> None:
             )
         ]
     elif args.scenario == "gpu-reindex":
-        os.environ["SGLANG_SYSFS_ROOT"] = fake_gpu_tree()
+        use_fake_gpu_tree()
         os.environ["SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS"] = "1"
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         out["rows"] = run_engine(
@@ -168,7 +180,7 @@ def main() -> None:
         )
     else:
         if args.device == "cuda":
-            os.environ["SGLANG_SYSFS_ROOT"] = fake_gpu_tree()
+            use_fake_gpu_tree()
             server_args = engine(tp_size=4)  # GPU 2 is on node 1
             gpu_id = 2
         else:

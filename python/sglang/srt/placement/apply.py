@@ -1,7 +1,8 @@
-"""The one failure policy, and the one in-process bind, for launchers that cannot exec a
-rank under numactl and for upstream's ``numa_bind_to_node``. Every thread moves (an
-import's pool would stay unbound) and touched pages migrate (a late bind leaves them in
-place); the memory policy holds for the caller and threads it starts: bind first."""
+"""The one failure policy, and the one in-process bind: for a Ray actor, the legacy V1
+bind and upstream's ``numa_bind_to_node``. Every thread moves (an import's pool would
+stay unbound) and the pages this process alone maps migrate (a late bind leaves them in
+place; shared pages stay where they are); the memory policy holds for the caller and
+the threads it starts: bind first."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from typing import Callable, Optional
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.libnuma import LibNuma, load_libnuma
+from sglang.srt.placement.libnuma import (
+    MPOL_BIND,
+    MPOL_PREFERRED,
+    LibNuma,
+    load_libnuma,
+)
 from sglang.srt.placement.types import (
     MemPolicy,
     PlacementError,
@@ -38,17 +44,6 @@ def handle_bind_failure(
         raise PlacementError(message + fatal_hint)
 
 
-def enforce_failure_policy(
-    placement: ProcessPlacement, *, who: str, log: logging.Logger = logger
-) -> None:
-    """Before anything is applied: a rank never runs less bound than planned unseen."""
-    reasons = "; ".join(placement.reasons)
-    if placement.degraded:
-        weaker = f"bound less tightly than planned: {reasons}"
-        unbound = f"{reasons}; skipping NUMA binding for {who}."
-        handle_bind_failure(f"{who}: {weaker if placement.bound else unbound}", log=log)
-
-
 @dataclass(frozen=True)
 class BindOutcome:
     placement: ProcessPlacement
@@ -56,7 +51,7 @@ class BindOutcome:
     threads: int
     mem_policy: MemPolicy
     mem_nodes: frozenset[int]
-    pages_not_migrated: Optional[int]  # None when no migration was attempted
+    mappings_not_moved: Optional[int]  # None when no migration was attempted
     notes: tuple[str, ...] = ()  # empty when nothing was lost
 
     @property
@@ -65,14 +60,24 @@ class BindOutcome:
         memory = f"memory {self.mem_policy} on node(s) {format_cpulist(self.mem_nodes)}"
         parts = [cpus if self.cpus else "cpus unchanged"]
         parts.append(memory if self.mem_nodes else "memory policy unchanged")
-        if self.pages_not_migrated is not None:
-            parts.append(f"pages migrated ({self.pages_not_migrated} not moved)")
+        if self.mappings_not_moved is not None:
+            moved = f"{self.mappings_not_moved} mapping(s) not moved"
+            parts.append(f"private pages migrated ({moved})")
         return f"{self.placement.label}: " + "; ".join([", ".join(parts), *self.notes])
 
 
 def bind_in_process(placement: ProcessPlacement) -> BindOutcome:
-    """Degrades down the memory-policy ladder (bind, preferred, CPUs only); each lost
-    step is a note, or a PlacementError under the crash setting."""
+    """Binds this process, every thread, as ``placement`` says.
+
+    Args:
+        placement: a placement whose strategy is applied in the process (in-process,
+            V1 or cpu-affinity); an unbound one changes nothing.
+
+    Returns:
+        What was applied. The memory policy degrades down the ladder (bind,
+        preferred, CPUs only); each lost step is a WARNING and a note, or a
+        PlacementError under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1.
+    """
     notes: list[str] = []
 
     def degrade(what: str) -> None:
@@ -100,8 +105,9 @@ def bind_in_process(placement: ProcessPlacement) -> BindOutcome:
         if lib is not None:
             policy, nodes = _set_memory_policy(placement, lib, degrade)
         if lib is not None and nodes:
+            mode = MPOL_BIND if policy is MemPolicy.BIND else MPOL_PREFERRED
             try:
-                not_moved = lib.migrate_pages(0, lib.configured_nodes() - nodes, nodes)
+                not_moved = lib.move_private_pages(mode, nodes)
             except OSError as exc:
                 degrade(f"pages touched before binding stay where they are: {exc}")
     outcome = BindOutcome(

@@ -5,16 +5,29 @@ its CUDA initialisation in a launcher breaks the children it forks later."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import glob
 import logging
 import os
 import re
-from typing import Any, Iterator, Mapping, NamedTuple, Optional, Protocol, Sequence
+from typing import (
+    Any,
+    Callable,
+    Iterator,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Sequence,
+)
 
+from sglang.srt.placement import topology
 from sglang.srt.placement.types import (
     Accelerator,
+    DeviceIndex,
+    DeviceRef,
     HostTopology,
     PciDevice,
     SettingError,
@@ -30,6 +43,8 @@ _GPUS = {
 _PCI_RE = re.compile(r"(?:([0-9a-f]{4,8}):)?([0-9a-f]{2}):([01][0-9a-f])\.([0-7])")
 _ZE_ENTRY_RE = re.compile(r"([0-9]{1,9})(?:\.[0-9]{1,9})?")
 _PCI_ID_ORDER = "ZE_ENABLE_PCI_ID_DEVICE_ORDER"
+_NODE_GLOB = "devices/system/node/node[0-9]*"
+_VISIBILITY = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
 
 
 def canonical_pci_address(text: str) -> Optional[str]:
@@ -49,8 +64,8 @@ class AcceleratorRuntime(Protocol):
 
 
 class NvmlRuntime:
-    """NVML's indices are physical (PCI bus order), CUDA_VISIBLE_DEVICES aside; in a
-    container they count only its own GPUs, as CUDA's and Ray's do."""
+    """One NVML session. Its indices are physical (PCI bus order), CUDA_VISIBLE_DEVICES
+    aside; in a container they count only its own GPUs, as CUDA's and Ray's do."""
 
     name = "nvml"
 
@@ -68,31 +83,46 @@ class NvmlRuntime:
             return None if None in args else getattr(self._nvml, call)(*args)
         return None
 
-    def pci_by_index(self, index: int) -> Optional[str]:
-        return self._pci_of(self._ask("nvmlDeviceGetHandleByIndex", index))
+    def handle_by_index(self, index: int) -> Any:
+        return self._ask("nvmlDeviceGetHandleByIndex", index)
 
-    def pci_by_uuid(self, uuid: str) -> Optional[str]:
+    def handle_by_uuid(self, uuid: str) -> Any:
         handle = self._ask("nvmlDeviceGetHandleByUUID", uuid)
         if handle is None:  # CUDA takes a unique prefix of a UUID; NVML, a whole one
             count = self._ask("nvmlDeviceGetCount") or 0
-            handles = [self._ask("nvmlDeviceGetHandleByIndex", i) for i in range(count)]
+            handles = [self.handle_by_index(i) for i in range(count)]
             uuids = [_text(self._ask("nvmlDeviceGetUUID", h)).lower() for h in handles]
             found = [h for h, u in zip(handles, uuids) if u.startswith(uuid.lower())]
             handle = found[0] if len(found) == 1 else None
         if uuid.upper().startswith("MIG-"):  # no PCI function of its own: its GPU's
             handle = self._ask("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", handle)
-        return self._pci_of(handle)
+        return handle
 
-    def _pci_of(self, handle: Any) -> Optional[str]:
+    def pci_by_index(self, index: int) -> Optional[str]:
+        return self.pci_of(self.handle_by_index(index))
+
+    def pci_by_uuid(self, uuid: str) -> Optional[str]:
+        return self.pci_of(self.handle_by_uuid(uuid))
+
+    def pci_of(self, handle: Any) -> Optional[str]:
         info = self._ask("nvmlDeviceGetPciInfo", handle)
         return None if info is None else canonical_pci_address(_text(info.busId))
+
+    def memory_nodes(self, handle: Any) -> tuple[int, ...]:
+        """The nodes NVML's memory affinity names (NVMLError when it cannot)."""
+        count = len(glob.glob(os.path.join(topology.SYSFS_ROOT, _NODE_GLOB)))
+        bits = ctypes.sizeof(ctypes.c_ulong) * 8
+        words = self._nvml.nvmlDeviceGetMemoryAffinity(
+            handle, max(1, -(-count // bits)), self._nvml.NVML_AFFINITY_SCOPE_NODE
+        )
+        return tuple(n for n in range(count) if words[n // bits] >> (n % bits) & 1)
 
 
 def _text(value: bytes | str | None) -> str:  # pynvml answers bytes or str
     return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
 
 
-def is_live(topology: HostTopology) -> bool:
+def is_live(topology: HostTopology) -> bool:  # this host's /sys, not a tree of files
     return os.path.realpath(topology.root) == "/sys"
 
 
@@ -122,6 +152,12 @@ def accelerator_pci_devices(
     ids, pci = _GPUS.get(device, ()), topology.pci_devices
     found = [d for d in pci if (bare(d.vendor), bare(d.pci_class)[:4]) in ids]
     return tuple(sorted(found, key=lambda d: (int(d.address[:-8], 16), d.address)))
+
+
+def gpus_on_node(topology: HostTopology, *, device: str, node: int) -> tuple[str, ...]:
+    """The PCI addresses of ``node``'s GPUs, in PCI order."""
+    found = accelerator_pci_devices(topology, device=device)
+    return tuple(gpu.address for gpu in found if gpu.numa_node == node)
 
 
 class _Order(NamedTuple):  # the host's GPUs as the runtime numbers them, in words
@@ -161,18 +197,19 @@ def identify_accelerators(
     *,
     device: str,
     topology: HostTopology,
-    gpu_ids: Sequence[int],
+    logical_ids: Sequence[int],
     env: Mapping[str, str],
     runtime: Optional[AcceleratorRuntime] = None,
 ) -> tuple[Accelerator, ...]:
     """The visibility variable's entry, else the index, names the physical device,
-    whose address ``runtime`` gives, else sysfs order. ``env`` is the rank's own."""
+    whose address ``runtime`` gives, else sysfs order. ``env`` is the rank's own: a
+    physical index is a logical one without the visibility variable."""
     if device == "cpu":
         return ()
     if device not in _GPUS:
         raise SettingError(f"--device {device!r}: expected cuda, xpu or cpu.")
     order = _order(device, topology, env)
-    found = (_physical(device, i, env, len(order.listed)) for i in gpu_ids)
+    found = (_physical(device, i, env, len(order.listed)) for i in logical_ids)
     return tuple(_locate(acc, runtime, order) for acc in found)
 
 
@@ -217,7 +254,8 @@ def parse_cuda_visible_devices(text: str) -> tuple[str, ...]:
 
 
 def _physical(device: str, gpu_id: int, env: Mapping[str, str], n: int) -> Accelerator:
-    """The device ``gpu_id`` names, no address yet (``source``: how), of ``n`` here."""
+    """The device logical index ``gpu_id`` names, no address yet (``source``: how), of
+    ``n`` here."""
     var = "CUDA_VISIBLE_DEVICES" if device == "cuda" else "ZE_AFFINITY_MASK"
     value = env.get(var)
     if gpu_id < 0:
@@ -252,3 +290,78 @@ def _physical(device: str, gpu_id: int, env: Mapping[str, str], n: int) -> Accel
         shown = f"{','.join(entries)} in index order, device {gpu_id} is"
         origin = f"{var}={value!r} shows devices {shown} {entries[gpu_id]}{note}"
     return Accelerator(gpu_id, entries[gpu_id], None, origin)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuLocation:
+    nodes: tuple[int, ...]  # its NUMA node(s); empty: unknown, for ``source``
+    pci: Optional[str]
+    source: str
+
+
+def locate_gpu(
+    gpu: DeviceRef,
+    *,
+    device: str,
+    env: Mapping[str, str],
+    host: Callable[[], HostTopology],
+) -> GpuLocation:
+    """Where GPU ``gpu`` is: for CUDA, NVML's memory affinity where NVML answers (as
+    upstream asks it); else, and for XPU, the node of its PCI function in ``host()``'s
+    sysfs. ``env`` is the rank's own (its visibility variable)."""
+    if device == "cuda":
+        try:
+            nvml = NvmlRuntime()
+        except ImportError:
+            why = "pynvml is not installed"
+        except Exception as exc:  # NVMLError: no driver, library or access
+            why = f"NVML unavailable ({exc})"
+        else:
+            try:
+                return _nvml_location(nvml, gpu, env)
+            except SettingError as exc:
+                return GpuLocation((), None, str(exc))
+            except nvml._nvml.NVMLError as exc:
+                why = f"NVML could not answer for {gpu.label} ({exc})"
+            finally:
+                nvml.close()
+        logger.info(f"{why}: {gpu.label}'s NUMA node from its PCI device in sysfs")
+    if gpu.numbering is DeviceIndex.PHYSICAL_GPU:  # no visibility variable counts
+        env = {k: v for k, v in env.items() if k not in _VISIBILITY}
+    tree = host()
+    try:
+        found = identify_accelerators(
+            device=device, topology=tree, logical_ids=[gpu.index], env=env
+        )[0]
+    except SettingError as exc:
+        return GpuLocation((), None, str(exc))
+    known = found.pci and tree.pci_device(found.pci)
+    if not known or known.numa_node is None:
+        why = f"PCI {found.pci} reports numa_node -1" if known else found.source
+        return GpuLocation((), found.pci, f"{gpu.label}: {why}")
+    source = f"{gpu.label} is {found.physical_id} at PCI {found.pci} ({found.source})"
+    return GpuLocation((known.numa_node,), found.pci, source)
+
+
+def _nvml_location(
+    nvml: NvmlRuntime, gpu: DeviceRef, env: Mapping[str, str]
+) -> GpuLocation:
+    entry = str(gpu.index)
+    if gpu.numbering is DeviceIndex.LOGICAL_GPU and "CUDA_VISIBLE_DEVICES" in env:
+        entries = parse_cuda_visible_devices(env["CUDA_VISIBLE_DEVICES"])
+        if gpu.index >= len(entries):
+            raise SettingError(
+                f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r} makes "
+                f"{len(entries)} GPU(s) visible, but a rank uses GPU id {gpu.index}; "
+                "list more GPUs or lower --base-gpu-id / --tp-size."
+            )
+        entry = entries[gpu.index]
+    if entry.isdigit():
+        handle = nvml.handle_by_index(int(entry))
+    else:
+        handle = nvml.handle_by_uuid(entry)
+    if handle is None:
+        return GpuLocation((), None, f"NVML knows no device {entry} ({gpu.label})")
+    nodes = nvml.memory_nodes(handle)
+    source = f"NVML memory affinity of {gpu.label} (NVML device {entry})"
+    return GpuLocation(nodes, nvml.pci_of(handle), source)

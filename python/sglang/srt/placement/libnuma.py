@@ -15,6 +15,9 @@ logger = logging.getLogger(__name__)
 
 LIBRARY = "libnuma.so.1"
 MPOL_PREFERRED, MPOL_BIND = 1, 2  # <linux/mempolicy.h>
+MPOL_MF_MOVE = 1 << 1  # move the pages only this process maps, never shared ones
+MAPS = "/proc/self/maps"
+_KERNEL_AREAS = ("[vvar]", "[vvar_vclock]", "[vdso]", "[vsyscall]")
 _MODE_NAMES = ("default", "preferred", "bind", "interleave", "local")
 _MODE_NAMES += ("preferred_many", "weighted_interleave")
 _MODE_FLAGS = 7 << 13  # MPOL_F_STATIC_NODES, _RELATIVE_NODES, _NUMA_BALANCING
@@ -55,10 +58,6 @@ class LibNuma:
     def __init__(self, cdll: ctypes.CDLL) -> None:
         self.cdll = cdll
 
-    def configured_nodes(self) -> frozenset[int]:
-        mask = ctypes.POINTER(_Bitmask).in_dll(self.cdll, "numa_nodes_ptr").contents
-        return _nodes(mask.maskp[: -(-mask.size // _ULONG_BITS)])
-
     def set_membind(self, nodes: Iterable[int]) -> None:
         self._set_policy(MPOL_BIND, frozenset(nodes), "numa_set_membind")
 
@@ -68,9 +67,20 @@ class LibNuma:
     def _set_policy(self, mode: int, nodes: frozenset[int], call: str) -> None:
         _check(self.cdll.set_mempolicy(mode, _mask(nodes), _MAXNODE), call, nodes)
 
-    def migrate_pages(self, pid: int, old: Iterable[int], new: Collection[int]) -> int:
-        result = self.cdll.migrate_pages(pid, _MAXNODE, _mask(old), _mask(new))
-        return _check(result, "migrate_pages", new)  # pages that stayed
+    def move_private_pages(self, policy: int, nodes: Collection[int]) -> int:
+        """Moves the pages of this process's private anonymous mappings (heap, stack,
+        malloc and torch arenas) to ``nodes`` under ``policy`` (MPOL_BIND or
+        MPOL_PREFERRED); shared and file-backed pages stay. Returns how many mappings
+        refused (one that vanished meanwhile, or pages the kernel could not move)."""
+        refused = 0
+        mask = _mask(nodes)
+        for start, end in private_mappings():
+            length = ctypes.c_ulong(end - start)
+            address = ctypes.c_void_p(start)
+            flags = ctypes.c_uint(MPOL_MF_MOVE)
+            if self.cdll.mbind(address, length, policy, mask, _MAXNODE, flags) < 0:
+                refused += 1
+        return refused
 
 
 @functools.cache
@@ -85,6 +95,20 @@ def load_libnuma() -> Optional[LibNuma]:
         logger.info(f"{LIBRARY}: numa_available() < 0: the kernel refuses NUMA calls")
         return None
     return LibNuma(cdll)
+
+
+def private_mappings(maps: str = MAPS) -> list[tuple[int, int]]:
+    """(start, end) of each private anonymous mapping of ``maps``."""
+    found = []
+    with open(maps) as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            path = fields[5].strip() if len(fields) > 5 else ""
+            private = fields[1][3] == "p" and fields[4] == "0"
+            if private and path not in _KERNEL_AREAS and not path.startswith("/"):
+                start, end = (int(part, 16) for part in fields[0].split("-"))
+                found.append((start, end))
+    return found
 
 
 def read_mempolicy() -> tuple[str, frozenset[int]]:

@@ -1,355 +1,316 @@
-"""Where one rank runs, and how. ``place_gpu_id`` places the GPU id sglang spawns a
-scheduler with, under the visibility variables in force. Where is pure (host facts and
-policy, blind to other ranks), so a spawned child, a Ray actor and ``plan`` agree on a
-GPU; how (exec, in-process, V1) asks numactl on the rank's host, once per option set."""
+"""The one decision of where a rank runs and how, for every launcher and strategy.
+
+The steps are upstream's (``configure_subprocess``): the GPU's NUMA node, the rank's
+CPUs and memory as numactl options, the memory-policy check, numactl's probe. A
+``Host`` answers each for the host the rank runs on: ``numa_utils`` with upstream's
+helpers for the live host, the operator tools for a snapshot. The rule for settings
+that meet (``strategy_for``, and ``_without_node``):
+
+* ``--numa-node`` (else discovery) picks the node; SGLANG_SET_CPU_AFFINITY=1 picks the
+  rank's slice of that node's cores (``share.node_share``);
+* SGLANG_NUMA_BIND_V2=0: the legacy bind applies the same CPUs, with preferred memory,
+  in ``configure_scheduler_process``;
+* a Ray actor binds itself there (it cannot start under numactl); a spawned rank
+  starts under numactl, and ``configure_scheduler_process`` leaves it as it is;
+* no node known: SGLANG_SET_CPU_AFFINITY=1 keeps upstream's NUMA-blind slice.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Callable, ContextManager, Mapping, Optional
+from dataclasses import replace
+from typing import Optional, Protocol
 
-from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist
-from sglang.srt.placement.devices import (
-    AcceleratorRuntime,
-    identify_accelerators,
-    open_runtime,
+from sglang.srt.placement.numactl import cpu_mem_args, parse_args
+from sglang.srt.placement.settings import (
+    PlacementPolicy,
+    rank_cpus,
+    shared_cpus,
+    spawn_places_cpu_rank,
 )
-from sglang.srt.placement.libnuma import load_libnuma
-from sglang.srt.placement.modes import AffinityMode, GpuNode
-from sglang.srt.placement.numactl import NumactlProber, cpu_option, default_prober
-from sglang.srt.placement.settings import PlacementPolicy, rank_cpus, shared_cpus
-from sglang.srt.placement.topology import read_process_affinity, read_topology_cached
+from sglang.srt.placement.share import (
+    Share,
+    Slot,
+    node_share,
+    upstream_slice,
+    upstream_slice_reason,
+)
 from sglang.srt.placement.types import (
-    Accelerator,
     HostTopology,
     Launcher,
     MemPolicy,
-    NumaNode,
-    PlacementError,
+    NodeChoice,
     ProcessAffinity,
     ProcessPlacement,
     RankIdentity,
-    SettingError,
     Strategy,
 )
 
-RuntimeOpener = Callable[
-    [str, HostTopology], ContextManager[Optional[AcceleratorRuntime]]
-]
+_SECCOMP = (
+    "(e.g. set_mempolicy/sched_setaffinity blocked by seccomp, or cpuset rejects "
+    "the policy)"
+)
 
 
-@dataclass(frozen=True)
-class HostCapabilities:  # what can apply a binding here
-    numactl: Optional[NumactlProber]
-    libnuma: bool
+class Host(Protocol):
+    """What the decision asks of the host where the rank runs."""
 
-    @classmethod
-    def live(cls) -> "HostCapabilities":
-        return cls(numactl=default_prober(), libnuma=load_libnuma() is not None)
+    numactl_path: Optional[str]  # the numactl probed, which a spawn execs
+    libnuma: bool  # whether the rank can set a memory policy in-process
 
-
-@dataclass(frozen=True)
-class HostFacts:
-    topology: HostTopology
-    affinity: ProcessAffinity
-    capabilities: HostCapabilities
-
-    @classmethod
-    def live(cls) -> "HostFacts":
-        return cls(
-            topology=read_topology_cached(settings.sysfs_root()),
-            affinity=read_process_affinity(),
-            capabilities=HostCapabilities.live(),
-        )
+    def topology(self) -> HostTopology: ...
+    def affinity(self) -> ProcessAffinity: ...
+    def numa_node(self, rank: RankIdentity) -> NodeChoice: ...
+    def node_cpus(self, node: int) -> frozenset[int]: ...
+    def node_gpus(self, node: int) -> tuple[str, ...]: ...  # PCI addresses, in order
+    def gpu_pci(self, rank: RankIdentity) -> Optional[str]: ...
+    def can_set_mempolicy(self) -> bool: ...
+    def probe(self, numactl_args: str) -> tuple[Optional[str], str]: ...
+    def fail(self, node: Optional[int], reason: str) -> None: ...
+    def cpu_counts(self) -> tuple[int, int]: ...  # physical cores, logical CPUs
 
 
-@dataclass(frozen=True)
-class Where:  # a rank's node, CPUs and memory nodes, before how they are applied
-    node_id: Optional[int]  # None: the rank stays unbound, for the reasons
-    reasons: tuple[str, ...]
-    cpus: frozenset[int] = frozenset()
-    nodes: tuple[NumaNode, ...] = ()
-    whole: bool = False  # every CPU of ``nodes``
-    degraded: bool = False
+def strategy_for(policy: PlacementPolicy, *, located: bool) -> Strategy:
+    """How a rank is bound: ``located`` when its node (a CPU rank: its CPUs) is known."""
+    if not located:
+        return Strategy.CPU_AFFINITY if policy.set_cpu_affinity else Strategy.NONE
+    if not policy.bind_v2:
+        return Strategy.V1
+    return Strategy.IN_PROCESS if policy.launcher is Launcher.RAY else Strategy.EXEC
 
 
-def choose_node(
-    topology: HostTopology,
+def resolve_placement(
+    *,
     rank: RankIdentity,
-    accelerator: Optional[Accelerator],
     policy: PlacementPolicy,
-) -> Where:
-    """Upstream's order: the ``--numa-node`` list, else the node of the GPU's PCI
-    device; ``accelerator`` may be None only with the list."""
-    listed, gpu_id = policy.numa_nodes, rank.gpu_id
-    if listed is not None:
-        if gpu_id >= len(listed):
-            raise PlacementError(
-                f"--numa-node has {len(listed)} "
-                f"entr{'y' if len(listed) == 1 else 'ies'} "
-                f"({' '.join(map(str, listed))}) but {rank.label} uses GPU {gpu_id}: "
-                f"give one node per GPU id, at least {gpu_id + 1} entries"
-            )
-        node = listed[gpu_id]
-        if topology.node(node) is None:
-            raise PlacementError(
-                f"--numa-node gives node {node} for GPU {gpu_id}, but this host has "
-                f"nodes {format_cpulist(topology.node_ids)}"
-            )
-        return Where(node, (f"node {node} from --numa-node (GPU {gpu_id})",))
-    pci, gpu, source = accelerator.pci, accelerator.physical_id, accelerator.source
-    if pci is None:
-        why = f"GPU {gpu_id} ({gpu}): no PCI address ({source})"
-        return Where(None, (why,), degraded=True)
-    via = f"GPU {gpu_id} is {gpu} at PCI {pci} ({source})"
-    device = topology.pci_device(pci)
-    if device is None:
-        return Where(None, (via, f"PCI {pci} is not in {topology.root}"), degraded=True)
-    if device.numa_node is not None:
-        return Where(device.numa_node, (via, f"node {device.numa_node} from PCI {pci}"))
-    why = f"PCI {pci} reports numa_node -1"
-    only = topology.node_of(device)
-    if only is not None and policy.affinity_mode.shares_node:
-        return Where(only, (via, f"{why}; node {only} is the only node with CPUs"))
-    return Where(None, (via, f"{why} (the kernel does not know its node)"))
+    host: Host,
+    node: Optional[NodeChoice] = None,
+) -> ProcessPlacement:
+    """Where ``rank`` runs and how, from ``host``'s answers.
+
+    Args:
+        rank: the rank and its device, in the numbering its launcher uses.
+        policy: the settings and ServerArgs fields that decide.
+        host: the answers of the host the rank runs on.
+        node: the node choice, when the caller asked ``host`` already.
+
+    Returns:
+        The placement. A failed step has called ``host.fail`` (a WARNING, or an error
+        under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1) and leaves it degraded.
+    """
+    placed = ProcessPlacement(rank, launcher=policy.launcher)
+    if why := policy.why_unplaced:
+        return _without_node(placed, (why,), policy, host)
+    if policy.device == "cpu":
+        return _cpu_rank(placed, policy, host)
+    choice = node or host.numa_node(rank)
+    placed = replace(placed, pci=choice.pci, degraded=choice.degraded)
+    if choice.node is None:
+        return _without_node(placed, choice.reasons, policy, host)
+    reasons = choice.reasons
+    share = gpu_share(choice.node, rank=rank, policy=policy, host=host)
+    if not share.cpus and (share.degraded or host.node_cpus(choice.node)):
+        return replace(placed, reasons=(*reasons, *share.reasons), degraded=True)
+    strategy = strategy_for(policy, located=True)
+    mem = frozenset([choice.node])
+    return _bind(placed, choice.node, share, mem, strategy, host, reasons)
 
 
-def _gpu_where(
-    facts: HostFacts,
-    rank: RankIdentity,
-    found: Optional[Accelerator],
-    policy: PlacementPolicy,
-) -> Where:
-    topology, affinity = facts.topology, facts.affinity
-    choice = choose_node(topology, rank, found, policy)
-    if choice.node_id is None:
-        return choice
-    node = topology.node(choice.node_id)
-    if node is None or not node.cpus:
-        what = "has memory but no CPUs" if node else "does not exist on this host"
-        why = f"node {choice.node_id} {what}"
-        return Where(None, (*choice.reasons, why), degraded=True)
-    pci = found.pci if found is not None else None
-    gpu = GpuNode(topology, node, affinity, pci, policy.device)
-    share = policy.affinity_mode.share(gpu)
-    reasons = (*choice.reasons, *share.reasons)
-    if not share.cpus:
+def gpu_share(
+    node: int, *, rank: RankIdentity, policy: PlacementPolicy, host: Host
+) -> Share:
+    """The CPUs of ``node`` the GPU rank gets (none: the failure policy has run)."""
+    node_cpus, allowed = host.node_cpus(node), host.affinity().cpus
+    if not node_cpus and host.topology().node(node) is None:
+        nodes = format_cpulist(host.topology().node_ids)
+        why = f"NUMA node {node} does not exist on this host (nodes {nodes})"
+        host.fail(node, f"{why}, skipping NUMA binding for {rank.label}.")
+        return Share(frozenset(), False, (why,), degraded=True)
+    slot, cores = None, None
+    if policy.set_cpu_affinity and node_cpus & allowed:
+        slot = _slot(node, rank, policy, host)
+        cores = host.topology().cores_within(node_cpus & allowed)
+    share = node_share(
+        node=node, node_cpus=node_cpus, allowed=allowed, cores=cores, slot=slot
+    )
+    if node_cpus and not share.cpus:
         why = (
-            f"NUMA node {node.node_id} has no CPU cores allowed by the current "
-            f"affinity {format_cpulist(affinity.cpus)} ({affinity.source}; node CPUs "
-            f"{format_cpulist(node.cpus)}), skipping NUMA binding"
+            f"NUMA node {node} has no CPU cores allowed by the current affinity "
+            f"{sorted(allowed)}, skipping NUMA binding for {rank.label}."
         )
-        return Where(None, (*reasons, why), degraded=True)
-    degraded = share.degraded or choice.degraded
-    return Where(node.node_id, reasons, share.cpus, share.nodes, share.whole, degraded)
+        host.fail(node, why)
+        return replace(share, reasons=(why,), degraded=True)
+    if slot is None and policy.set_cpu_affinity and share.cpus:
+        gpus = ", ".join(host.node_gpus(node)) or "none"
+        why = (
+            f"SGLANG_SET_CPU_AFFINITY=1: {rank.label} is not among node {node}'s GPUs "
+            f"in sysfs ({gpus}), so it takes the whole node"
+        )
+        host.fail(node, why)
+        return replace(share, reasons=(why,), degraded=True)
+    return share
 
 
-def _cpu_where(facts: HostFacts, rank: RankIdentity, policy: PlacementPolicy) -> Where:
-    """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives its index
-    (``gpu_id``), memory on the nodes of those CPUs."""
-    topology, affinity = facts.topology, facts.affinity
-    spec = policy.cpu_threads_bind.strip()
-    cpus = rank_cpus(spec, index=rank.gpu_id, topology=topology, affinity=affinity)
+def _slot(
+    node: int, rank: RankIdentity, policy: PlacementPolicy, host: Host
+) -> Optional[Slot]:
+    index = rank.device.index if rank.device else -1
+    if policy.numa_nodes is not None:
+        ids = [gpu for gpu, listed in enumerate(policy.numa_nodes) if listed == node]
+        if index not in ids:
+            return None
+        why = f"{rank.device.label}, one of GPUs {format_cpulist(ids)} on node {node}"
+        return Slot(ids.index(index), len(ids), f"{why} by --numa-node,")
+    gpus, pci = host.node_gpus(node), host.gpu_pci(rank)
+    if pci not in gpus:
+        return None
+    at = gpus.index(pci)
+    why = f"GPU {pci}, {at + 1} of the {len(gpus)} GPUs on node {node} (PCI order),"
+    return Slot(at, len(gpus), why)
+
+
+def _cpu_rank(
+    placed: ProcessPlacement, policy: PlacementPolicy, host: Host
+) -> ProcessPlacement:
+    """A CPU-device rank: the CPUs SGLANG_CPU_OMP_THREADS_BIND gives its index, memory
+    on the nodes of those CPUs."""
+    index, spec = placed.rank.device.index, policy.cpu_threads_bind.strip()
+    topology, affinity = host.topology(), host.affinity()
+    cpus = rank_cpus(spec, index=index, topology=topology, affinity=affinity)
     shown = "all (one node per rank)" if spec == "all" else repr(spec)
     reasons = (
-        f"CPU rank {rank.gpu_id}: CPUs {format_cpulist(cpus)} from "
+        f"CPU rank {index}: CPUs {format_cpulist(cpus)} from "
         f"SGLANG_CPU_OMP_THREADS_BIND={shown}",
     )
+    if note := shared_cpus(spec, index=index):
+        reasons += (note,)
     if not policy.bind_v2:
         why = (
             "SGLANG_NUMA_BIND_V2=0: the spawn is not bound (upstream behaviour); only "
             "bootstrap's init_cpu_threads_env pins OpenMP threads on AMX or arm64 hosts"
         )
-        return Where(None, (*reasons, why))
-    if spec == "all" and len(topology.cpu_nodes) == 1:
-        why = (
-            "this host has one NUMA node with CPUs: binding a rank to all of it "
-            "cannot help"
-        )
-        return Where(None, (*reasons, why))
-    counts = {n.node_id: len(n.cpus & cpus) for n in topology.nodes if n.cpus & cpus}
-    if not counts:
-        why = "none of these CPUs may be used by this process"
-        return Where(None, (*reasons, why), degraded=True)
-    nodes = tuple(topology.node(n) for n in sorted(counts))
-    whole = frozenset().union(*(n.cpus for n in nodes)) == cpus
-    node_id = max(counts, key=lambda n: (counts[n], -n))
-    return Where(node_id, reasons, cpus, nodes, whole)
+        return _without_node(placed, (*reasons, why), policy, host)
+    if not spawn_places_cpu_rank(spec, topology):
+        why = "this host has one NUMA node with CPUs: binding a rank to all of it "
+        why += "cannot help"
+        return _without_node(placed, (*reasons, why), policy, host)
+    counts = {n.node_id: len(n.cpus & cpus) for n in topology.cpu_nodes_within(cpus)}
+    node = max(counts, key=lambda n: (counts[n], -n))
+    whole = len(counts) == 1 and topology.node(node).cpus == cpus
+    strategy = strategy_for(policy, located=True)
+    share = Share(cpus, whole)
+    return _bind(placed, node, share, frozenset(counts), strategy, host, reasons)
 
 
-def resolve_placement(
-    *,
-    facts: HostFacts,
-    rank: RankIdentity,
-    accelerator: Optional[Accelerator],
+def _without_node(
+    placed: ProcessPlacement,
+    reasons: tuple[str, ...],
     policy: PlacementPolicy,
+    host: Host,
 ) -> ProcessPlacement:
-    """Where ``rank`` runs, and how: exec under the strongest numactl form the kernel
-    accepts, else in-process (libnuma), or V1's bind under SGLANG_NUMA_BIND_V2=0."""
-    pci = accelerator.pci if accelerator is not None else None
-    if policy.device == "cpu":
-        where = _cpu_where(facts, rank, policy)
-    else:
-        where = _gpu_where(facts, rank, accelerator, policy)
-    placed = ProcessPlacement(
-        rank, pci, reasons=where.reasons, launcher=policy.launcher
+    """No node: unbound, or under SGLANG_SET_CPU_AFFINITY=1 upstream's own slice."""
+    device = placed.rank.device
+    if strategy_for(policy, located=False) is Strategy.NONE or device is None:
+        return replace(placed, reasons=reasons)
+    physical, logical = host.cpu_counts()
+    cpus = upstream_slice(
+        device.index,
+        tp_per_node=policy.tp_per_node,
+        physical_cores=physical,
+        logical_cpus=logical,
     )
-    if where.node_id is None:
-        return replace(placed, degraded=where.degraded)
-    mems = facts.affinity.mems
-    mem_nodes = [n.node_id for n in where.nodes if n.has_memory and n.node_id in mems]
-    if not mem_nodes:
-        why = f"no memory node this process may use near node {where.node_id}"
-        placed = replace(placed, reasons=(*where.reasons, f"{why}: CPU binding only"))
+    why = upstream_slice_reason(device.index, cpus)
+    return replace(
+        placed, cpus=cpus, strategy=Strategy.CPU_AFFINITY, reasons=(*reasons, why)
+    )
+
+
+def _bind(
+    placed: ProcessPlacement,
+    node: int,
+    share: Share,
+    mem: frozenset[int],
+    strategy: Strategy,
+    host: Host,
+    reasons: tuple[str, ...],
+) -> ProcessPlacement:
+    """``share`` and memory on ``mem``, applied by ``strategy``."""
+    reasons = (*reasons, *share.reasons)
+    allowed = host.affinity().mems
+    if mem and not mem & allowed:
+        reasons += (
+            f"node(s) {format_cpulist(mem)} hold no memory this process may use "
+            f"(Mems_allowed {format_cpulist(allowed)}): CPU binding only",
+        )
+    mem = mem & allowed
+    if mem and not host.can_set_mempolicy():
+        mem = frozenset()
+        reasons += (
+            "NUMA memory policy not permitted: CPU binding only (with docker, "
+            "--cap-add SYS_NICE also binds memory)",
+        )
+    cpus = share.cpus or host.node_cpus(node)
     placed = replace(
         placed,
-        numa_node=where.node_id,
-        cpus=where.cpus,
-        mem_nodes=frozenset(mem_nodes),
-        mem_policy=MemPolicy.BIND if mem_nodes else MemPolicy.NONE,
-        degraded=where.degraded,
+        numa_node=node,
+        cpus=cpus,
+        mem_nodes=mem,
+        mem_policy=MemPolicy.BIND if mem else MemPolicy.NONE,
+        strategy=strategy,
+        degraded=placed.degraded or share.degraded,
     )
-    return _how(placed, where, facts=facts, policy=policy)
-
-
-def _how(
-    placed: ProcessPlacement, where: Where, *, facts: HostFacts, policy: PlacementPolicy
-) -> ProcessPlacement:
-    """How ``placed`` (BIND on its memory nodes, NONE without any) is applied."""
-    if not policy.bind_v2:
+    if strategy is Strategy.V1:
         why = (
-            "SGLANG_NUMA_BIND_V2=0: legacy V1 bind inside the child "
-            "(numa_run_on_node + numa_set_preferred)"
+            "SGLANG_NUMA_BIND_V2=0: the legacy bind in configure_scheduler_process "
+            "(these CPUs, preferred memory)"
         )
-        mem = MemPolicy.PREFERRED if placed.mem_nodes else MemPolicy.NONE
-        return _applied(placed, Strategy.V1, mem, why)
-    if policy.launcher is Launcher.RAY:  # Ray starts the actor: it binds itself
-        why = f"the {policy.launcher} launcher cannot start this rank under numactl"
-        if facts.capabilities.libnuma:
-            how = "in-process bind with libnuma"
-            return _applied(placed, Strategy.IN_PROCESS, placed.mem_policy, why, how)
-        how = "libnuma is not available: in-process CPU affinity only"
-        return _applied(placed, Strategy.IN_PROCESS, MemPolicy.NONE, why, how)
-    return _exec(placed, where, facts.capabilities.numactl)
+        policy = MemPolicy.PREFERRED if mem else MemPolicy.NONE
+        mem = frozenset([node]) if mem else mem
+        return replace(
+            placed, mem_policy=policy, mem_nodes=mem, reasons=(*reasons, why)
+        )
+    if strategy is Strategy.IN_PROCESS:
+        why = (
+            f"the {placed.launcher} launcher cannot start this rank under numactl: it "
+            "binds itself in configure_scheduler_process"
+        )
+        if mem and not host.libnuma:
+            why += "; libnuma is not available: CPU affinity only"
+            placed = replace(placed, mem_nodes=frozenset(), mem_policy=MemPolicy.NONE)
+        return replace(placed, reasons=(*reasons, why))
+    return _exec(placed, share, reasons, host)
 
 
 def _exec(
-    placed: ProcessPlacement, where: Where, numactl: Optional[NumactlProber]
+    placed: ProcessPlacement, share: Share, reasons: tuple[str, ...], host: Host
 ) -> ProcessPlacement:
-    """Under the strongest numactl form the kernel accepts, else unbound: sglang's
-    spawned child runs only sglang's code, so nothing there would bind in-process."""
-    why = "numactl is not installed"
-    if numactl is not None:
-        whole = tuple(n.node_id for n in where.nodes) if where.whole else None
-        outcome = numactl.ladder(
-            cpu_args=(cpu_option(cpus=placed.cpus, whole_nodes=whole),),
-            mem_policy=placed.mem_policy,
-            mem_nodes=placed.mem_nodes,
-            preferred_node=placed.numa_node if placed.mem_nodes else None,
-        )
-        if outcome.ok:
-            got, args = outcome.mem_policy, outcome.args
-            how = (*outcome.reasons, f"exec under numactl {' '.join(args)}")
-            return _applied(placed, Strategy.EXEC, got, *how, args=args)
+    """Under the strongest numactl form the kernel accepts, else unbound."""
+    node = placed.numa_node
+    wanted = cpu_mem_args(
+        node=node, cpus=share.cpus, whole_node=share.whole, mem_nodes=placed.mem_nodes
+    )
+    accepted, error = host.probe(wanted)
+    if accepted is None and host.numactl_path is None:
+        error = "numactl is not installed (apt-get install numactl)"
+    if accepted is None:
         why = (
-            f"numactl could not apply NUMA binding for node {placed.numa_node} (e.g. "
-            "set_mempolicy/sched_setaffinity blocked by seccomp, or cpuset rejects "
-            f"the policy): {outcome.reasons[0]}"
+            f"numactl could not apply NUMA binding for node {node} {_SECCOMP}"
+            f"{f': {error}' if error else ''}; skipping NUMA binding for "
+            f"{placed.label}."
         )
-    only = f"the {placed.launcher} launcher binds only by exec: running unbound"
-    unbound = ProcessPlacement(placed.rank, placed.pci, launcher=placed.launcher)
-    return replace(unbound, reasons=(*placed.reasons, why, only), degraded=True)
-
-
-def _applied(
-    placed: ProcessPlacement,
-    strategy: Strategy,
-    mem: MemPolicy,
-    *why: str,
-    args: tuple[str, ...] = (),
-) -> ProcessPlacement:
-    """``placed`` applied by ``strategy`` with memory policy ``mem``: less than wanted
-    is degraded, except under V1, upstream's own preferred policy."""
-    nodes = {MemPolicy.BIND: placed.mem_nodes, MemPolicy.PREFERRED: {placed.numa_node}}
+        host.fail(node, why)
+        unbound = ProcessPlacement(placed.rank, placed.pci, launcher=placed.launcher)
+        return replace(unbound, reasons=(*reasons, why), degraded=True)
+    bound = parse_args(accepted)
+    if accepted != wanted:
+        reasons += (f"numactl refused {wanted!r}; it accepts {accepted!r}",)
     return replace(
         placed,
-        strategy=strategy,
-        mem_policy=mem,
-        mem_nodes=frozenset(nodes.get(mem, ())),
-        reasons=(*placed.reasons, *why),
-        numactl_args=args,
-        degraded=placed.degraded
-        or (mem != placed.mem_policy and strategy != Strategy.V1),
+        mem_policy=bound.mem_policy,
+        mem_nodes=bound.mem_nodes,
+        strategy=Strategy.EXEC,
+        numactl_args=tuple(accepted.split()),
+        numactl_path=host.numactl_path,
+        reasons=(*reasons, f"exec under numactl {accepted}"),
+        degraded=placed.degraded or bound.mem_policy != placed.mem_policy,
     )
-
-
-def _identify(
-    gpu_id: int,
-    device: str,
-    topology: HostTopology,
-    env: Mapping[str, str],
-    runtime: RuntimeOpener = open_runtime,
-) -> Accelerator:
-    with runtime(device, topology) as opened:
-        return identify_accelerators(
-            device=device, topology=topology, env=env, gpu_ids=[gpu_id], runtime=opened
-        )[0]
-
-
-def device_node(
-    gpu_id: int, *, device: str, topology: HostTopology, env: Mapping[str, str]
-) -> Where:
-    """Upstream's question: the node of ``gpu_id``'s device (None: no node, and why)."""
-    try:
-        found = _identify(gpu_id, device, topology, env)
-    except SettingError as exc:
-        return Where(None, (str(exc),))
-    policy = PlacementPolicy(launcher=Launcher.MP, device=device)
-    return choose_node(topology, RankIdentity(gpu_id=gpu_id), found, policy)
-
-
-def place_gpu_id(
-    gpu_id: int,
-    *,
-    policy: PlacementPolicy,
-    env: Mapping[str, str],
-    facts: Optional[HostFacts] = None,
-    rank: Optional[RankIdentity] = None,
-    runtime: RuntimeOpener = open_runtime,
-) -> ProcessPlacement:
-    """Where the scheduler spawned with ``gpu_id`` (a CPU rank's numa_index) runs,
-    under the ``env`` it inherits; ``runtime`` opens what names physical devices.
-    ``facts`` (default: this host's) are read only where the policy may place."""
-    rank = replace(rank or RankIdentity(), gpu_id=gpu_id)
-    if why := policy.why_unplaced:  # as upstream, nothing is read
-        return ProcessPlacement(rank, reasons=(why,), launcher=policy.launcher)
-    facts = facts or HostFacts.live()
-    if policy.device == "cpu":
-        placed = resolve_placement(
-            facts=facts, rank=rank, accelerator=None, policy=policy
-        )
-        note = shared_cpus(policy.cpu_threads_bind, index=gpu_id)
-        return placed if not note else noted(placed, note)
-    one_node = len(facts.topology.cpu_nodes) < 2 and policy.numa_nodes is None
-    if one_node and policy.affinity_mode.idle_on_one_node:
-        shared = " and ".join(mode for mode in AffinityMode if mode.shares_node)
-        why = (
-            "this host has one NUMA node with CPUs: node binding cannot help "
-            f"({shared} modes still share it out between its GPUs)"
-        )
-        return ProcessPlacement(rank, reasons=(why,), launcher=policy.launcher)
-    try:
-        found = _identify(gpu_id, policy.device, facts.topology, env, runtime)
-    except SettingError as exc:
-        if policy.numa_nodes is None:
-            why = f"GPU {gpu_id} cannot be identified: {exc}"
-            return ProcessPlacement(
-                rank, reasons=(why,), launcher=policy.launcher, degraded=True
-            )
-        found = None  # the --numa-node list needs no device
-    return resolve_placement(facts=facts, rank=rank, accelerator=found, policy=policy)
-
-
-def noted(placement: ProcessPlacement, note: str) -> ProcessPlacement:
-    return replace(placement, reasons=(note, *placement.reasons))

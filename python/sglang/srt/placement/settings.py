@@ -1,6 +1,7 @@
 """What the user decides about placement: each environment variable, read here once
 (what upstream's ``EnvStr`` fields hand over unchecked is validated), the policy they
-make with ServerArgs, and each rank's CPUs under SGLANG_CPU_OMP_THREADS_BIND."""
+make with ServerArgs, the ``--numa-node`` list, and each CPU rank's CPUs under
+SGLANG_CPU_OMP_THREADS_BIND."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from sglang.srt.environ import envs
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
-from sglang.srt.placement.modes import AffinityMode
 from sglang.srt.placement.types import (
     HostTopology,
     Launcher,
@@ -29,13 +29,8 @@ DEVICE_VARS = (
     "ZE_ENABLE_PCI_ID_DEVICE_ORDER",
 )
 VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
-ENGINE_VARS = (
-    "SGLANG_NUMA_BIND_V2 SGLANG_AUTO_NUMA_BIND SGLANG_CRASH_ON_NUMA_BIND_FAILURE "
-    "SGLANG_NUMA_AFFINITY_MODE SGLANG_CPU_OMP_THREADS_BIND"
-).split()
 # Its groups bound rank index ``gpu_id``, which counts across sglang-router's workers.
 _OMP = "SGLANG_CPU_OMP_THREADS_BIND"
-_MODE_SETTING = "SGLANG_NUMA_AFFINITY_MODE / --numa-affinity-mode"
 
 
 def bind_v2() -> bool:
@@ -54,9 +49,8 @@ def one_visible_device_per_process() -> bool:
     return bool(envs.SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS.get())
 
 
-def affinity_mode() -> AffinityMode:
-    value = envs.SGLANG_NUMA_AFFINITY_MODE.get()
-    return AffinityMode.parse(value, setting="SGLANG_NUMA_AFFINITY_MODE")
+def set_cpu_affinity() -> bool:  # the rank's own slice of cores
+    return bool(envs.SGLANG_SET_CPU_AFFINITY.get())
 
 
 def cpu_threads_bind() -> str:
@@ -69,24 +63,21 @@ def cpu_threads_bind() -> str:
     return value
 
 
-def sysfs_root() -> str:
-    value = str(envs.SGLANG_SYSFS_ROOT.get())
-    if not value or "\0" in value:
-        raise SettingError(
-            f"SGLANG_SYSFS_ROOT={value!r} is not valid: give a directory such as /sys "
-            "or a capture snapshot"
-        )
-    return value
-
-
 def device_env(names: Sequence[str] = DEVICE_VARS) -> dict[str, str]:
-    """Those of ``names`` set here: the device-visibility variables, or (the tools hand
-    them to Ray's workers) ``ENGINE_VARS``."""
+    """Those of ``names`` set here (by default the device-visibility variables)."""
     return {name: os.environ[name] for name in names if name in os.environ}
 
 
-def ray_address() -> str:  # Ray's own convention; the tools' verify joins that cluster
-    return os.environ.get("RAY_ADDRESS", "").strip()
+def listed_node(numa_nodes: Sequence[int], index: int) -> int:
+    """``--numa-node``'s entry for device ``index``: the one check of its length."""
+    if not 0 <= index < len(numa_nodes):
+        raise SettingError(
+            f"--numa-node has {len(numa_nodes)} "
+            f"entr{'y' if len(numa_nodes) == 1 else 'ies'} "
+            f"({' '.join(map(str, numa_nodes))}) but a rank uses GPU {index}: give "
+            f"one NUMA node per GPU id, at least {index + 1} entries"
+        )
+    return numa_nodes[index]
 
 
 @dataclass(frozen=True)
@@ -95,19 +86,16 @@ class PlacementPolicy:
     device: str
     bind_v2: bool = True
     auto_numa_bind: bool = True
-    affinity_mode: AffinityMode = AffinityMode.NODE
+    set_cpu_affinity: bool = False
     numa_nodes: Optional[tuple[int, ...]] = None
     cpu_threads_bind: str = "all"  # read (and checked) only for the CPU device
+    tp_per_node: int = 1  # upstream's NUMA-blind slice: the host's cores / this
 
-    def __post_init__(self) -> None:  # callers may name the enums by their values
+    def __post_init__(self) -> None:  # callers may name the launcher by its value
         if self.launcher not in tuple(Launcher):
             choices = ", ".join(Launcher)
             raise ValueError(f"launcher {self.launcher!r} is not one of {choices}")
         object.__setattr__(self, "launcher", Launcher(self.launcher))
-        mode = AffinityMode.parse(self.affinity_mode, setting=_MODE_SETTING)
-        # SGLANG_NUMA_BIND_V2=0: the legacy bind takes the GPU's whole node, always.
-        mode = mode if self.bind_v2 else AffinityMode.NODE
-        object.__setattr__(self, "affinity_mode", mode)
 
     @property
     def why_unplaced(self) -> Optional[str]:  # whatever the host: nothing to read
@@ -124,16 +112,30 @@ class PlacementPolicy:
         # Upstream's helpers promise to read only these fields: any object will do.
         device = getattr(server_args, "device", None) or "cuda"
         numa_nodes = getattr(server_args, "numa_node", None)
+        # set_gpu_proc_affinity's tp_size_per_node, from the same fields.
+        tp_size, pp, nnodes = (
+            _count(server_args, name) for name in ("tp_size", "pp_size", "nnodes")
+        )
         return cls(
             launcher=launcher,
-            device=device,
+            device=device if isinstance(device, str) else "cuda",
             bind_v2=bind_v2(),
             auto_numa_bind=auto_numa_bind(),
-            # Checked on every host: a typo never waits for the host where it matters.
-            affinity_mode=affinity_mode(),
-            numa_nodes=tuple(numa_nodes) if numa_nodes is not None else None,
+            set_cpu_affinity=set_cpu_affinity(),
+            numa_nodes=tuple(numa_nodes) if isinstance(numa_nodes, list) else None,
             cpu_threads_bind=cpu_threads_bind() if device == "cpu" else "all",
+            tp_per_node=max(tp_size // max(nnodes // pp, 1), 1),
         )
+
+
+def _count(server_args: object, name: str) -> int:
+    value = getattr(server_args, name, 1)
+    return value if isinstance(value, int) and value > 0 else 1
+
+
+def spawn_places_cpu_rank(spec: str, topology: HostTopology) -> bool:
+    """Whether a CPU rank's spawn binds it: its group, or ``all`` on several nodes."""
+    return spec.strip() != "all" or len(topology.cpu_nodes) > 1
 
 
 def rank_cpus(

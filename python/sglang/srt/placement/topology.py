@@ -20,6 +20,8 @@ from sglang.srt.placement.types import (
     ProcessAffinity,
 )
 
+#: Where the live host's sysfs is; tests point it at a fake tree (monkeypatch).
+SYSFS_ROOT = "/sys"
 SNAPSHOT_MARKER = "sglang-placement-snapshot.json"
 SNAPSHOT_FORMAT = 1
 _CAPTURE = "python -m sglang.srt.placement_tools capture DIR"
@@ -60,19 +62,20 @@ def _check_regular(mode: int, path: str, fix: str) -> None:
 
 
 def read_topology(
-    root: str | os.PathLike, *, setting: str = "SGLANG_SYSFS_ROOT"
+    root: str | os.PathLike, *, setting: Optional[str] = None
 ) -> HostTopology:
-    """Errors name the file, and a fix naming ``setting``, what chose ``root``."""
+    """Errors name the file, and a fix naming ``setting`` (a flag), what chose
+    ``root``; None: the live host's."""
     return _read(root, setting=setting).topology
 
 
 _cached: dict[str, tuple[list[bytes], HostTopology]] = {}
 
 
-def read_topology_cached(root: str | os.PathLike) -> HostTopology:
-    """Read again only when the online CPUs or nodes changed: sglang spawns its ranks
-    one by one, each placed from the same facts."""
-    path = os.path.abspath(os.fspath(root))
+def read_topology_cached() -> HostTopology:
+    """The live host's (``SYSFS_ROOT``), read again only when the online CPUs or nodes
+    changed: sglang spawns its ranks one by one, each placed from the same facts."""
+    path = os.path.abspath(SYSFS_ROOT)
     stamp = []
     for rel in (CPU_ONLINE, f"{NODE_DIR}/online"):
         try:
@@ -106,7 +109,7 @@ def read_process_affinity(
 class _Reader:
     """One reading of a tree: the topology, and what a capture copies and marks."""
 
-    def __init__(self, root: str, setting: str) -> None:
+    def __init__(self, root: str, setting: Optional[str]) -> None:
         self.root = root
         self.files: dict[str, str] = {}
         self.snapshot = _read_marker(root)
@@ -174,13 +177,10 @@ class _Reader:
 
     def cpu(self, cpu: int, node_id: Optional[int]) -> Cpu:
         topology = f"devices/system/cpu/cpu{cpu}/topology"
-        l3 = f"devices/system/cpu/cpu{cpu}/cache/index3/shared_cpu_list"  # the L3
         package = self.integer(f"{topology}/physical_package_id")
         core = self.integer(f"{topology}/core_id")
         siblings = self.cpulist(f"{topology}/thread_siblings_list") & self.online
-        has_l3 = os.path.exists(self.path(l3))
-        l3_cpus = self.cpulist(l3) & self.online if has_l3 else None
-        return Cpu(cpu, node_id, package, core, siblings, l3_cpus)
+        return Cpu(cpu, node_id, package, core, siblings)
 
     def pci_devices(self) -> tuple[PciDevice, ...]:
         if not os.path.exists(self.path(PCI_DIR)):
@@ -200,11 +200,11 @@ class _Reader:
         return tuple(sorted(devices, key=lambda dev: dev.address))
 
 
-def _fix(setting: str, snapshot: Optional[dict]) -> str:
+def _fix(setting: Optional[str], snapshot: Optional[dict]) -> str:
+    if snapshot is None and setting is None:
+        return "placement reads this host's NUMA topology there: is sysfs mounted?"
     if snapshot is None:
-        flag = setting[:2] == "--"
-        how = f"pass {setting} pointing at" if flag else f"set {setting} to"
-        return f"{how} {_TREE}"
+        return f"pass {setting} pointing at {_TREE}"
     kernel, when = (
         shown(snapshot.get(key, "unknown"), limit=80, quote=False)
         for key in ("kernel_release", "captured_at")
@@ -215,11 +215,12 @@ def _fix(setting: str, snapshot: Optional[dict]) -> str:
     )
 
 
-def _read(root: str | os.PathLike, *, setting: str) -> _Reader:
+def _read(root: str | os.PathLike, *, setting: Optional[str]) -> _Reader:
     root = os.path.abspath(os.fspath(root))
     if not os.path.isdir(root):
         problem = "is not a directory" if os.path.exists(root) else "does not exist"
-        raise PlacementError(f"{setting}={root}: {problem}; {_fix(setting, None)}")
+        given = f"{setting}={root}" if setting else root
+        raise PlacementError(f"{given}: {problem}; {_fix(setting, None)}")
     return _Reader(root, setting)
 
 

@@ -9,25 +9,27 @@ import importlib.util
 import json
 import logging
 import math
-import os
 import re
 import sys
 import warnings
 from typing import Callable, Optional, Sequence
 
 from sglang.srt.environ import envs
-from sglang.srt.placement import settings
+from sglang.srt.placement import settings, topology
 from sglang.srt.placement.cpulist import elide, format_cpulist, parse_cpulist, shown
-from sglang.srt.placement.devices import is_live
-from sglang.srt.placement.modes import AffinityMode
-from sglang.srt.placement.numactl import NumactlProber
-from sglang.srt.placement.resolve import HostCapabilities, HostFacts
-from sglang.srt.placement.settings import PlacementPolicy
+from sglang.srt.placement.facts import FactsHost
 from sglang.srt.placement.topology import read_process_affinity, read_topology
 from sglang.srt.placement.types import PlacementError, ProcessAffinity
 from sglang.srt.placement_tools import PlanArgs, UsageError
 from sglang.srt.placement_tools.capture import capture_sysfs
-from sglang.srt.placement_tools.engine import describe, plan_engine, to_dict
+from sglang.srt.placement_tools.engine import (
+    ListedGpus,
+    check_gpus,
+    describe,
+    local_ranks,
+    plan_engine,
+    to_dict,
+)
 from sglang.srt.placement_tools.verify import format_verify_rows, verify_mp
 
 PROG = "python -m sglang.srt.placement_tools"
@@ -93,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--gpus", help="PCI addresses in device-index order")
         command.add_argument("--allowed-cpus", help="CPUs the ranks may use, e.g. 0-15")
         command.add_argument(
-            "--numa-affinity-mode", choices=[mode.value for mode in AffinityMode]
+            "--set-cpu-affinity",
+            action="store_true",
+            help="as SGLANG_SET_CPU_AFFINITY=1: each rank its slice of its node's cores",
         )
         command.add_argument("--json", action="store_true")
     # One thread per dp rank, as sglang's data-parallel controller starts them.
@@ -109,52 +113,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Unprobed(NumactlProber):  # a snapshot's host: its numactl is assumed to agree
-    def probe(self, args: Sequence[str]) -> Optional[str]:
+def _plan_host(args: argparse.Namespace, server_args: PlanArgs) -> Optional[FactsHost]:
+    """None: this host, as sglang places it; else a snapshot's (all its online CPUs,
+    numactl not probed), or this host narrowed to ``--allowed-cpus`` or with the GPUs
+    ``--gpus`` names."""
+    if args.sysfs_root is None and args.allowed_cpus is None and args.gpus is None:
         return None
-
-
-def _plan_facts(args: argparse.Namespace) -> HostFacts:
-    """This host's, or a snapshot's (all its online CPUs, numactl not probed), narrowed
-    to ``--allowed-cpus``."""
-    root = args.sysfs_root or settings.sysfs_root()
-    if args.sysfs_root is None and not os.path.isdir(root):
-        raise UsageError(
-            f"SGLANG_SYSFS_ROOT={shown(root)} is not a directory: unset it, or set it "
-            f"to /sys or to a snapshot made with `{PROG} capture DIR`"
-        )
-    setting = "--sysfs-root" if args.sysfs_root else "SGLANG_SYSFS_ROOT"
-    topology = read_topology(root, setting=setting)
-    if is_live(topology):
-        affinity, capabilities = read_process_affinity(), HostCapabilities.live()
+    root = args.sysfs_root or topology.SYSFS_ROOT
+    tree = read_topology(root, setting="--sysfs-root" if args.sysfs_root else None)
+    if args.sysfs_root is None:
+        affinity = read_process_affinity()
     else:
-        mems = frozenset(n.node_id for n in topology.nodes if n.has_memory)
-        source = "the snapshot (all online CPUs)"
-        affinity = ProcessAffinity(topology.online_cpus, mems, source)
-        unprobed = _Unprobed(numactl_path="numactl")
-        capabilities = HostCapabilities(numactl=unprobed, libnuma=True)
+        mems = frozenset(n.node_id for n in tree.nodes if n.has_memory)
+        affinity = ProcessAffinity(
+            tree.online_cpus, mems, "the snapshot (all online CPUs)"
+        )
     if args.allowed_cpus is not None:
         cpus = parse_cpulist(args.allowed_cpus, what="--allowed-cpus")
-        unknown = cpus - topology.online_cpus
+        unknown = cpus - tree.online_cpus
         if not cpus or unknown:
             raise UsageError(
                 f"--allowed-cpus={shown(args.allowed_cpus)} names CPU(s) "
                 f"{format_cpulist(unknown) or 'none'} that are not online in {root} "
-                f"(online: {format_cpulist(topology.online_cpus)})"
+                f"(online: {format_cpulist(tree.online_cpus)})"
             )
         affinity = ProcessAffinity(cpus, affinity.mems, "--allowed-cpus")
-    return HostFacts(topology=topology, affinity=affinity, capabilities=capabilities)
+    env, gpus = settings.device_env(), None
+    if args.gpus is not None:
+        ids = [rank.device.index for rank in local_ranks(server_args)]
+        gpus = ListedGpus(check_gpus(args.gpus, topology=tree, gpu_ids=ids))
+        env = {k: v for k, v in env.items() if k not in settings.VISIBILITY_VARS}
+    return FactsHost(
+        topology=tree,
+        affinity=affinity,
+        device=server_args.device,
+        numa_nodes=server_args.numa_node,
+        env=env,
+        runtime=gpus,
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    server_args, facts = PlanArgs.from_cli_args(args), _plan_facts(args)
+    server_args = PlanArgs.from_cli_args(args)
+    host = _plan_host(args, server_args)
     # A Ray actor binds itself in-process once running: Ray starts its workers.
-    policy = PlacementPolicy.from_env(server_args, launcher=args.launcher)
-    placements = plan_engine(server_args, policy=policy, facts=facts, gpus=args.gpus)
-    if not is_live(facts.topology):
+    placements = plan_engine(server_args, launcher=args.launcher, host=host)
+    if host is not None:
+        source = f"the snapshot {args.sysfs_root}" if args.sysfs_root else "this host"
         assumed = (
-            f"planned from the snapshot {facts.topology.root}: assumes numactl there "
-            "accepts these options (not probed)"
+            f"planned from {source}: assumes numactl there accepts these options "
+            "(not probed)"
         )
         placements = tuple(
             (
@@ -188,18 +196,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"{flag} is a planning input that sglang's launch path does not take, "
                 f"so verify cannot check it; drop {flag} (use `plan {flag} ...` to see "
-                "that plan; a Ray node plans from the SGLANG_SYSFS_ROOT of its raylet)"
+                "that plan)"
             )
-    if "mp" in launchers and os.path.realpath(settings.sysfs_root()) != "/sys":
-        raise UsageError(
-            f"SGLANG_SYSFS_ROOT={settings.sysfs_root()} is not this host's /sys, but "
-            "verify starts the ranks here and reads their real binding back; unset it "
-            "(use `plan` to see another host's plan)"
-        )
     rows: list[dict] = []
     if "mp" in launchers:
         rows += verify_mp(
-            server_args, timeout_s=args.timeout, dp_threads=args.dp_threads
+            server_args,
+            timeout_s=args.timeout,
+            dp_threads=args.dp_threads,
+            verbose=args.verbose,
         )
     if "ray" in launchers:
         if importlib.util.find_spec("ray") is None:
@@ -207,7 +212,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from sglang.srt.placement_tools.verify_ray import ray_cluster, verify_ray
 
         with ray_cluster(server_args, verbose=args.verbose):
-            rows += verify_ray(server_args, timeout_s=args.timeout)
+            rows += verify_ray(
+                server_args, timeout_s=args.timeout, verbose=args.verbose
+            )
     print(
         json.dumps({"ranks": rows}, indent=2) if args.json else format_verify_rows(rows)
     )
@@ -242,9 +249,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = build_parser().parse_args(argv)
         command = args.command
         run = {"plan": cmd_plan, "verify": cmd_verify, "capture": cmd_capture}
-        mode = getattr(args, "numa_affinity_mode", None)
         # The flag stands for the setting sglang reads, here and in the ranks started.
-        setting = envs.SGLANG_NUMA_AFFINITY_MODE.override(mode) if mode else None
+        chosen = getattr(args, "set_cpu_affinity", False)
+        setting = envs.SGLANG_SET_CPU_AFFINITY.override(True) if chosen else None
         # The filters in force before are back after.
         with warnings.catch_warnings(), setting or contextlib.nullcontext():
             if not args.verbose:

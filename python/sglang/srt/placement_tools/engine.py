@@ -7,18 +7,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import os
+from dataclasses import replace
 from typing import Iterator, Mapping, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist, shown
-from sglang.srt.placement.devices import (
-    AcceleratorRuntime,
-    canonical_pci_address,
-    open_runtime,
-)
-from sglang.srt.placement.resolve import HostFacts, noted, place_gpu_id
+from sglang.srt.placement.devices import canonical_pci_address
+from sglang.srt.placement.facts import FactsHost
+from sglang.srt.placement.resolve import resolve_placement
 from sglang.srt.placement.settings import PlacementPolicy
 from sglang.srt.placement.types import (
+    DeviceIndex,
+    DeviceRef,
     HostTopology,
     Launcher,
     MemPolicy,
@@ -35,18 +36,20 @@ def node_ranks(
     a: PlanArgs, node_rank: int, dp_rank: int, *, base_gpu_id: int, gpu_id_step: int
 ) -> Iterator[RankIdentity]:
     """One dp rank's ranks on ``node_rank``: the engine's ``_calculate_rank_ranges``
-    (the data-parallel controller's too) and GPU id (the step scales TP only)."""
+    (the data-parallel controller's too) and GPU id (the step scales TP only), as a
+    spawn numbers it (a CPU rank's index)."""
     pp_per_node = max(a.pp_size // a.nnodes, 1)
     nnodes_per_pp_rank = max(a.nnodes // a.pp_size, 1)
     tp_per_node = a.tp_size // nnodes_per_pp_rank
     pp_start = pp_per_node * (node_rank // nnodes_per_pp_rank)
     tp_start = tp_per_node * (node_rank % nnodes_per_pp_rank)
+    numbering = DeviceIndex.CPU_RANK if a.device == "cpu" else DeviceIndex.LOGICAL_GPU
     for pp_rank, tp_rank in itertools.product(
         range(pp_start, pp_start + pp_per_node), range(tp_start, tp_start + tp_per_node)
     ):
         pp_offset = (pp_rank % pp_per_node) * tp_per_node
         gpu_id = base_gpu_id + pp_offset + (tp_rank % tp_per_node) * gpu_id_step
-        yield RankIdentity(dp_rank, pp_rank, tp_rank, gpu_id)
+        yield RankIdentity(DeviceRef(numbering, gpu_id), dp_rank, pp_rank, tp_rank)
 
 
 def local_ranks(server_args: PlanArgs) -> tuple[RankIdentity, ...]:
@@ -132,69 +135,93 @@ def plan_engine(
     server_args: PlanArgs,
     *,
     launcher: Launcher = Launcher.MP,
-    policy: Optional[PlacementPolicy] = None,
-    facts: Optional[HostFacts] = None,
-    env: Optional[Mapping[str, str]] = None,
-    gpus: Optional[str] = None,
+    host: Optional[FactsHost] = None,
 ) -> tuple[ProcessPlacement, ...]:
-    """Every rank this host runs, each placed as sglang's spawn of its GPU id will be,
-    under ``env``, the launcher's environment (default: this process's), or with the
-    addresses that ``gpus`` (``--gpus``) gives each device index."""
-    policy = policy or PlacementPolicy.from_env(server_args, launcher=launcher)
-    facts = facts or HostFacts.live()
-    env = dict(settings.device_env() if env is None else env)
+    """Every rank this host runs, each placed as sglang's spawn (or Ray actor) of its
+    GPU id will place it: on this host through ``numa_utils`` itself, else on
+    ``host``. Nothing is bound and no failure policy runs."""
     ranks = local_ranks(server_args)
-    if gpus is None:  # one NVML session for all the ranks
-        opener = open_runtime(policy.device, facts.topology)
+    if host is None:
+        from sglang.srt.utils import numa_utils
+
+        def place(rank: RankIdentity, gpu: DeviceRef) -> ProcessPlacement:
+            return numa_utils.place_gpu_id(
+                server_args, gpu, launcher=launcher, rank=rank, report_failures=False
+            )
+
     else:
-        ids = [rank.gpu_id for rank in ranks]
-        listed = ListedGpus(check_gpus(gpus, topology=facts.topology, gpu_ids=ids))
-        opener = contextlib.nullcontext(listed)
-        env = {k: v for k, v in env.items() if k not in settings.VISIBILITY_VARS}
+        policy = PlacementPolicy.from_env(server_args, launcher=launcher)
+
+        def place(
+            rank: RankIdentity, gpu: DeviceRef, seen: FactsHost = host
+        ) -> ProcessPlacement:
+            rank = replace(rank, device=gpu)
+            return resolve_placement(rank=rank, policy=policy, host=seen)
+
     # maybe_reindex_device_id spawns each CUDA rank under one visible GPU, as GPU 0.
-    mp_cuda = policy.device == "cuda" and policy.launcher == Launcher.MP
-    reindex = gpus is None and mp_cuda and settings.one_visible_device_per_process()
-    with opener as opened:
-        options = dict(policy=policy, facts=facts, env=env, reindex=reindex)
-        return tuple(_spawned(rank, opened, **options) for rank in ranks)
+    mp_cuda = server_args.device == "cuda" and Launcher(launcher) is Launcher.MP
+    reindex = mp_cuda and settings.one_visible_device_per_process()
+    if launcher == Launcher.RAY:  # Ray's id names a physical GPU
+        physical = DeviceIndex.PHYSICAL_GPU
+        ranks = tuple(
+            (
+                replace(r, device=DeviceRef(physical, r.device.index))
+                if r.device.numbering is DeviceIndex.LOGICAL_GPU
+                else r
+            )
+            for r in ranks
+        )
+    if not reindex:
+        return tuple(place(rank, rank.device) for rank in ranks)
+    return tuple(_reindexed_placement(rank, place, host) for rank in ranks)
 
 
-def _spawned(
-    rank: RankIdentity,
-    runtime: Optional[AcceleratorRuntime],
-    *,
-    policy: PlacementPolicy,
-    facts: HostFacts,
-    env: Mapping[str, str],
-    reindex: bool,
+def _reindexed_placement(
+    rank: RankIdentity, place, host: Optional[FactsHost]
 ) -> ProcessPlacement:
-    gpu_id, spawned = reindexed(rank.gpu_id, env) if reindex else (rank.gpu_id, env)
-    opened = lambda device, topology: contextlib.nullcontext(runtime)
-    placement = place_gpu_id(
-        gpu_id, policy=policy, facts=facts, env=spawned, rank=rank, runtime=opened
-    )
-    if not reindex or gpu_id != 0:
+    env = settings.device_env() if host is None else host.env
+    gpu_id, spawned = reindexed(rank.device.index, env)
+    spawn = DeviceRef(DeviceIndex.LOGICAL_GPU, gpu_id)
+    if host is None:
+        with _environ(spawned):
+            placement = place(rank, spawn)
+    else:
+        placement = place(rank, spawn, host.with_env(spawned))
+    placement = replace(placement, rank=rank)
+    if gpu_id != 0:
         return placement
     visible = f"CUDA_VISIBLE_DEVICES={spawned['CUDA_VISIBLE_DEVICES']}"
-    why = f"GPU {rank.gpu_id} is spawned as GPU 0 with {visible}"
-    return noted(placement, f"SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1: {why}")
+    why = f"{rank.device.label} is spawned as GPU 0 with {visible}"
+    note = f"SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1: {why}"
+    return replace(placement, reasons=(note, *placement.reasons))
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]) -> Iterator[None]:
+    """The visibility variables of ``env`` in force for the block, as the spawn sees
+    them (``place_gpu_id`` reads the live process's)."""
+    saved = {name: os.environ.get(name) for name in settings.DEVICE_VARS}
+    os.environ.update({k: v for k, v in env.items() if k in settings.DEVICE_VARS})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def describe(p: ProcessPlacement) -> str:
-    gpu_id, why = p.rank.gpu_id, "; ".join(p.reasons)
-    # A CPU rank's id is its numa_index; only an accelerator has a PCI address.
-    gpu = "" if gpu_id is None else f" GPU {gpu_id}" if p.pci else f" gpu_id {gpu_id}"
+    device = p.rank.device
+    gpu = "" if device is None else f" {device.label}"
     head = f"[{p.label}]{gpu}{f' ({p.pci})' if p.pci else ''}:"
-    if not p.bound:
-        return f"{head} not bound -- {why}"
-    mem = {"bind": "membind", "preferred": "preferred"}.get(p.mem_policy)
-    mem = f"{mem} {format_cpulist(p.mem_nodes)}" if mem else "memory unbound"
-    cpus = format_cpulist(p.cpus)
-    return f"{head} node {p.numa_node} CPUs {cpus} {mem} via {p.strategy} -- {why}"
+    return f"{head} {p.summary}"
 
 
 def to_dict(p: ProcessPlacement) -> dict[str, object]:
     data = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)[1:]}
+    device = p.rank.device
     data.update(
         cpus=format_cpulist(p.cpus),
         mem_nodes=format_cpulist(p.mem_nodes),
@@ -204,7 +231,10 @@ def to_dict(p: ProcessPlacement) -> dict[str, object]:
         reasons=list(p.reasons),
         numactl_args=list(p.numactl_args),
     )
-    return {**dataclasses.asdict(p.rank), **data}
+    ranks = {key: getattr(p.rank, key) for key in ("dp_rank", "pp_rank", "tp_rank")}
+    ranks["gpu_id"] = device.index if device else None
+    ranks["numbering"] = device.numbering.value if device else None
+    return {**ranks, **data}
 
 
 def from_dict(data: Mapping[str, object]) -> ProcessPlacement:
@@ -219,5 +249,8 @@ def from_dict(data: Mapping[str, object]) -> ProcessPlacement:
         reasons=tuple(data["reasons"]),
         numactl_args=tuple(data["numactl_args"]),
     )
-    keys = ("dp_rank", "pp_rank", "tp_rank", "gpu_id")
-    return ProcessPlacement(rank=RankIdentity(*(data[k] for k in keys)), **given)
+    device = None
+    if data["gpu_id"] is not None:
+        device = DeviceRef(DeviceIndex(data["numbering"]), data["gpu_id"])
+    ranks = (data[key] for key in ("dp_rank", "pp_rank", "tp_rank"))
+    return ProcessPlacement(rank=RankIdentity(device, *ranks), **given)

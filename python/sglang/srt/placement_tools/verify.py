@@ -1,33 +1,46 @@
-"""verify: probe ranks started through sglang's own launch path read their binding back;
+"""verify: probe ranks started through sglang's own launch path read their binding back
+once sglang's own scheduler set-up has run: each is a real scheduler process (spawned
+inside ``configure_subprocess``, running ``run_scheduler_process``; or a Ray
+``SchedulerActor``) whose ``Scheduler`` alone is replaced by ``ProbeScheduler``.
 ``observe_self`` never imports torch, so it also runs in plain interpreters."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import multiprocessing
 import os
 import re
 import threading
 import time
+import types
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Iterable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional, Sequence
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.libnuma import read_mempolicy
+from sglang.srt.placement.resolve import resolve_placement
+from sglang.srt.placement.settings import PlacementPolicy
 from sglang.srt.placement.topology import read_process_affinity
 from sglang.srt.placement.types import (
     MemPolicy,
     PlacementError,
+    ProcessAffinity,
     ProcessPlacement,
     RankIdentity,
     Strategy,
 )
 from sglang.srt.placement_tools import PlanArgs
 from sglang.srt.placement_tools.engine import local_ranks, plan_engine, to_dict
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
 _NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
 _PROC_SELF = "/proc/self"
@@ -157,9 +170,117 @@ def _policy_text(policy: str, nodes: frozenset[int]) -> str:
     return f"{policy} on node(s) {format_cpulist(nodes)}" if nodes else policy
 
 
-def probe_main(writer: Connection) -> None:
-    """A probe rank's target; a failure shows as an exit before reporting."""
-    writer.send({"pid": os.getpid(), "observed": observe_self().to_dict()})
+# A model config sglang's publish() resolves the probe's ServerArgs against; it is in
+# the package, so each Ray node's install holds it too.
+PROBE_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe_model")
+
+
+def probe_server_args(server_args: PlanArgs, *, verbose: bool) -> "ServerArgs":
+    """sglang's ServerArgs with ``server_args``' fields, for the probe model; the
+    probe ranks log errors only unless ``verbose``."""
+    from sglang.srt.server_args import ServerArgs
+
+    fields = {
+        f.name: getattr(server_args, f.name) for f in dataclasses.fields(PlanArgs)
+    }
+    level = "info" if verbose else "error"
+    return ServerArgs(model_path=PROBE_MODEL, log_level=level, **fields)
+
+
+class ProbeScheduler:
+    """Stands in for sglang's ``Scheduler``, built where it would be (after
+    ``configure_scheduler_process``): it reads the rank's binding and loads nothing.
+    It never raises (``run_scheduler_process`` would signal its parent)."""
+
+    def __init__(self, server_args: "ServerArgs", port_args: object = None) -> None:
+        self.async_d2h_worker = None
+        self.gracefully_exit = False
+        self.metrics_reporter = types.SimpleNamespace(_shutdown_fpm=lambda: None)
+        try:
+            self.info = self._observe(server_args)
+        except Exception as exc:  # noqa: BLE001 - reported, never raised
+            self.info = {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
+
+    @staticmethod
+    def _observe(server_args: "ServerArgs") -> dict:
+        from sglang.srt.runtime_context import get_device
+        from sglang.srt.utils import numa_utils
+
+        threads = {}  # /proc/self/status shows the main thread's CPUs only
+        for tid in filter(str.isdigit, os.listdir("/proc/self/task")):
+            with contextlib.suppress(PlacementError, ValueError):  # it exited
+                status = read_process_affinity(f"/proc/self/task/{tid}/status")
+                threads[int(tid)] = format_cpulist(status.cpus)
+        info = {
+            "pid": os.getpid(),
+            "observed": observe_self().to_dict(),
+            "thread_cpus": threads,
+            "device_gpu_id": get_device().gpu_id,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+        gpus = numa_utils.ray_actor_gpus()
+        if gpus is not None:  # the plan the actor bound itself by
+            import ray
+
+            context = ray.get_runtime_context()
+            gpu_id = int(gpus[0]) if gpus else get_device().gpu_id
+            info["placement"] = to_dict(_actor_plan(server_args, gpu_id))
+            info.update(
+                node_id=context.get_node_id(),
+                actor=context.get_actor_name(),
+                accelerator_ids=gpus,
+                # What a worker of this node gets when nothing binds it: its raylet's.
+                unbound_cpus=format_cpulist(os.sched_getaffinity(os.getppid())),
+            )
+        return info
+
+    def get_init_info(self) -> dict:
+        return self.info
+
+    def run_event_loop(self) -> None:
+        return None
+
+
+def _before_bind(server_args: "ServerArgs") -> object:
+    """This host as a Ray actor saw it before it bound itself: its raylet's CPUs."""
+    from sglang.srt.utils import numa_utils
+
+    class BeforeBind(numa_utils.LiveHost):
+        def affinity(self) -> ProcessAffinity:
+            parent = read_process_affinity(f"/proc/{os.getppid()}/status")
+            return dataclasses.replace(parent, source="the raylet")
+
+    return BeforeBind(server_args, report_failures=False)
+
+
+def _actor_plan(server_args: "ServerArgs", gpu_id: int) -> ProcessPlacement:
+    """What the actor's configure step decided (its ranks are the launcher's to tell)."""
+    from sglang.srt.utils import numa_utils
+
+    launcher, gpu = numa_utils.launched_rank(server_args, gpu_id)
+    policy = PlacementPolicy.from_env(server_args, launcher=launcher)
+    rank = RankIdentity(gpu)
+    return resolve_placement(rank=rank, policy=policy, host=_before_bind(server_args))
+
+
+def install_probe_scheduler() -> None:
+    """The probe in place of sglang's ``Scheduler`` in this process (a Ray job's
+    ``worker_process_setup_hook``, a spawned probe rank)."""
+    import sglang.srt.managers.scheduler as scheduler
+
+    scheduler.Scheduler = ProbeScheduler
+
+
+def probe_scheduler_process(*args: object) -> None:
+    """A probe rank's target: sglang's own ``run_scheduler_process`` with the probe as
+    its Scheduler; it reports through the pipe, as a scheduler does."""
+    if getattr(args[0], "log_level", None) == "error":  # quiet: errors only
+        warnings.filterwarnings("ignore")
+        logging.disable(logging.WARNING)
+    install_probe_scheduler()
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    run_scheduler_process(*args)
 
 
 def _target_nodes(placement: ProcessPlacement) -> frozenset[int]:
@@ -244,7 +365,11 @@ def _reindexed(gpu_id: int, *, device: str) -> Iterator[int]:
 
 
 def run_mp_probes(
-    server_args: PlanArgs, *, timeout_s: float, dp_threads: bool = False
+    server_args: PlanArgs,
+    *,
+    timeout_s: float,
+    dp_threads: bool = False,
+    verbose: bool = False,
 ) -> list[tuple[RankIdentity, dict]]:
     """(rank, report) per local rank, spawned as sglang's engine (or with
     ``dp_threads`` its data-parallel controller) spawns schedulers."""
@@ -253,15 +378,22 @@ def run_mp_probes(
     ctx = multiprocessing.get_context("spawn")
     lock = threading.Lock()  # the data-parallel controller's env_lock
     started: list[Started] = []
+    sglang_args = probe_server_args(server_args, verbose=verbose)
 
     def spawn(group: Sequence[RankIdentity]) -> None:
         for rank in group:
             with lock:
                 reader, writer = ctx.Pipe(duplex=False)
-                with _reindexed(rank.gpu_id, device=server_args.device) as gpu_id:
+                index = rank.device.index
+                with _reindexed(index, device=server_args.device) as gpu_id:
                     name = f"verify-{rank.label}"
-                    proc = ctx.Process(target=probe_main, args=(writer,), name=name)
-                    with numa_utils.configure_subprocess(server_args, gpu_id):
+                    ranks = (rank.tp_rank, rank.pp_rank, rank.dp_rank)
+                    proc = ctx.Process(
+                        target=probe_scheduler_process,
+                        args=(sglang_args, None, gpu_id, *ranks, writer),
+                        name=name,
+                    )
+                    with numa_utils.configure_subprocess(sglang_args, gpu_id):
                         proc.start()
                 writer.close()
                 started.append((rank, proc, reader))
@@ -297,22 +429,31 @@ def _collect(
                 "(see the rank's output above)"
             )
         try:
-            reports.append((rank, reader.recv()))
+            report = reader.recv()
         except EOFError:
             proc.join(timeout=1)
             raise PlacementError(
                 f"{rank.label}: the probe rank exited with status {proc.exitcode} "
                 "before reporting (see its output above)"
             ) from None
+        if "error" in report:
+            raise PlacementError(f"{rank.label}: the probe failed: {report['error']}")
+        reports.append((rank, report))
     return reports
 
 
 def verify_mp(
-    server_args: PlanArgs, *, timeout_s: float, dp_threads: bool = False
+    server_args: PlanArgs,
+    *,
+    timeout_s: float,
+    dp_threads: bool = False,
+    verbose: bool = False,
 ) -> list[dict]:
     """A row per local rank: what ``plan`` says sglang's spawn does, and what it did."""
     placements = {p.label: p for p in plan_engine(server_args, launcher="mp")}
-    reports = run_mp_probes(server_args, timeout_s=timeout_s, dp_threads=dp_threads)
+    reports = run_mp_probes(
+        server_args, timeout_s=timeout_s, dp_threads=dp_threads, verbose=verbose
+    )
     unbound = read_process_affinity().cpus
     return [
         verify_row(placements[rank.label], report, launcher="mp", unbound_cpus=unbound)

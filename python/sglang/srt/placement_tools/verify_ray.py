@@ -1,5 +1,6 @@
 """verify --launcher ray: probe ranks started as sglang 0.5.23's RayEngine starts them,
-through its own ``_create_scheduler_actor``; only the actor class differs (no model)."""
+through its own ``_create_scheduler_actor``: sglang's own ``SchedulerActor``, whose
+``Scheduler`` alone is the probe (the job's worker set-up hook installs it)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import os
 import re
 import time
 import types
-from dataclasses import asdict
-from typing import Iterator, Optional, Sequence
+from dataclasses import replace
+from typing import Iterator, Sequence
 
 import ray
 from ray.util.placement_group import (
@@ -22,26 +23,24 @@ from ray.util.placement_group import (
 
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
-from sglang.srt.placement.topology import read_process_affinity
-from sglang.srt.placement.types import (
-    Launcher,
-    PlacementError,
-    ProcessPlacement,
-    RankIdentity,
-)
+from sglang.srt.placement.types import PlacementError, RankIdentity
 from sglang.srt.placement_tools import PlanArgs
-from sglang.srt.placement_tools.engine import from_dict, node_ranks, to_dict
-from sglang.srt.placement_tools.verify import observe_self, verify_row
-from sglang.srt.scheduler_placement.ray_rank import bind_scheduler_actor
+from sglang.srt.placement_tools.engine import from_dict, node_ranks
+from sglang.srt.placement_tools.verify import probe_server_args, verify_row
 
 logger = logging.getLogger(__name__)
 
+# The engine's settings, which sglang's actors read where they run: verify hands them
+# to its job's workers, as an operator hands them to RayEngine's.
+ENGINE_VARS = (
+    "SGLANG_NUMA_BIND_V2 SGLANG_AUTO_NUMA_BIND SGLANG_CRASH_ON_NUMA_BIND_FAILURE "
+    "SGLANG_SET_CPU_AFFINITY SGLANG_CPU_OMP_THREADS_BIND"
+).split()
+PROBE_HOOK = "sglang.srt.placement_tools.verify.install_probe_scheduler"
 # The last line of a traceback: "package.module.SomeError: message".
 _EXCEPTION_LINE = re.compile(r"^(?:\w+\.)*(\w+(?:Error|Exception)): (.*)$")
 
 
-# The engine's settings, which sglang's actors read where they run: verify hands them
-# to its job's workers, as an operator hands them to RayEngine's.
 @contextlib.contextmanager
 def ray_cluster(server_args: PlanArgs, *, verbose: bool) -> Iterator[None]:
     """The connected Ray cluster, else RAY_ADDRESS's, else a new local one; unless
@@ -49,10 +48,12 @@ def ray_cluster(server_args: PlanArgs, *, verbose: bool) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    env = settings.device_env(settings.ENGINE_VARS)
+    env = settings.device_env(ENGINE_VARS)
     options = dict(configure_logging=False, log_to_driver=False)
-    options["runtime_env"] = {"env_vars": env} if env else None
-    address = settings.ray_address()
+    options["runtime_env"] = {"worker_process_setup_hook": PROBE_HOOK}
+    if env:
+        options["runtime_env"]["env_vars"] = env
+    address = os.environ.get("RAY_ADDRESS", "").strip()  # Ray's own convention
     if not address:
         # "local": never join a cluster that someone else's `ray start` recorded on this
         # machine. RayEngine asks one GPU per scheduler actor whatever the device: a CPU
@@ -74,71 +75,6 @@ def ray_cluster(server_args: PlanArgs, *, verbose: bool) -> Iterator[None]:
         ray_logger.setLevel(level)
 
 
-class PlacementProbe:
-    """A scheduler rank without a model, built as sglang's ``SchedulerActor`` is."""
-
-    def __init__(
-        self,
-        server_args: PlanArgs,
-        port_args: object,
-        gpu_id: int,
-        tp_rank: int,
-        pp_rank: int,
-        dp_rank: Optional[int],
-        dist_init_addr: Optional[str] = None,
-    ) -> None:
-        # The GPU id sglang's actor uses: Ray's first, else the one passed.
-        assigned = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-        self._gpu_id = int(assigned[0]) if assigned else gpu_id
-        self._assigned = [str(i) for i in assigned]
-        ranks = dict(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
-        self._bound = bind_scheduler_actor(
-            server_args, gpu_id=self._gpu_id, assigned_gpus=assigned, **ranks
-        )
-
-    def get_info(self) -> dict:
-        try:
-            launcher_cpus = os.sched_getaffinity(os.getppid())
-        except OSError:
-            launcher_cpus = os.sched_getaffinity(0)
-        outcome = self._bound
-        placement = outcome and outcome.placement
-        context = ray.get_runtime_context()
-        threads = {}  # /proc/self/status shows the main thread's CPUs only
-        for tid in filter(str.isdigit, os.listdir("/proc/self/task")):
-            with contextlib.suppress(PlacementError, ValueError):  # the thread exited
-                status = read_process_affinity(f"/proc/self/task/{tid}/status")
-                threads[int(tid)] = format_cpulist(status.cpus)
-        return {
-            "pid": os.getpid(),
-            "observed": observe_self().to_dict(),
-            "thread_cpus": threads,
-            "placement": placement and to_dict(placement),
-            "threads_bound": outcome and outcome.threads,
-            "pages_not_migrated": outcome and outcome.pages_not_migrated,
-            "node_id": context.get_node_id(),
-            "actor": context.get_actor_name(),
-            "accelerator_ids": self._assigned,
-            "gpu_id": self._gpu_id,
-            # What a worker of this node gets when nothing binds it: its raylet's CPUs.
-            "unbound_cpus": format_cpulist(launcher_cpus),
-        }
-
-
-ProbeActor = ray.remote(PlacementProbe)
-
-
-@contextlib.contextmanager
-def probe_as_scheduler_actor(engine: types.ModuleType) -> Iterator[None]:
-    """``engine._create_scheduler_actor`` creates ``ProbeActor``s within the block."""
-    real = engine.SchedulerActor
-    engine.SchedulerActor = ProbeActor
-    try:
-        yield
-    finally:
-        engine.SchedulerActor = real
-
-
 def ray_engine_ranks(
     server_args: PlanArgs, bundle_for_node: Sequence[int]
 ) -> list[tuple[RankIdentity, int]]:
@@ -157,19 +93,15 @@ def _gpus(server_args: PlanArgs) -> int:  # one per scheduler actor, on all node
 
 
 def _row(rank: RankIdentity, report: dict, *, expected_actor: str) -> dict:
-    if report["placement"] is not None:
-        placement = from_dict(report["placement"])
-    else:
-        why = (
-            "SGLANG_NUMA_BIND_V2=0: the legacy bind runs in sglang's "
-            "configure_scheduler_process, which the probe does not run"
-        )
-        placement = ProcessPlacement(rank, reasons=(why,), launcher=Launcher.RAY)
+    if "error" in report:
+        raise PlacementError(f"{rank.label}: the probe failed: {report['error']}")
+    placement = from_dict(report["placement"])
+    placement = replace(placement, rank=replace(rank, device=placement.rank.device))
     unbound = parse_cpulist(report["unbound_cpus"])
     row = verify_row(placement, report, launcher="ray", unbound_cpus=unbound)
-    for key in "node_id actor accelerator_ids threads_bound pages_not_migrated".split():
+    for key in "node_id actor accelerator_ids device_gpu_id".split():
         row[key] = report[key]
-    row["engine_gpu_id"] = rank.gpu_id
+    row["engine_gpu_id"] = rank.device.index
     threads = report["thread_cpus"]
     expected = format_cpulist(placement.cpus) if placement.bound else None
     off = sorted(tid for tid, cpus in threads.items() if cpus != expected)
@@ -188,7 +120,11 @@ def _row(rank: RankIdentity, report: dict, *, expected_actor: str) -> dict:
 
 
 def _start(
-    engine: types.ModuleType, server_args: PlanArgs, pg: PlacementGroup, nnodes: int
+    engine: types.ModuleType,
+    server_args: PlanArgs,
+    pg: PlacementGroup,
+    nnodes: int,
+    verbose: bool,
 ) -> Iterator[tuple[RankIdentity, ray.actor.ActorHandle, str]]:
     """Each rank as upstream's ``_create_scheduler_actor`` creates it, one at a time,
     with the name it gives the actor."""
@@ -200,18 +136,21 @@ def _start(
     order = [first] + [i for i in range(nnodes) if i != first]
     # The probe makes no process group: any address of rank 0's node will do.
     address = dict(dist_init_addr=f"{rank0_ip}:0", rank0_node_ip=rank0_ip)
-    shared = dict(pg=pg, server_args=server_args, port_args=None, **address)
-    with probe_as_scheduler_actor(engine):
-        for rank, bundle in ray_engine_ranks(server_args, order):
-            # A rank's fields are the call's: gpu_id, tp_rank, pp_rank, dp_rank.
-            handle = engine._create_scheduler_actor(
-                bundle_idx=bundle, **shared, **asdict(rank)
-            )
-            name = (
-                f"sglang_scheduler_node{rank0_ip}_dp{rank.dp_rank}_pp{rank.pp_rank}"
-                f"_tp{rank.tp_rank}_pg{pg.id.hex()[:8]}_bundle{bundle}"
-            )
-            yield rank, handle, name
+    shared = dict(
+        pg=pg,
+        server_args=probe_server_args(server_args, verbose=verbose),
+        port_args=None,
+    )
+    for rank, bundle in ray_engine_ranks(server_args, order):
+        ranks = dict(tp_rank=rank.tp_rank, pp_rank=rank.pp_rank, dp_rank=rank.dp_rank)
+        handle = engine._create_scheduler_actor(
+            bundle_idx=bundle, gpu_id=rank.device.index, **shared, **address, **ranks
+        )
+        name = (
+            f"sglang_scheduler_node{rank0_ip}_dp{rank.dp_rank}_pp{rank.pp_rank}"
+            f"_tp{rank.tp_rank}_pg{pg.id.hex()[:8]}_bundle{bundle}"
+        )
+        yield rank, handle, name
 
 
 def _report(
@@ -231,7 +170,9 @@ def _report(
         raise PlacementError(f"{rank.label}: the probe rank failed: {why}") from exc
 
 
-def verify_ray(server_args: PlanArgs, *, timeout_s: float) -> list[dict]:
+def verify_ray(
+    server_args: PlanArgs, *, timeout_s: float, verbose: bool = False
+) -> list[dict]:
     """One row per rank as RayEngine starts it: observed against what it bound to."""
     import sglang.srt.ray.engine as engine
 
@@ -250,7 +191,7 @@ def verify_ray(server_args: PlanArgs, *, timeout_s: float) -> list[dict]:
                 f"{ray.cluster_resources()}: RayEngine asks one GPU per rank, for "
                 "--device cpu too (declare GPUs with `ray start --num-gpus N`)"
             )
-        for actor in _start(engine, server_args, pg, nnodes):
+        for actor in _start(engine, server_args, pg, nnodes, verbose):
             started.append(actor)  # each killed below, even if a later one fails
         refs = [handle.get_info.remote() for _, handle, _ in started]
         return [

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Dict, Optional
 
 import ray
@@ -25,6 +26,23 @@ from sglang.srt.runtime_context import SpawnRanks, get_device, publish, spawn_wo
 from sglang.srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
+
+
+def visible_index(ray_gpu_id: int) -> int:
+    """The CUDA index of Ray's GPU ``ray_gpu_id`` in this process: its place in the
+    ``CUDA_VISIBLE_DEVICES`` Ray set (0 where Ray narrowed it to the actor's GPU),
+    or the id itself where nothing narrows it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return ray_gpu_id
+    entries = [entry.strip() for entry in visible.split(",")]
+    if str(ray_gpu_id) not in entries:
+        raise RuntimeError(
+            f"Ray assigned GPU {ray_gpu_id}, but CUDA_VISIBLE_DEVICES={visible!r} in "
+            "the actor does not list it: leave CUDA_VISIBLE_DEVICES to Ray, or with "
+            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 list every GPU of the node"
+        )
+    return entries.index(str(ray_gpu_id))
 
 
 @ray.remote
@@ -50,7 +68,6 @@ class SchedulerActor:
             configure_scheduler_process,
             resolve_spawn_dp_rank,
         )
-        from sglang.srt.scheduler_placement.ray_rank import bind_scheduler_actor
 
         # Declared, not copied: Ray deserializes the argument per call, so this
         # record is the actor's own and nothing else in the process holds it.
@@ -77,7 +94,11 @@ class SchedulerActor:
         dp_rank = resolve_spawn_dp_rank(dp_rank)
 
         # This actor takes the place of run_scheduler_process, which is where
-        # a forked scheduler publishes.
+        # a forked scheduler publishes. The device its CUDA calls name is Ray's
+        # GPU as this process sees it: Ray narrows CUDA_VISIBLE_DEVICES to it.
+        device_index = actual_gpu_id
+        if assigned_gpus and getattr(server_args, "device", None) in (None, "cuda"):
+            device_index = visible_index(actual_gpu_id)
         publish(
             server_args,
             role="scheduler",
@@ -86,30 +107,14 @@ class SchedulerActor:
                     server_args, tp_rank=tp_rank, pp_rank=pp_rank
                 ),
                 dp_rank=dp_rank,
-                gpu_id=actual_gpu_id,
+                gpu_id=device_index,
             ),
         )
 
-        # Configure worker (logging, process title, etc.)
+        # Configure worker (logging, process title, etc.). Its placement step binds
+        # this actor in-process, before the Scheduler exists (Ray cannot start it
+        # under numactl): every thread, memory policy, pages; Ray's id names its GPU.
         configure_scheduler_process(server_args, actual_gpu_id)
-
-        # Ray actors can't use the numactl subprocess-wrapping approach
-        # (SGLANG_NUMA_BIND_V2's normal path), so bind in-process via libnuma.
-        # The V1 path inside configure_scheduler_process already handles
-        # SGLANG_NUMA_BIND_V2=False.
-        bound = bind_scheduler_actor(
-            server_args,
-            gpu_id=actual_gpu_id,
-            assigned_gpus=assigned_gpus,
-            tp_rank=tp_rank,
-            pp_rank=pp_rank,
-            dp_rank=dp_rank,
-        )
-        if bound is not None and (bound.cpus or bound.mem_nodes):
-            logger.info(
-                f"[TP{tp_rank}] Bound to NUMA node {bound.placement.numa_node} "
-                f"for GPU {actual_gpu_id}"
-            )
 
         # Create scheduler (loads model into GPU, initializes NCCL)
         self.scheduler = Scheduler(

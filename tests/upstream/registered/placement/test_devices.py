@@ -41,7 +41,7 @@ class TestDeviceIdentity(unittest.TestCase):
         found = identify_accelerators(
             device="cuda",
             topology=host(),
-            gpu_ids=[0, 1],
+            logical_ids=[0, 1],
             env={"CUDA_VISIBLE_DEVICES": "2,0"},
         )
         self.assertEqual([a.pci for a in found], [GPUS[2], GPUS[0]])

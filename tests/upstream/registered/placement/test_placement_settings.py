@@ -6,33 +6,29 @@ from types import SimpleNamespace
 from unittest.mock import patch
 
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
-from sglang.srt.placement.settings import PlacementPolicy, SettingError, affinity_mode
+from sglang.srt.placement.settings import PlacementPolicy, SettingError, listed_node
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
 
 
 class TestPlacementSettings(unittest.TestCase):
-    def test_affinity_mode_defaults_to_node_and_a_bad_value_is_named(self):
-        with patch.dict(os.environ):
-            os.environ.pop("SGLANG_NUMA_AFFINITY_MODE", None)
-            self.assertEqual(affinity_mode(), "node")
-            os.environ["SGLANG_NUMA_AFFINITY_MODE"] = "nodes"
-            with self.assertRaisesRegex(
-                SettingError, "SGLANG_NUMA_AFFINITY_MODE='nodes'"
-            ):
-                affinity_mode()
-
-    def test_the_policy_holds_the_settings_of_a_cpu_engine(self):
+    def test_the_policy_holds_the_settings_of_an_engine(self):
         settings = {
-            "SGLANG_NUMA_AFFINITY_MODE": "exclusive",
+            "SGLANG_SET_CPU_AFFINITY": "1",
             "SGLANG_CPU_OMP_THREADS_BIND": "0-3|4-7",
         }
-        server_args = SimpleNamespace(device="cpu", numa_node=None)
+        server_args = SimpleNamespace(device="cpu", numa_node=None, tp_size=4)
         with patch.dict(os.environ, settings):
             policy = PlacementPolicy.from_env(server_args, launcher="mp")
-        self.assertEqual(policy.affinity_mode, "exclusive")
+        self.assertTrue(policy.set_cpu_affinity)
         self.assertEqual(policy.cpu_threads_bind, "0-3|4-7")
+        self.assertEqual(policy.tp_per_node, 4)
+
+    def test_numa_node_needs_an_entry_for_each_gpu_id(self):
+        self.assertEqual(listed_node([0, 1], 1), 1)
+        with self.assertRaisesRegex(SettingError, "--numa-node has 2 entries"):
+            listed_node([0, 1], 2)
 
     def test_cpulists_parse_as_the_kernel_writes_them(self):
         self.assertEqual(parse_cpulist("0-3,8,10-14:2"), {0, 1, 2, 3, 8, 10, 12, 14})

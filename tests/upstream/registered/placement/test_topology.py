@@ -1,5 +1,5 @@
 """The host's NUMA nodes, CPUs and PCI devices, read from a sysfs tree
-(SGLANG_SYSFS_ROOT)."""
+(placement.topology.SYSFS_ROOT on the live host)."""
 
 import os
 import shutil

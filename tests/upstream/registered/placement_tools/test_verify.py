@@ -11,7 +11,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=5, suite="base-a-test-cpu")
 
 UNBOUND = ProcessPlacement(
-    RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0, gpu_id=0), reasons=("one NUMA node",)
+    RankIdentity(dp_rank=0, pp_rank=0, tp_rank=0), reasons=("one NUMA node",)
 )
 
 

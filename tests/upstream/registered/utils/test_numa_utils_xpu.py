@@ -2,7 +2,7 @@
 
 0.5.23 found Intel GPUs through /dev/dri render nodes and private helpers;
 the node of logical XPU device N is now answered by _query_numa_node_for_gpu
-from the sysfs tree SGLANG_SYSFS_ROOT names (a small tree here), under the
+from the sysfs tree placement's topology.SYSFS_ROOT names (a small tree here), under the
 ZE_AFFINITY_MASK and ZE_ENABLE_PCI_ID_DEVICE_ORDER in force. Comments mark
 what differs from 0.5.23 on purpose.
 """
@@ -15,6 +15,7 @@ import unittest
 from types import SimpleNamespace
 from unittest.mock import patch
 
+from sglang.srt.placement import topology
 from sglang.srt.utils.numa_utils import (
     _is_numa_available,
     _query_numa_node_for_gpu,
@@ -93,7 +94,9 @@ class _XpuHostCase(unittest.TestCase):
         self.trees += 1
         root = os.path.join(self.tmp, f"sys{self.trees}")
         write_sysfs(root, {0: {0}, 1: {1}, 2: {2}, 3: {3}}, pci)
-        os.environ["SGLANG_SYSFS_ROOT"] = root
+        seam = patch.object(topology, "SYSFS_ROOT", root)
+        seam.start()
+        self.addCleanup(seam.stop)
 
     def nodes(self, count):
         """The node list of logical XPU devices 0..count-1."""

@@ -1,1 +1,0 @@
-"""Placement for sglang's launchers: ``spawn``, ``ray_rank``. Empty: imports no Ray."""
