@@ -6,11 +6,12 @@ import unittest
 
 from sglang.srt.placement.apply import set_all_threads_affinity
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
 
 
-class TestSetAllThreadsAffinity(unittest.TestCase):
+class TestSetAllThreadsAffinity(CustomTestCase):
     def test_a_thread_started_before_the_bind_is_moved_too(self):
         allowed = os.sched_getaffinity(0)
         one = {min(allowed)}

@@ -9,6 +9,7 @@ from sglang.srt.placement.devices import (
 )
 from sglang.srt.placement.types import HostTopology, PciDevice
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
 
@@ -29,7 +30,7 @@ def host():
     )
 
 
-class TestDeviceIdentity(unittest.TestCase):
+class TestDeviceIdentity(CustomTestCase):
     def test_cuda_visible_devices_stops_where_cuda_does(self):
         self.assertEqual(parse_cuda_visible_devices("2, 0,-1,1"), ("2", "0"))
 

@@ -8,11 +8,12 @@ from unittest.mock import patch
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.settings import PlacementPolicy, SettingError, listed_node
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
 
 
-class TestPlacementSettings(unittest.TestCase):
+class TestPlacementSettings(CustomTestCase):
     def test_the_policy_holds_the_settings_of_an_engine(self):
         settings = {
             "SGLANG_SET_CPU_AFFINITY": "1",

@@ -16,6 +16,7 @@ from sglang.srt.placement.types import (
     RankIdentity,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
 
@@ -55,7 +56,7 @@ def place(gpu_id, *, launcher="mp", numa_nodes=None, env=None, **settings):
     return resolve_placement(rank=RankIdentity(gpu), policy=policy, host=host)
 
 
-class TestResolvePlacement(unittest.TestCase):
+class TestResolvePlacement(CustomTestCase):
     def test_a_gpu_binds_to_its_node_under_numactl(self):
         placement = place(2)
         self.assertEqual((placement.numa_node, placement.strategy), (1, "exec"))

@@ -9,6 +9,7 @@ import unittest
 from sglang.srt.placement.topology import read_topology
 from sglang.srt.placement.types import PlacementError
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=2, suite="base-a-test-cpu")
 
@@ -44,7 +45,7 @@ def two_nodes():
     return files
 
 
-class TestReadTopology(unittest.TestCase):
+class TestReadTopology(CustomTestCase):
     def setUp(self):
         self.root = tempfile.mkdtemp(prefix="topology_test_")
         self.addCleanup(shutil.rmtree, self.root, ignore_errors=True)

@@ -17,6 +17,7 @@ import textwrap
 import unittest
 
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=40, suite="base-a-test-cpu")
 
@@ -117,7 +118,7 @@ def write_host(root, node_cpus):
 
 @unittest.skipUnless(shutil.which("numactl"), "upstream's NUMA discovery needs numactl")
 @unittest.skipIf(len(os.sched_getaffinity(0)) < 2, "needs two CPUs, one per node")
-class TestSchedulerActorPlacement(unittest.TestCase):
+class TestSchedulerActorPlacement(CustomTestCase):
     @classmethod
     def setUpClass(cls):
         cls.dir = tempfile.mkdtemp(prefix="scheduler_actor_placement_")

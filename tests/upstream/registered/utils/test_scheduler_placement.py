@@ -25,6 +25,7 @@ import psutil
 from sglang.srt.placement.share import upstream_slice
 from sglang.srt.utils import numa_utils
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=20, suite="base-a-test-cpu")
 
@@ -69,7 +70,7 @@ def report_cpus(writer):
 
 
 @unittest.skipIf(len(CPUS) < 2, "needs two CPUs this process may use")
-class TestSchedulerPlacement(unittest.TestCase):
+class TestSchedulerPlacement(CustomTestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="scheduler_placement_")
         self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)

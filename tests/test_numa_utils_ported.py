@@ -1,4 +1,5 @@
-"""sglang 0.5.23's tests of numa_utils, as this change keeps them.
+"""A port of sglang 0.5.23's tests of numa_utils, run against the overlay (upstream's own
+file runs unchanged in the stack's checkout: tests/test_stack.py).
 
 numa_utils keeps upstream's helpers as the steps of the placement decision, so these
 patch what 0.5.23's tests patch. Comments mark what differs from 0.5.23 on purpose.
@@ -24,9 +25,7 @@ from sglang.srt.utils.numa_utils import (
     get_numa_node_if_available,
     numa_bind_to_node,
 )
-from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
 NUMA_UTILS = "sglang.srt.utils.numa_utils"
 NODES_GLOB = [f"/sys/devices/system/node/node{n}" for n in range(4)]

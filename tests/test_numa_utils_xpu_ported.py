@@ -21,9 +21,7 @@ from sglang.srt.utils.numa_utils import (
     _query_numa_node_for_gpu,
     get_numa_node_if_available,
 )
-from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=5, suite="base-a-test-cpu")
 
 NUMA_UTILS_LOGGER = "sglang.srt.utils.numa_utils"
 INTEL = "0x8086"
