@@ -34,6 +34,8 @@ PRISTINE = (
     / "sglang"
 )
 MAX_LINES = 400
+# Upstream's own tests of the modules the stack changes, which it keeps unchanged.
+KEPT_TESTS = ("test/registered/utils/test_numa_utils.py",)
 _DIR = re.compile(r"\d{4}-[a-z0-9][a-z0-9-]*")
 _GIT = ("git", "-c", "user.name=stack", "-c", "user.email=stack@localhost")
 
@@ -92,12 +94,12 @@ def make_checkout(
     shutil.copytree(PRISTINE, dest / "python" / "sglang", ignore=_bytecode)
     (dest / "test" / "registered").mkdir(parents=True)
     if upstream is not None:
-        for pr in pull_requests(stack):
-            for path, new in pr.paths():
-                source, target = upstream / path, dest / path
-                if not new and source.is_file() and not target.exists():
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(source, target)
+        changed = [p for pr in pull_requests(stack) for p, new in pr.paths() if not new]
+        for path in [*changed, *KEPT_TESTS]:
+            source, target = upstream / path, dest / path
+            if source.is_file() and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
     git("init", "-q", cwd=dest)
     git("add", "-A", cwd=dest)
     git("commit", "-q", "-m", "pristine sglang 0.5.23", cwd=dest)

@@ -470,6 +470,7 @@ REPO_TESTS = {  # the repo's tests/upstream/
     PORTED_NEW: "import unittest\n\nclass TestXpu(unittest.TestCase):\n    pass\n",
 }
 REAL_REPO = OVERLAY.parent.parent
+HARNESS_DIR = REAL_REPO / "tests" / "harness"
 
 
 @pytest.fixture
@@ -653,7 +654,13 @@ def test_real_ported_tests_run_in_an_overlaid_checkout(checkout: Path) -> None:
         needs_kernel += [path] if found == kernel_suite else []
     assert all("import sgl_kernel" in p.read_text() for p in needs_kernel)
     env = full_import_env()
-    env["PYTHONPATH"] = str(checkout / "python")
+    # sglang.test.test_utils (CustomTestCase) imports Hugging Face datasets, which
+    # upstream's CI installs and this environment does not: only its stand-in joins.
+    (checkout / "standins").mkdir()
+    shutil.copy(HARNESS_DIR / "datasets.py", checkout / "standins")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(checkout / "python"), str(checkout / "standins")]
+    )
     where = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('sglang').origin)"],
                            capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
     assert where.stdout.strip() == str(
@@ -674,7 +681,7 @@ def test_real_ported_tests_run_in_an_overlaid_checkout(checkout: Path) -> None:
         cmd, capture_output=True, text=True, timeout=600, cwd=checkout / "test", env=env
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    skipped = 2 + len(needs_kernel)  # a module without sgl_kernel skips whole
+    skipped = len(needs_kernel)  # a module without sgl_kernel skips whole
     assert re.search(
         rf"\d+ passed, {skipped} skipped", out.stdout.splitlines()[-1]
     ), out.stdout[-2000:]

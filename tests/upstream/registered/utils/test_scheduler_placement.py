@@ -1,29 +1,22 @@
-"""One placement per scheduler rank: the spawn's numactl wrapper, and what
-configure_scheduler_process's placement step (numa_utils.bind_scheduler_process) does
-in the rank, SGLANG_SET_CPU_AFFINITY=1 included.
+"""One placement per scheduler rank: what configure_scheduler_process's placement step
+(numa_utils.bind_scheduler_process) does in the rank, SGLANG_SET_CPU_AFFINITY=1 included.
 
 Each rank runs in a fresh interpreter on a sysfs tree of two NUMA nodes that splits this
 host's CPUs (placement's ``topology.SYSFS_ROOT`` seam), with GPUs 0-1 on node 0 and 2-3 on
 node 1 named by ``--numa-node``."""
 
 import json
-import multiprocessing
 import os
-import shlex
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
 import textwrap
 import unittest
-from types import SimpleNamespace
-from unittest.mock import patch
 
 import psutil
 
 from sglang.srt.placement.share import upstream_slice
-from sglang.srt.utils import numa_utils
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -63,10 +56,6 @@ def write_tree(root, node_cpus):
         with open(os.path.join(root, rel), "w") as f:
             f.write(text + "\n")
     return root
-
-
-def report_cpus(writer):
-    writer.send(sorted(os.sched_getaffinity(0)))
 
 
 @unittest.skipIf(len(CPUS) < 2, "needs two CPUs this process may use")
@@ -115,29 +104,6 @@ class TestSchedulerPlacement(CustomTestCase):
         )
         self.assertEqual(out["strategy"], "cpu-affinity")
         self.assertEqual(out["cpus"], sorted(expected & set(CPUS)))
-
-    @unittest.skipUnless(shutil.which("numactl"), "the spawn wrapper execs numactl")
-    def test_the_spawn_wrapper_is_private_quoted_and_gone_after_the_start(self):
-        args = SimpleNamespace(device="cpu", tp_size=2, numa_node=None)
-        ctx = multiprocessing.get_context("spawn")
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=report_cpus, args=(writer,))
-        groups = {"SGLANG_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[-1]}"}
-        with patch.dict(os.environ, groups):
-            with numa_utils.configure_subprocess(args, 1):
-                wrapper = os.fsdecode(multiprocessing.spawn.get_executable())
-                for path in (wrapper, os.path.dirname(wrapper)):
-                    self.assertEqual(stat.S_IMODE(os.stat(path).st_mode), 0o700)
-                with open(wrapper) as f:
-                    words = shlex.split(f.read().splitlines()[1])
-                self.assertEqual(
-                    words[1:3], [shutil.which("numactl"), f"--physcpubind={CPUS[-1]}"]
-                )
-                proc.start()
-        writer.close()
-        self.assertEqual(reader.recv(), [CPUS[-1]])
-        proc.join(30)
-        self.assertFalse(os.path.exists(os.path.dirname(wrapper)))
 
 
 if __name__ == "__main__":
