@@ -145,6 +145,17 @@ def usable_nvidia_gpus() -> int:
     return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
+def usable_intel_gpus() -> frozenset[str]:
+    """The PCI addresses of the render nodes this process may open, which are the GPUs
+    Level Zero counts: in a container, fewer than sysfs lists."""
+    found = set()
+    for node in glob.glob("/dev/dri/renderD*"):
+        if os.access(node, os.R_OK | os.W_OK):
+            link = f"/sys/class/drm/{os.path.basename(node)}/device"
+            found.add(canonical_pci_address(os.path.basename(os.path.realpath(link))))
+    return frozenset(found - {None})
+
+
 def accelerator_pci_devices(
     topology: HostTopology, *, device: str
 ) -> tuple[PciDevice, ...]:
@@ -171,6 +182,8 @@ class _Order(NamedTuple):  # the host's GPUs as the runtime numbers them, in wor
 
 def _order(device: str, topology: HostTopology, env: Mapping[str, str]) -> _Order:
     listed = accelerator_pci_devices(topology, device=device)
+    if device == "xpu" and is_live(topology):  # Level Zero counts only these
+        listed = tuple(d for d in listed if d.address in usable_intel_gpus())
     lists = f"sysfs under {topology.root} lists {len(listed)}"
     if device == "xpu":
         value = env.get(_PCI_ID_ORDER, "").strip()
@@ -179,7 +192,8 @@ def _order(device: str, topology: HostTopology, env: Mapping[str, str]) -> _Orde
             listed = tuple(sorted(listed, key=lambda d: d.address[:8] == "0000:00:"))
         text = f"Level Zero order (PCI bus order, {value or 'integrated GPUs last'})"
         flat = "in Level Zero's FLAT hierarchy each tile of a card counts as a device"
-        return _Order(listed, "Intel", text, f"{lists} Intel GPU(s) ({flat})")
+        lists = f"{lists} Intel GPU(s) this process may open ({flat})"
+        return _Order(listed, "Intel", text, lists)
     note = unusable = ""
     if len(listed) != 1 and env.get("CUDA_DEVICE_ORDER", "").strip() != "PCI_BUS_ID":
         note = "; CUDA_DEVICE_ORDER is not PCI_BUS_ID, so CUDA may count fastest first"

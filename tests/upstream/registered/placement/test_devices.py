@@ -1,7 +1,9 @@
 """Which physical GPU, and which PCI address, a logical device index names."""
 
 import unittest
+from unittest.mock import patch
 
+from sglang.srt.placement import devices
 from sglang.srt.placement.devices import (
     canonical_pci_address,
     identify_accelerators,
@@ -46,6 +48,19 @@ class TestDeviceIdentity(CustomTestCase):
             env={"CUDA_VISIBLE_DEVICES": "2,0"},
         )
         self.assertEqual([a.pci for a in found], [GPUS[2], GPUS[0]])
+
+    def test_an_xpu_index_counts_only_the_devices_this_process_may_open(self):
+        intel = tuple(
+            PciDevice(a, n, vendor="8086", device="0bd5", pci_class="038000")
+            for n, a in enumerate(GPUS)
+        )
+        live = HostTopology("/sys", (), (), frozenset(), pci_devices=intel)
+        # A container given the last two of the host's three cards (/dev/dri).
+        with patch.object(devices, "usable_intel_gpus", return_value=set(GPUS[1:])):
+            found = identify_accelerators(
+                device="xpu", topology=live, logical_ids=[0, 1], env={}
+            )
+        self.assertEqual([a.pci for a in found], list(GPUS[1:]))
 
 
 if __name__ == "__main__":
