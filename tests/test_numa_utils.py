@@ -21,7 +21,7 @@ from spawn_support import args, use_fake_host
 
 from sglang.srt.placement import apply
 from sglang.srt.placement.libnuma import MPOL_PREFERRED
-from sglang.srt.placement.types import PlacementError
+from sglang.srt.placement.types import PlacementError, ProcessAffinity
 from sglang.srt.utils import numa_utils
 from sglang.srt.utils.numa_utils import (
     _create_numactl_executable,
@@ -297,6 +297,14 @@ def legacy_host(tmp_path, monkeypatch):
     # The bind itself goes through placement's one libnuma: nodes 0-2 with memory.
     lib = FakeLibNuma(node_cpus={0: (), 1: (), 2: ()})
     monkeypatch.setattr(apply, "load_libnuma", lambda: lib)
+    # ... and this process may use their memory (this host's Mems_allowed has node 0 only).
+    monkeypatch.setattr(
+        numa_utils,
+        "read_process_affinity",
+        lambda: ProcessAffinity(
+            frozenset(os.sched_getaffinity(0)), frozenset({0, 1, 2}), "this process"
+        ),
+    )
     return lib
 
 

@@ -22,7 +22,12 @@ from spawn_support import (
     use_fake_host,
 )
 
-from sglang.srt.placement.types import DeviceIndex, DeviceRef, Launcher
+from sglang.srt.placement.types import (
+    DeviceIndex,
+    DeviceRef,
+    Launcher,
+    ProcessAffinity,
+)
 
 SHAPE = fakesys.Shape(sockets=2, cores_per_node=4, threads_per_core=2, gpus_per_node=2)
 # GPU i's slice: each node's cores split between its two GPUs in PCI order.
@@ -38,6 +43,12 @@ def host(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_SET_CPU_AFFINITY", "1")
     # This host has fewer CPUs than the tree: the process may use all 16.
     monkeypatch.setattr(numa_utils.os, "sched_getaffinity", lambda pid: set(range(16)))
+    # ... and the memory of both nodes (this host's Mems_allowed has node 0 only).
+    monkeypatch.setattr(
+        numa_utils,
+        "read_process_affinity",
+        lambda: ProcessAffinity(frozenset(range(16)), frozenset({0, 1}), "test"),
+    )
     directory, log = numactl_standin(tmp_path / "numactl", "record")
     monkeypatch.setenv("PATH", f"{directory}:{os.environ['PATH']}")
     return log

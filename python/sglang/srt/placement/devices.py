@@ -156,13 +156,23 @@ def usable_intel_gpus() -> frozenset[str]:
     return frozenset(found - {None})
 
 
+# The last (topology, device, its GPUs): planning an engine asks once per rank.
+_listed: tuple = (None, None, ())
+
+
 def accelerator_pci_devices(
     topology: HostTopology, *, device: str
 ) -> tuple[PciDevice, ...]:
+    global _listed
+    last_topology, last_device, last = _listed  # one read: threads may replace it
+    if last_topology is topology and last_device == device:  # a topology never changes
+        return last
     bare = lambda value: value.lower().removeprefix("0x")  # a snapshot may lack "0x"
     ids, pci = _GPUS.get(device, ()), topology.pci_devices
     found = [d for d in pci if (bare(d.vendor), bare(d.pci_class)[:4]) in ids]
-    return tuple(sorted(found, key=lambda d: (int(d.address[:-8], 16), d.address)))
+    found.sort(key=lambda d: (int(d.address[:-8], 16), d.address))
+    _listed = (topology, device, tuple(found))
+    return _listed[2]
 
 
 def gpus_on_node(topology: HostTopology, *, device: str, node: int) -> tuple[str, ...]:
