@@ -29,7 +29,7 @@ mapfile -t ported < <(find tests/upstream -name '*.py' ! -name '__init__.py' | s
 black=("$py" -m black --check)
 isort=("$py" -m isort --check-only --quiet --profile black -p sglang)
 ruff=("$py" -m ruff check --quiet --no-cache --isolated --select=F401)
-codespell=("$py" -m codespell_lib -L cann,thi,makro,wil,rouge,PRIS)
+codespell=("$py" -m codespell_lib -L cann,thi,makro,wil,rouge,PRIS,renderD)
 
 held_to() {  # the written files a linter applies to, then the ported tests
     local -n linter=$1

@@ -38,7 +38,7 @@ LINTERS = (  # upstream's pre-commit linters, as scripts/lint.sh runs them
     ("black", "--check"),
     ("isort", "--check-only", "--profile", "black", "-p", "sglang"),
     ("ruff", "check", "--no-cache", "--isolated", "--select=F401"),
-    ("codespell_lib", "-L", "cann,thi,makro,wil,rouge,PRIS"),
+    ("codespell_lib", "-L", "cann,thi,makro,wil,rouge,PRIS,renderD"),
 )
 PRS = stack.pull_requests()
 

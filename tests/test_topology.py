@@ -21,7 +21,7 @@ from sglang.srt.placement.topology import (
 )
 from sglang.srt.placement.types import Cpu, PlacementError
 
-CAPTURE_FIX = "re-capture it with `python -m sglang.srt.placement_tools capture DIR`"
+CAPTURE_FIX = "re-capture it on the host it describes"
 TREE_FIX = "placement reads this host's NUMA topology there: is sysfs mounted?"
 
 

@@ -199,11 +199,7 @@ def torch_facts() -> dict[str, Any]:
 
 
 def identify_matrix(uuid: str | None) -> dict[str, Any]:
-    from sglang.srt.placement.devices import (
-        NvmlRuntime,
-        identify_accelerators,
-        open_runtime,
-    )
+    from sglang.srt.placement.devices import NvmlRuntime, identify_accelerators
     from sglang.srt.placement.topology import read_topology
 
     topo = read_topology("/sys")
@@ -213,11 +209,6 @@ def identify_matrix(uuid: str | None) -> dict[str, Any]:
         runtimes["nvml"] = NvmlRuntime()
     except BaseException as exc:
         out["runtime_nvml"] = f"{type(exc).__name__}: {exc}"
-    try:
-        with open_runtime("cuda", topo) as opened:
-            out["default_runtime"] = type(opened).__name__
-    except BaseException as exc:
-        out["default_runtime"] = f"{type(exc).__name__}: {exc}"
     base = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     envs: dict[str, dict[str, str]] = {
         "unset": base,

@@ -12,16 +12,7 @@ import glob
 import logging
 import os
 import re
-from typing import (
-    Any,
-    Callable,
-    Iterator,
-    Mapping,
-    NamedTuple,
-    Optional,
-    Protocol,
-    Sequence,
-)
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Protocol, Sequence
 
 from sglang.srt.placement import topology
 from sglang.srt.placement.types import (
@@ -124,20 +115,6 @@ def _text(value: bytes | str | None) -> str:  # pynvml answers bytes or str
 
 def is_live(topology: HostTopology) -> bool:  # this host's /sys, not a tree of files
     return os.path.realpath(topology.root) == "/sys"
-
-
-@contextlib.contextmanager
-def open_runtime(
-    device: str, topology: HostTopology
-) -> Iterator[Optional[AcceleratorRuntime]]:
-    runtime = None
-    if device == "cuda" and is_live(topology):
-        try:
-            runtime = NvmlRuntime()
-        except Exception as exc:  # ImportError; NVMLError: no driver, library, access
-            logger.debug(f"NVML unavailable ({exc!r}); GPUs follow sysfs order")
-    with contextlib.closing(runtime) if runtime else contextlib.nullcontext():
-        yield runtime
 
 
 def usable_nvidia_gpus() -> int:

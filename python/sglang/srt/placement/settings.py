@@ -45,10 +45,6 @@ def bind_failure_is_fatal() -> bool:
     return bool(envs.SGLANG_CRASH_ON_NUMA_BIND_FAILURE.get())
 
 
-def one_visible_device_per_process() -> bool:
-    return bool(envs.SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS.get())
-
-
 def set_cpu_affinity() -> bool:  # the rank's own slice of cores
     return bool(envs.SGLANG_SET_CPU_AFFINITY.get())
 

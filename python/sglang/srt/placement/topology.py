@@ -24,8 +24,7 @@ from sglang.srt.placement.types import (
 SYSFS_ROOT = "/sys"
 SNAPSHOT_MARKER = "sglang-placement-snapshot.json"
 SNAPSHOT_FORMAT = 1
-_CAPTURE = "python -m sglang.srt.placement_tools capture DIR"
-_TREE = f"a sysfs tree (the live /sys, or a snapshot made with `{_CAPTURE}`)"
+_TREE = "a sysfs tree (the live /sys, or a snapshot of one)"
 CPU_ONLINE = "devices/system/cpu/online"
 NODE_DIR = "devices/system/node"
 PCI_DIR = "bus/pci/devices"
@@ -211,7 +210,7 @@ def _fix(setting: Optional[str], snapshot: Optional[dict]) -> str:
     )
     return (
         f"this snapshot (captured from kernel {kernel} at {when}) is incomplete or "
-        f"was edited; re-capture it with `{_CAPTURE}` on the host it describes"
+        "was edited; re-capture it on the host it describes"
     )
 
 
@@ -228,7 +227,7 @@ def _read_marker(root: str) -> Optional[dict]:
     path = os.path.join(root, SNAPSHOT_MARKER)
     if not os.path.lexists(path):  # a dangling link or a link loop is an error
         return None
-    fix = f"re-capture the snapshot with `{_CAPTURE}`"
+    fix = "re-capture the snapshot on the host it describes"
     try:
         marker = json.loads(read_file(path, fix=fix).decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # JSON and Unicode errors included

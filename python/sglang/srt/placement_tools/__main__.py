@@ -244,10 +244,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    command = None
+    command = snapshot = None
     try:
         args = build_parser().parse_args(argv)
         command = args.command
+        snapshot = args.sysfs_root if command == "plan" else None
         run = {"plan": cmd_plan, "verify": cmd_verify, "capture": cmd_capture}
         # The flag stands for the setting sglang reads, here and in the ranks started.
         chosen = getattr(args, "set_cpu_affinity", False)
@@ -260,7 +261,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 warnings.filterwarnings("ignore", module=r"(?!sglang\.srt\.environ$)")
             return run[command](args)
     except BAD_INPUT as exc:
-        print(f"error: {one_line(exc)}", file=sys.stderr)
+        hint = ""
+        if snapshot is not None and isinstance(exc, PlacementError):
+            hint = f" (a snapshot is made on the host it describes: {PROG} capture DIR)"
+        print(f"error: {one_line(exc)}{hint}", file=sys.stderr)
         # A rank verify could not check, or sglang refuses to start, fails: status 1.
         return 1 if command == "verify" and isinstance(exc, PlacementError) else 2
 

@@ -11,6 +11,7 @@ import os
 from dataclasses import replace
 from typing import Iterator, Mapping, Optional, Sequence
 
+from sglang.srt.environ import envs
 from sglang.srt.placement import settings
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist, shown
 from sglang.srt.placement.devices import canonical_pci_address
@@ -160,7 +161,7 @@ def plan_engine(
 
     # maybe_reindex_device_id spawns each CUDA rank under one visible GPU, as GPU 0.
     mp_cuda = server_args.device == "cuda" and Launcher(launcher) is Launcher.MP
-    reindex = mp_cuda and settings.one_visible_device_per_process()
+    reindex = mp_cuda and envs.SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS.get()
     if launcher == Launcher.RAY:  # Ray's id names a physical GPU
         physical = DeviceIndex.PHYSICAL_GPU
         ranks = tuple(

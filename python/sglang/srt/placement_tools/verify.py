@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional, Sequence
 
-from sglang.srt.placement import settings
+from sglang.srt.environ import envs
 from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
 from sglang.srt.placement.libnuma import read_mempolicy
 from sglang.srt.placement.resolve import resolve_placement
@@ -355,7 +355,7 @@ def verify_row(
 @contextlib.contextmanager
 def _reindexed(gpu_id: int, *, device: str) -> Iterator[int]:
     """sglang's ``maybe_reindex_device_id`` for CUDA ranks, as the engine applies it."""
-    if device != "cuda" or not settings.one_visible_device_per_process():
+    if device != "cuda" or not envs.SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS.get():
         yield gpu_id
         return
     from sglang.srt.utils.common import maybe_reindex_device_id
