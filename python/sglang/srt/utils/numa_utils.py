@@ -377,9 +377,7 @@ def bind_scheduler_process(
     return bind_in_process(placement)
 
 
-def launched_rank(
-    server_args: "ServerArgs", gpu_id: int
-) -> tuple[Launcher, DeviceRef]:
+def launched_rank(server_args: "ServerArgs", gpu_id: int) -> tuple[Launcher, DeviceRef]:
     """Who launched this scheduler process, and what its ``gpu_id`` counts: a Ray
     actor's is Ray's GPU id (not in Ray's narrowed CUDA_VISIBLE_DEVICES)."""
     ray_gpus = ray_actor_gpus()
