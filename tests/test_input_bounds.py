@@ -205,7 +205,7 @@ def test_snapshot_with_a_huge_online_cpu_list(tmp_path, snapshot):
         done,
         f"{snapshot}/{ONLINE}: '0-4294967295' is not a CPU list",
         "8191",
-        "re-capture it with",
+        "re-capture it on the host it describes",
     )
     assert done.seconds < 10
     again = run_cli("capture", tmp_path / "again", "--sysfs-root", snapshot)
@@ -322,7 +322,7 @@ def test_marker_kernel_release_is_escaped(snapshot):
         and "\x1b" not in done.stderr
         and "\r" not in done.stderr
     )
-    assert "re-capture it with" in line
+    assert "re-capture it on the host it describes" in line
 
 
 # 7. verify --timeout: finite, above 0, at most a day; the error names --timeout.

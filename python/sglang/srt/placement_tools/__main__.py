@@ -263,7 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BAD_INPUT as exc:
         hint = ""
         if snapshot is not None and isinstance(exc, PlacementError):
-            hint = f" (a snapshot is made on the host it describes: {PROG} capture DIR)"
+            hint = f" (a snapshot is made with: {PROG} capture DIR)"
         print(f"error: {one_line(exc)}{hint}", file=sys.stderr)
         # A rank verify could not check, or sglang refuses to start, fails: status 1.
         return 1 if command == "verify" and isinstance(exc, PlacementError) else 2
