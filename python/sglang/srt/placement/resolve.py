@@ -71,7 +71,7 @@ class Host(Protocol):
 
 
 def strategy_for(policy: PlacementPolicy, *, located: bool) -> Strategy:
-    """How a rank is bound: ``located`` when its node (a CPU rank: its CPUs) is known."""
+    """How a rank is bound; ``located``: its node (a CPU rank: its CPUs) is known."""
     if not located:
         return Strategy.CPU_AFFINITY if policy.set_cpu_affinity else Strategy.NONE
     if not policy.bind_v2:

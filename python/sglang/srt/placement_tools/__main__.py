@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--set-cpu-affinity",
             action="store_true",
-            help="as SGLANG_SET_CPU_AFFINITY=1: each rank its slice of its node's cores",
+            help="as SGLANG_SET_CPU_AFFINITY=1: each rank a slice of its node's cores",
         )
         command.add_argument("--json", action="store_true")
     # One thread per dp rank, as sglang's data-parallel controller starts them.

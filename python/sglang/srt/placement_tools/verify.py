@@ -254,7 +254,7 @@ def _before_bind(server_args: "ServerArgs") -> object:
 
 
 def _actor_plan(server_args: "ServerArgs", gpu_id: int) -> ProcessPlacement:
-    """What the actor's configure step decided (its ranks are the launcher's to tell)."""
+    """What the actor's configure step decided (the launcher tells its ranks)."""
     from sglang.srt.utils import numa_utils
 
     launcher, gpu = numa_utils.launched_rank(server_args, gpu_id)

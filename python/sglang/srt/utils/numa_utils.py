@@ -333,7 +333,7 @@ def _mp_set_executable(executable: str, debug_str: str) -> Iterator[None]:
         )
 
 
-# -- the rank itself: configure_scheduler_process ---------------------------------------
+# -- the rank itself: configure_scheduler_process -------------------------------------
 
 
 def bind_scheduler_process(
@@ -400,7 +400,7 @@ def ray_actor_gpus() -> Optional[list[str]]:
     return [str(gpu) for gpu in context.get_accelerator_ids().get("GPU", [])]
 
 
-# -- upstream's public helpers ----------------------------------------------------------
+# -- upstream's public helpers --------------------------------------------------------
 
 
 def get_numa_node_if_available(server_args: "ServerArgs", gpu_id: int) -> Optional[int]:
