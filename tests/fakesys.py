@@ -36,7 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from sglang.srt.placement.cpulist import format_cpulist
+
+
+def format_cpulist(ids: Iterable[int]) -> str:
+    """``0-3,8`` for {0, 1, 2, 3, 8}, as sysfs writes lists of CPUs and nodes."""
+    ids, spans = sorted(set(ids)), []
+    for i in ids:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 GIB_KB = 1024 * 1024
 """One GiB in kB, the unit of ``memory_kb``."""

@@ -57,27 +57,23 @@ def bare_package(name: str) -> None:
     raise ImportError(f"{name} is not a package directory under {parent}")
 
 
-SYSFS_VAR = "PLACEMENT_TESTS_SYSFS"
 PLATFORM_VAR = "PLACEMENT_TESTS_PLATFORM"
 _NUMA_UTILS = "sglang.srt.utils.numa_utils"
 
 
 def fake_host_from_environment() -> None:
-    """This interpreter's seams set from the harness variables (see sitecustomize)."""
+    """With ``PLACEMENT_TESTS_PLATFORM=cuda``, this interpreter is on a CUDA platform for
+    numa_utils (see sitecustomize and tests/fakehost.py)."""
     import os
 
-    root = os.environ.get(SYSFS_VAR)
-    if root:
-        from sglang.srt.placement import topology
-
-        topology.SYSFS_ROOT = root
     if os.environ.get(PLATFORM_VAR) == "cuda":
         sys.meta_path.insert(0, _CudaPlatform())
 
 
 class _CudaPlatform:
     """Sets ``numa_utils._is_cuda`` once that module is loaded (loading it here would
-    import torch in every interpreter)."""
+    import torch in every interpreter), and gives torch.cuda the device count of the
+    GPUs the stand-in NVML lists under CUDA_VISIBLE_DEVICES."""
 
     def find_spec(self, name, path, target=None):
         if name != _NUMA_UTILS:
@@ -89,9 +85,18 @@ class _CudaPlatform:
         def exec_module(module):
             load(module)
             module._is_cuda, module._is_xpu = True, False
+            module.torch.cuda.device_count = _visible_gpu_count
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def _visible_gpu_count() -> int:
+    import os
+
+    gpus = [g for g in os.environ.get("FAKE_NVML_GPUS", "").split(",") if g]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return len(gpus) if visible is None else len([v for v in visible.split(",") if v])
 
 
 install()

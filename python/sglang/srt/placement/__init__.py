@@ -1,1 +1,0 @@
-"""Where each scheduler rank runs: one ProcessPlacement, resolved on its host."""
