@@ -33,9 +33,7 @@ PRISTINE = (
     Path(os.environ.get("SGLANG_PRISTINE_DIR") or REPO / ".venv" / "pristine")
     / "sglang"
 )
-MAX_LINES = 400
-# Upstream's own tests of the modules the stack changes, which it keeps unchanged.
-KEPT_TESTS = ("test/registered/utils/test_numa_utils.py",)
+MAX_LINES = 250
 _DIR = re.compile(r"\d{4}-[a-z0-9][a-z0-9-]*")
 _GIT = ("git", "-c", "user.name=stack", "-c", "user.email=stack@localhost")
 
@@ -95,7 +93,7 @@ def make_checkout(
     (dest / "test" / "registered").mkdir(parents=True)
     if upstream is not None:
         changed = [p for pr in pull_requests(stack) for p, new in pr.paths() if not new]
-        for path in [*changed, *KEPT_TESTS]:
+        for path in changed:
             source, target = upstream / path, dest / path
             if source.is_file() and not target.exists():
                 target.parent.mkdir(parents=True, exist_ok=True)
