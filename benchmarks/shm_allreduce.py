@@ -3,8 +3,8 @@
     SGLANG_CPU_KERNEL=/path/to/common_ops.so .venv/bin/python benchmarks/shm_allreduce.py \
         [--iterations 2000] [--repeats 5]
 
-Two forked ranks, each pinned to a CPU of its own, join one group (a kernel whose
-``initialize`` takes a group) or set up the two-argument way (the released kernel),
+Two forked ranks, each pinned to a CPU of its own, join one group (a kernel with
+``initialize.group``) or set up the two-argument way (the released kernel),
 then sum bf16 tensors of 4 KiB (the small-message path), 64 KiB, 1 MiB and 16 MiB
 (the large-message path). For each size it prints the best and the median, over the
 repeats, of the mean time per all-reduce, in microseconds, as rank 0 saw it (on a busy
@@ -31,8 +31,8 @@ def rank_main(rank: int, args: argparse.Namespace, results) -> None:
     torch.set_num_threads(1)
     torch.ops.load_library(os.environ["SGLANG_CPU_KERNEL"])
     op = torch.ops.sgl_kernel.initialize
-    if "group" in [a.name for a in op.default._schema.arguments]:
-        op(2, rank, f"sglang_ar_bench_{os.getppid()}", args.group, 60.0)
+    if "group" in op.overloads():  # a kernel with upstream_prs' initialize.group
+        op.group(2, rank, f"sglang_ar_bench_{os.getppid()}", args.group, 60.0)
     else:
         os.environ.update(LOCAL_SIZE="2", MASTER_ADDR="bench", MASTER_PORT=args.group)
         op(2, rank)

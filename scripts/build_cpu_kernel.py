@@ -10,6 +10,11 @@ directory, the kernel pull requests of ``upstream_prs/`` applied there in order 
 Ninja against the torch of the Python that runs this script. By default only what the
 shared-memory collective needs is built (about a minute on 2 cores; ``--full``: every
 op, about 20 minutes).
+``--portable`` builds for any x86-64 host (AVX2 and older too): the AVX-512 reduce
+header ``x86_64/shm.h`` is replaced by ``tests/kernel/portable_shm.h`` (the same four
+functions in plain C++) and the ``-march=x86-64-v4``/``-mavx512*``/``-mamx-*`` options
+by ``-march=x86-64``. It is for tests and measurements of the set-up and collectives'
+control flow, not for serving.
 OUT_DIR receives ``common_ops.<abi>.so``; point ``SGLANG_CPU_KERNEL`` at it (or at
 OUT_DIR) to run the kernel tests.
 
@@ -55,6 +60,10 @@ MINIMAL_SOURCES = ("interface.cpp", "shm.cpp", "numa_utils.cpp")
 MINIMAL_OPS = ("initialize", "shm_allreduce", "shm_allgather",
                "shm_allgather_into_tensor", "shm_reduce_scatter_tensor",
                "init_cpu_threads_env")  # fmt: skip
+#: What ``--portable`` changes: the reduce header, and the x86-64 compile options.
+PORTABLE_HEADER = REPO / "tests" / "kernel" / "portable_shm.h"
+AVX512_OPTIONS = ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile",
+                  "-mamx-bf16", "-mamx-int8")  # fmt: skip
 SOURCES_GLOB = 'file(GLOB_RECURSE SOURCES "${CMAKE_CURRENT_SOURCE_DIR}/*.cpp")'
 REGISTRATION = "torch_extension_cpu.cpp"
 CUDA_INCLUDE = 'include("${CMAKE_CURRENT_LIST_DIR}/public/cuda.cmake")'
@@ -90,9 +99,10 @@ def registration(text: str, ops: tuple[str, ...]) -> str:
     """``torch_extension_cpu.cpp`` cut to ``ops``: its includes, each op's one-line
     declaration, its registration blocks holding only those ops' ``m.def``/``m.impl``
     lines, and its ``REGISTER_EXTENSION`` line. Each op must be found."""
-    names = "|".join(ops)
-    declared = re.compile(rf"^[A-Za-z].*\b({names})\(.*\);$")
-    registered = re.compile(rf'^\s*m\.(def|impl)\("({names})[("]')
+    names = "|".join(sorted(ops, key=len, reverse=True))  # the longest name first
+    # an op's declaration, or its overload's (initialize.group: initialize_group)
+    declared = re.compile(rf"^[A-Za-z].*\b({names})\w*\(.*\);$")
+    registered = re.compile(rf'^\s*m\.(def|impl)\("({names})[(".]')
     out: list[str] = []
     blocks: list[list[str]] = []
     found: dict[str, set[str]] = {op: set() for op in ops}
@@ -124,8 +134,9 @@ def registration(text: str, ops: tuple[str, ...]) -> str:
 
 
 def copy_sources(
-    checkout: Path, src: Path, *, minimal: bool, patches: list[Path]
-) -> Path:
+    checkout: Path, src: Path, *, minimal: bool, patches: list[Path],
+    portable: bool = False,
+) -> Path:  # fmt: skip
     """The checkout's kernel sources, patched, under ``src``; returns the CMake dir."""
     kernel = checkout / KERNEL
     if not (kernel / "csrc" / "cpu" / "CMakeLists.txt").is_file():
@@ -150,11 +161,18 @@ def copy_sources(
     cmake_dir = src / KERNEL / "csrc" / "cpu"
     for name, text, replacement in CMAKE_EDITS:
         edit(cmake_dir / name, text, replacement)
+    if portable:
+        shutil.copy2(PORTABLE_HEADER, cmake_dir / "x86_64" / "shm.h")
+        for option in AVX512_OPTIONS:
+            portable_option = "-march=x86-64" if option.startswith("-march") else ""
+            edit(cmake_dir / "CMakeLists.txt", f"{option}\n", f"{portable_option}\n")
     if minimal:
         generated = cmake_dir / "minimal_registration.cpp"
         text = (cmake_dir / REGISTRATION).read_text()
         generated.write_text(registration(text, MINIMAL_OPS))
-        sources = [cmake_dir / name for name in MINIMAL_SOURCES] + [generated]
+        # and any source the patches add beside them (the group set-up's own file)
+        added = [p for p in sorted(cmake_dir.glob("shm_*.cpp")) if p.name != "shm.cpp"]
+        sources = [cmake_dir / name for name in MINIMAL_SOURCES] + added + [generated]
         edit(cmake_dir / "CMakeLists.txt", SOURCES_GLOB,
              f"set(SOURCES {' '.join(str(path) for path in sources)})")  # fmt: skip
     return cmake_dir
@@ -183,9 +201,10 @@ def torch_cmake_dir(work: Path) -> Path:
 
 def build(
     checkout: Path, out: Path, jobs: int, work: Path, *, minimal: bool,
-    patches: list[Path],
+    patches: list[Path], portable: bool = False,
 ) -> Path:  # fmt: skip
-    cmake_dir = copy_sources(checkout, work / "src", minimal=minimal, patches=patches)
+    cmake_dir = copy_sources(checkout, work / "src", minimal=minimal, patches=patches,
+                             portable=portable)  # fmt: skip
     build_dir = work / "build"
     configure = ["cmake", "-G", "Ninja", "-S", str(cmake_dir), "-B", str(build_dir),
                  "-DCMAKE_BUILD_TYPE=Release", f"-DTorch_DIR={torch_cmake_dir(work)}",
@@ -212,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patch", type=Path, action="append", dest="patches",
                         help="apply this patch instead of the project's (repeatable)")
     parser.add_argument("--unpatched", action="store_true",
-                        help="apply no patch: the released kernel")  # fmt: skip
+                        help="apply no patch: the released kernel")
+    parser.add_argument("--portable", action="store_true",
+                        help="any x86-64 host: tests/kernel/portable_shm.h for the "
+                        "AVX-512 reduce, -march=x86-64 (tests and measurements)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: expected 1 or more")
@@ -223,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="sgl-cpu-kernel-") as work:
             library = build(args.checkout.resolve(), args.out.resolve(), args.jobs,
                             Path(work), minimal=not args.full,
-                            patches=patches)  # fmt: skip
+                            patches=patches, portable=args.portable)  # fmt: skip
     except BuildError as exc:
         print(f"build_cpu_kernel: {exc}", file=sys.stderr)
         return 2

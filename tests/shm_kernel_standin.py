@@ -8,8 +8,8 @@ the real one) and makes the same ``/dev/shm`` traffic:
   ``LOCAL_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the C environment
   (``getenv``, as the C++ code does), and sets up shared memory only when
   ``LOCAL_SIZE == size``;
-* ``initialize(int size, int rank, str namespace="", str group="", float timeout=0)
-  -> ()`` (the group schema, upstream_prs/0002): with a namespace, the group's own
+* ``initialize.group(int size, int rank, str namespace, str group, float timeout)
+  -> ()`` (the overload of upstream_prs/0002, beside the released op): the group's own
   segments ``<namespace>_<group>_<rank>``, all ranks set up or none;
 * ``init_cpu_threads_env(str cpu_ids) -> str`` pins the process and sets the
   thread count;
@@ -44,7 +44,7 @@ import mmap
 import os
 import struct
 import time
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 SHM_DIR = "/dev/shm"
 WORKSPACE_BYTES = 65536
@@ -62,8 +62,9 @@ _SEQUENCE = struct.Struct("<q")
 
 SCHEMAS = {
     "released": "initialize(int size, int rank) -> ()",
-    "group": 'initialize(int size, int rank, str namespace="", str group="", '
-    "float timeout=0) -> ()",
+    # upstream_prs/0002: the released op, and an overload for a group
+    "group": "initialize.group(int size, int rank, str namespace, str group, "
+    "float timeout) -> ()",
 }
 
 CALLS: list[dict] = []
@@ -314,9 +315,11 @@ def register(
             f"stand-in already registered ({_state['schema']}); unregister first"
         )
     lib = torch.library.Library("sgl_kernel", "DEF")
-    lib.define(SCHEMAS[schema])
-    impl: Callable = _initialize_released if schema == "released" else _initialize_group
-    lib.impl("initialize", impl, "CompositeExplicitAutograd")
+    lib.define(SCHEMAS["released"])
+    lib.impl("initialize", _initialize_released, "CompositeExplicitAutograd")
+    if schema == "group":
+        lib.define(SCHEMAS["group"])
+        lib.impl("initialize.group", _initialize_group, "CompositeExplicitAutograd")
     if threads_env:
         lib.define("init_cpu_threads_env(str cpu_ids) -> str")
         lib.impl(
