@@ -22,10 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+import fakesys
 import pytest
 import rank_probe
-
-import fakesys
 
 TESTS = Path(__file__).resolve().parent
 FAKES = TESTS / "fakes"
@@ -34,7 +33,7 @@ LAUNCHER = TESTS / "harness" / "launch_ranks.py"
 MOUNTED = ("devices/system/node", "devices/system/cpu", "bus/pci/devices")
 # Mount each fake directory over the real one, then exec the command.
 _MOUNT = (
-    'tree=$1; shift; for d in devices/system/node devices/system/cpu bus/pci/devices; '
+    "tree=$1; shift; for d in devices/system/node devices/system/cpu bus/pci/devices; "
     'do mount --bind "$tree/$d" "/sys/$d" || exit 97; done; exec "$@"'
 )
 

@@ -48,6 +48,7 @@ def format_cpulist(ids: Iterable[int]) -> str:
             spans.append([i, i])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
+
 GIB_KB = 1024 * 1024
 """One GiB in kB, the unit of ``memory_kb``."""
 NVIDIA_VENDOR = "0x10de"

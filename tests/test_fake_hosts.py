@@ -22,10 +22,9 @@ import re
 import tempfile
 from pathlib import Path
 
-import pytest
-
 import fakehost
 import fakesys
+import pytest
 
 REAL = sorted(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(
@@ -111,28 +110,48 @@ def path_without_numactl(directory: Path) -> str:
 
 
 @pytest.fixture(scope="module")
+def two_node_schedulers():
+    """Scheduler ranks (sglang's run_scheduler_process) on the two-node, four-GPU host,
+    in one launching process."""
+    fakehost.require_root()
+    scenarios = [
+        # sglang's gpu_id arithmetic: dp rank d starts at GPU 2d; each dp rank's
+        # thread spawns at once.
+        dict(name="dp2 tp2", engine=cuda(tp_size=2, dp_size=2), threads=True),
+        dict(
+            name="dp2 tp2, SGLANG_SET_CPU_AFFINITY=1",
+            engine=cuda(tp_size=2, dp_size=2),
+            threads=True,
+            env={"SGLANG_SET_CPU_AFFINITY": "1"},
+        ),
+        dict(
+            name="V1",
+            engine=cuda(tp_size=2, base_gpu_id=1),
+            env={"SGLANG_NUMA_BIND_V2": "0"},
+        ),
+    ]
+    for scenario in scenarios:
+        scenario["rank"] = "scheduler"
+    results = fakehost.launch(
+        two_nodes(), {"scenarios": scenarios}, env=fakehost.gpu_env(GPU)
+    )
+    return {result["name"]: result for result in results}
+
+
+@pytest.fixture(scope="module")
 def two_node_host():
-    """One launching process on the two-node, four-GPU host, running every scenario."""
+    """Ranks decided at the spawn (they report at once) on the two-node, four-GPU
+    host, in one launching process."""
     fakehost.require_root()
     with tempfile.TemporaryDirectory(prefix="fake-hosts-") as tmp:
         no_numactl = path_without_numactl(Path(tmp) / "bin")
         in_container = {"FAKE_NVML_GPUS": f"{GPU[1]},{GPU[2]}"}
+        omp = {"SGLANG_CPU_OMP_THREADS_BIND": f"{REAL[1]}|{REAL[0]}"}
         scenarios = [
-            # sglang's gpu_id arithmetic: dp rank d starts at GPU 2d; its threads spawn
-            # at once.
-            dict(name="dp2 tp2", engine=cuda(tp_size=2, dp_size=2), threads=True),
             dict(
-                name="dp2 tp2, SGLANG_SET_CPU_AFFINITY=1",
-                engine=cuda(tp_size=2, dp_size=2),
-                threads=True,
-                env={"SGLANG_SET_CPU_AFFINITY": "1"},
+                name="--numa-node 1 1 0 0",
+                engine=cuda(tp_size=4, numa_node=[1, 1, 0, 0]),
             ),
-            dict(
-                name="V1",
-                engine=cuda(tp_size=2, base_gpu_id=1),
-                env={"SGLANG_NUMA_BIND_V2": "0"},
-            ),
-            dict(name="--numa-node 1 1 0 0", engine=cuda(tp_size=4, numa_node=[1, 1, 0, 0])),
             dict(name="--numa-node 0 7", engine=cuda(tp_size=2, numa_node=[0, 7])),
             dict(name="container", engine=cuda(tp_size=2), env=in_container),
             dict(
@@ -152,9 +171,8 @@ def two_node_host():
                 gpu_ids=[2],
                 env={"PATH": no_numactl, "SGLANG_CRASH_ON_NUMA_BIND_FAILURE": "1"},
             ),
+            dict(name="CPU engine", engine={"device": "cpu", "tp_size": 2}, env=omp),
         ]
-        for scenario in scenarios[:3]:
-            scenario["rank"] = "scheduler"
         results = fakehost.launch(
             two_nodes(), {"scenarios": scenarios}, env=fakehost.gpu_env(GPU)
         )
@@ -162,11 +180,13 @@ def two_node_host():
 
 
 @pytest.mark.parametrize("setting", ["dp2 tp2", "dp2 tp2, SGLANG_SET_CPU_AFFINITY=1"])
-def test_dp_ranks_end_on_their_gpus_node_after_sglangs_setup(two_node_host, setting):
+def test_dp_ranks_end_on_their_gpus_node_after_sglangs_setup(
+    two_node_schedulers, setting
+):
     """dp2 x tp2 through sglang's run_scheduler_process: each rank on its GPU's node once
     configure_scheduler_process has run (upstream's NUMA-blind SGLANG_SET_CPU_AFFINITY
     slice put GPU 2's rank on node 0)."""
-    result = two_node_host[setting]
+    result = two_node_schedulers[setting]
     ranks = by_gpu(result)
     assert sorted(ranks) == [0, 1, 2, 3]
     assert [ranks[g]["dp_rank"] for g in range(4)] == [0, 0, 1, 1]
@@ -178,9 +198,9 @@ def test_dp_ranks_end_on_their_gpus_node_after_sglangs_setup(two_node_host, sett
         assert (report["policy"], report["policy_nodes"]) == ("bind", [0]), report
 
 
-def test_v1_binds_each_rank_in_configure_scheduler_process(two_node_host):
+def test_v1_binds_each_rank_in_configure_scheduler_process(two_node_schedulers):
     """SGLANG_NUMA_BIND_V2=0: the rank binds itself (every thread) in sglang's set-up."""
-    result = two_node_host["V1"]
+    result = two_node_schedulers["V1"]
     ranks = by_gpu(result)
     assert sorted(ranks) == [1, 2]
     for gpu, row in ranks.items():
@@ -228,6 +248,13 @@ def test_missing_numactl_leaves_a_gpu_rank_unbound_with_one_warning(two_node_hos
 def test_missing_numactl_is_an_error_under_crash_on_bind_failure(two_node_host):
     row = by_gpu(two_node_host["no numactl, crash"])[2]
     assert not row["started"] and "numactl" in row.get("error", ""), row
+
+
+def test_a_cpu_engine_on_a_gpu_host_is_placed_by_its_cpu_groups(two_node_host):
+    """--device cpu on a host with GPUs: each rank gets its SGLANG_CPU_OMP_THREADS_BIND
+    group (rank 0 the CPU of node 1, rank 1 that of node 0), not the node of the GPU
+    that shares its index."""
+    assert_on(two_node_host["CPU engine"], {0: NODE_CPU[1], 1: NODE_CPU[0]})
 
 
 def test_sparse_node_ids_are_placed():

@@ -230,7 +230,7 @@ class WarningLog(logging.Handler):
         elif record.name == self._PLACEMENT_LOGGER:
             self.info.append(line)
 
-    def __enter__(self) -> "WarningLog":
+    def __enter__(self) -> WarningLog:
         placement = logging.getLogger(self._PLACEMENT_LOGGER)
         self._level = placement.level
         placement.setLevel(logging.INFO)

@@ -112,7 +112,9 @@ def late_rank_row(rank: str, touch_mb: int, *, bind: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("exec", "unbound", "in-process"), default="exec")
+    parser.add_argument(
+        "--mode", choices=("exec", "unbound", "in-process"), default="exec"
+    )
     parser.add_argument("--ranks", default="cpu0,cpu1,gpu")
     parser.add_argument("--touch-mb", type=int, default=64)
     args = parser.parse_args()
@@ -129,7 +131,11 @@ def main() -> None:
         else:
             row = late_rank_row(rank, args.touch_mb, bind=args.mode == "in-process")
         rows.append({"rank": rank, "node": RANKS[rank], **row})
-    print(json.dumps({"mode": args.mode, "gpu": os.environ["FAKE_NVML_GPUS"], "ranks": rows}))
+    print(
+        json.dumps(
+            {"mode": args.mode, "gpu": os.environ["FAKE_NVML_GPUS"], "ranks": rows}
+        )
+    )
 
 
 if __name__ == "__main__":
