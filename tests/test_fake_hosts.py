@@ -132,9 +132,9 @@ def two_node_schedulers():
     ]
     for scenario in scenarios:
         scenario["rank"] = "scheduler"
-    results = fakehost.launch(
-        two_nodes(), {"scenarios": scenarios}, env=fakehost.gpu_env(GPU)
-    )
+    # Each scheduler rank imports sglang's scheduler module (about 18 s of CPU here).
+    job = {"scenarios": scenarios, "timeout": 900}
+    results = fakehost.launch(two_nodes(), job, env=fakehost.gpu_env(GPU), timeout=1800)
     return {result["name"]: result for result in results}
 
 
@@ -153,6 +153,7 @@ def two_node_host():
                 engine=cuda(tp_size=4, numa_node=[1, 1, 0, 0]),
             ),
             dict(name="--numa-node 0 7", engine=cuda(tp_size=2, numa_node=[0, 7])),
+            dict(name="--numa-node 0", engine=cuda(tp_size=2, numa_node=[0])),
             dict(name="container", engine=cuda(tp_size=2), env=in_container),
             dict(
                 name="container, CUDA_VISIBLE_DEVICES=1,0",
@@ -225,6 +226,14 @@ def test_numa_node_the_host_lacks_is_an_error_before_the_rank_starts(two_node_ho
     assert "7" in ranks[1]["error"], ranks[1]
 
 
+def test_numa_node_list_without_the_gpus_entry_is_an_error(two_node_host):
+    result = two_node_host["--numa-node 0"]
+    assert_on(result, {0: NODE_CPU[0]})
+    ranks = by_gpu(result)
+    assert not ranks[1]["started"], f"{ranks[1]}\n{explain(result)}"
+    assert "--numa-node" in ranks[1].get("error", ""), ranks[1]
+
+
 @pytest.mark.parametrize(
     "setting, nodes",
     [("container", [0, 1]), ("container, CUDA_VISIBLE_DEVICES=1,0", [1, 0])],
@@ -255,6 +264,41 @@ def test_a_cpu_engine_on_a_gpu_host_is_placed_by_its_cpu_groups(two_node_host):
     group (rank 0 the CPU of node 1, rank 1 that of node 0), not the node of the GPU
     that shares its index."""
     assert_on(two_node_host["CPU engine"], {0: NODE_CPU[1], 1: NODE_CPU[0]})
+
+
+@pytest.fixture(scope="module")
+def one_node_of_cpus():
+    """A host whose node 0 holds both of this machine's CPUs and GPUs 0 and 1 (node 1:
+    GPUs 2 and 3, CPUs it lacks); SGLANG_SET_CPU_AFFINITY=1, in one launching process.
+    """
+    fakehost.require_root()
+    host = fakesys.Host(
+        nodes={0: fakesys.NodeSpec(cpus=REAL[:2]), 1: fakesys.NodeSpec(cpus=LACKING)},
+        pci=[fakesys.host_bridge(0)]
+        + [fakesys.PciSpec(gpu, GPU_NODE[i]) for i, gpu in enumerate(GPU)],
+    )
+    slices = {"SGLANG_SET_CPU_AFFINITY": "1"}
+    job = {
+        "scenarios": [
+            dict(name="slices", engine=cuda(tp_size=4), gpu_ids=[0, 1], env=slices),
+            dict(
+                name="slices, one visible GPU per process",
+                engine=cuda(tp_size=4),
+                gpu_ids=[0, 1],
+                env=slices,
+                one_visible_device=True,
+            ),
+        ]
+    }
+    env = fakehost.gpu_env(GPU, CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    return {r["name"]: r for r in fakehost.launch(host, job, env=env)}
+
+
+@pytest.mark.parametrize("setting", ["slices", "slices, one visible GPU per process"])
+def test_set_cpu_affinity_slices_a_node_among_its_gpus(one_node_of_cpus, setting):
+    """GPUs 0 and 1, node 0's GPUs, get one of its CPUs each; also where each spawn
+    sees only its own GPU, as GPU 0 (SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1)."""
+    assert_on(one_node_of_cpus[setting], {0: [REAL[0]], 1: [REAL[1]]})
 
 
 def test_sparse_node_ids_are_placed():

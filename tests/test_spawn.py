@@ -98,7 +98,7 @@ def run_launcher(job: dict, *, env: dict, prefix: tuple[str, ...] = ()) -> list[
         env={**os.environ, **env},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     results = rank_probe.parse_results(done.stdout)
@@ -259,7 +259,8 @@ def test_noexec_tmpdir_the_rank_binds_itself_in_configure_scheduler_process():
                     gpu_ids=[1],
                     rank="scheduler",
                 )
-            ]
+            ],
+            "timeout": 600,
         }
         env = {OMP: f"{REAL[0]}|{REAL[1]}", "TMPDIR": private}
         (result,) = run_launcher(job, env=env, prefix=prefix)

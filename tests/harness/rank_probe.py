@@ -18,6 +18,7 @@ module level. ``observe`` reads only /proc and one system call.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -25,7 +26,7 @@ import os
 import threading
 import types
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 PROBE_MODEL = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tiny_llama"
@@ -211,6 +212,26 @@ def engine_ranks(server_args) -> list[list[Rank]]:
     return groups
 
 
+@contextlib.contextmanager
+def visible_alone(gpu_id: int, narrow: bool) -> Iterator[int]:
+    """With ``narrow``, what the CUDA platform's ``reindex_device_id`` does around a
+    spawn: only GPU ``gpu_id`` visible (its entry of CUDA_VISIBLE_DEVICES, if set), as
+    GPU 0; else ``gpu_id`` as it is."""
+    if not narrow:
+        yield gpu_id
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = saved.split(",") if saved else []
+    os.environ["CUDA_VISIBLE_DEVICES"] = entries[gpu_id] if entries else str(gpu_id)
+    try:
+        yield 0
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
 class WarningLog(logging.Handler):
     """Collects every WARNING (and worse) logged in this process, and numa_utils' INFO
     lines (each rank's placement), as ``messages`` and ``info``."""
@@ -250,13 +271,17 @@ def launch(
     gpu_ids: Optional[Sequence[int]] = None,
     touch_mb: int = 0,
     first_spawn: bool = False,
+    one_visible_device: bool = False,
     timeout: float = 240,
 ) -> list[dict]:
     """Start the engine's ranks (those of ``gpu_ids`` only, when given) each inside
     ``configure_subprocess`` and return, per rank in order, its ``gpu_id``, ranks and
     what it reported (``report``), or the error that kept it from starting
     (``error``). ``rank`` is "report" or "scheduler"; ``threads`` starts each dp
-    rank's ranks from a thread of its own, all at once.
+    rank's ranks from a thread of its own, all at once. ``one_visible_device`` spawns
+    each rank as SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1 has sglang do on a CUDA host
+    (``maybe_reindex_device_id``): CUDA_VISIBLE_DEVICES narrowed to the rank's GPU, which
+    it is given as GPU 0.
 
     A process's first spawn also starts multiprocessing's resource tracker, with the
     spawn executable in force. Unless ``first_spawn``, that tracker is started here
@@ -294,8 +319,9 @@ def launch(
             else:
                 proc = ctx.Process(target=report_rank, args=(writer, touch_mb))
             try:
-                with numa_utils.configure_subprocess(server_args, r.gpu_id):
-                    proc.start()
+                with visible_alone(r.gpu_id, one_visible_device) as gpu_id:
+                    with numa_utils.configure_subprocess(server_args, gpu_id):
+                        proc.start()
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"
             finally:
@@ -398,6 +424,7 @@ def run_scenario(scenario: dict, *, timeout: float) -> dict:
                     gpu_ids=scenario.get("gpu_ids"),
                     touch_mb=scenario.get("touch_mb", 0),
                     first_spawn=scenario.get("first_spawn", False),
+                    one_visible_device=scenario.get("one_visible_device", False),
                     timeout=timeout,
                 )
             except Exception as e:
