@@ -25,6 +25,11 @@ import os
 import statistics
 import sys
 import time
+from multiprocessing import resource_tracker
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "harness"))
+import rank_probe  # noqa: E402  (sglang's ServerArgs for a model config in tests/data)
 
 GOAL = 1.05
 
@@ -66,9 +71,11 @@ def main() -> int:
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
         str(cpus[i % len(cpus)]) for i in range(args.ranks)
     )
-    from sglang.srt.placement_tools import PlanArgs
-
-    server_args = PlanArgs(device="cpu", tp_size=args.ranks)
+    multiprocessing.set_start_method("spawn", force=True)  # as sglang's Engine does
+    # A process's first spawn also starts multiprocessing's resource tracker with the
+    # spawn executable then in force: started here, outside both modes.
+    resource_tracker.ensure_running()
+    server_args = rank_probe.server_args(device="cpu", tp_size=args.ranks)
     times: dict[str, list[float]] = {"placed": [], "upstream": []}
 
     def run(mode: str) -> None:

@@ -13,6 +13,7 @@ CUDA platform with the GPUs the stand-in NVML shows under CUDA_VISIBLE_DEVICES.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -21,17 +22,18 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-import pytest
-
 import fakesys
+import pytest
+import rank_probe
 
 TESTS = Path(__file__).resolve().parent
 FAKES = TESTS / "fakes"
+LAUNCHER = TESTS / "harness" / "launch_ranks.py"
 # The directories a fake tree replaces, relative to both roots.
 MOUNTED = ("devices/system/node", "devices/system/cpu", "bus/pci/devices")
 # Mount each fake directory over the real one, then exec the command.
 _MOUNT = (
-    'tree=$1; shift; for d in devices/system/node devices/system/cpu bus/pci/devices; '
+    "tree=$1; shift; for d in devices/system/node devices/system/cpu bus/pci/devices; "
     'do mount --bind "$tree/$d" "/sys/$d" || exit 97; done; exec "$@"'
 )
 
@@ -67,11 +69,15 @@ def run(
         for directory in MOUNTED:
             (tree / directory).mkdir(parents=True, exist_ok=True)
         # A device's entry links into devices/pci*: copied, as the link would point
-        # into the real /sys/devices once mounted.
+        # into the real /sys/devices once mounted. A vanished device's entry links
+        # to a path nothing is at, in or out of the namespace.
         for link in (tree / "bus/pci/devices").iterdir():
             target = link.resolve()
             link.unlink()
-            shutil.copytree(target, link)
+            if target.is_dir():
+                shutil.copytree(target, link)
+            else:
+                link.symlink_to(Path(root) / "vanished" / link.name)
         full = {**os.environ, **(env or {})}
         paths = [str(FAKES), full.get("PYTHONPATH", "")]
         full["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -92,3 +98,25 @@ def run(
 def python(spec, code: str, *, env=None, timeout: float = 300):
     """Python ``code`` on ``spec``'s host (``run``)."""
     return run(spec, [sys.executable, "-c", code], env=env, timeout=timeout)
+
+
+def launch(
+    spec,
+    job: dict,
+    *,
+    env: Optional[Mapping[str, str]] = None,
+    timeout: float = 600,
+) -> list[dict]:
+    """``job`` (``rank_probe.run_job``: scenarios of ranks spawned as sglang spawns them)
+    run by an engine's launching process on ``spec``'s host; one result per scenario,
+    each with the tail of the launcher's stderr as ``stderr``."""
+    argv = [sys.executable, str(LAUNCHER)]
+    done = run(spec, argv, env=env, timeout=timeout, input=json.dumps(job))
+    if done.returncode != 0:
+        raise AssertionError(
+            f"the launcher exited with {done.returncode}:\n{done.stderr[-4000:]}"
+        )
+    results = rank_probe.parse_results(done.stdout)
+    for result in results:
+        result["stderr"] = done.stderr[-4000:]
+    return results

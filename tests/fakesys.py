@@ -18,7 +18,8 @@ has_normal_memory}``, ``nodeN/{cpulist,cpumap,meminfo,distance}`` (offline CPUs 
 of the node's lists, as x86 does), ``cpuN/cache/index0-3`` (L1d, L1i, L2 per core, L3
 per group) for online CPUs when L3 groups are given (``Shape.l3_per_node``,
 ``Host.l3_groups``; no ``cache`` otherwise, as in a VM), and ``bus/pci/devices/ADDR`` as
-symlinks into ``devices/pciDDDD:BB/ADDR``. With ``Host(numa=False)`` the tree is that of a kernel built
+symlinks into ``devices/pciDDDD:BB/ADDR`` (``PciSpec.missing`` leaves files out, and
+``PciSpec.vanished`` leaves only the link). With ``Host(numa=False)`` the tree is that of a kernel built
 without NUMA: no ``devices/system/node``, no PCI ``numa_node``, and memory described by
 ``devices/system/memory`` blocks of 128 MiB.
 
@@ -37,7 +38,6 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 
-
 def format_cpulist(ids: Iterable[int]) -> str:
     """``0-3,8`` for {0, 1, 2, 3, 8}, as sysfs writes lists of CPUs and nodes."""
     ids, spans = sorted(set(ids)), []
@@ -47,6 +47,7 @@ def format_cpulist(ids: Iterable[int]) -> str:
         else:
             spans.append([i, i])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
 
 GIB_KB = 1024 * 1024
 """One GiB in kB, the unit of ``memory_kb``."""
@@ -79,6 +80,15 @@ class PciSpec:
     vendor: str = NVIDIA_VENDOR
     device: str = H100_DEVICE
     pci_class: str = GPU_CLASS
+    missing: frozenset[str] = frozenset()
+    """Files of the device left unwritten: ``{"class"}`` for a device that sysfs shows
+    without one, ``{"numa_node"}`` for one whose node cannot be read."""
+    vanished: bool = False
+    """Its ``bus/pci/devices`` entry links to a device directory that is gone, as when
+    the device is unplugged while something walks the bus."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "missing", frozenset(self.missing))
 
 
 @dataclass(frozen=True)
@@ -440,11 +450,15 @@ def _write_cpus(root: Path, host: Host) -> None:
         _write(topo / "physical_package_id", str(package))
         _write(topo / "core_id", str(core))
         _write(topo / "die_id", "0")
-        _write(topo / "thread_siblings_list", format_cpulist(siblings))
-        _write(topo / "thread_siblings", _mask(siblings, nr_cpu_ids))
-        _write(topo / "core_cpus_list", format_cpulist(siblings))
-        _write(topo / "core_siblings_list", format_cpulist(package_cpus))
-        _write(topo / "package_cpus_list", format_cpulist(package_cpus))
+        # Each set both ways, a list and a mask, as the kernel writes them (lscpu reads
+        # the masks).
+        for names, cpus in (
+            (("thread_siblings", "core_cpus"), siblings),
+            (("core_siblings", "package_cpus", "die_cpus"), package_cpus),
+        ):
+            for name in names:
+                _write(topo / f"{name}_list", format_cpulist(cpus))
+                _write(topo / name, _mask(cpus, nr_cpu_ids))
         l3 = next((g for g in host.l3_groups if cpu in g), None)
         if l3 is not None:
             _write_caches(
@@ -536,16 +550,23 @@ def _write_pci(root: Path, host: Host) -> None:
     for dev in host.pci:
         domain, bus, _ = dev.address.split(":", 2)
         rel = Path("devices") / f"pci{domain}:{bus}" / dev.address
-        dev_dir = root / rel
+        (links / dev.address).symlink_to(Path("../../..") / rel)
+        if dev.vanished:
+            continue
         node: Optional[NodeSpec] = (
             host.nodes.get(dev.numa_node) if dev.numa_node >= 0 else None
         )
         local = node.cpus & all_cpus if node is not None and node.cpus else all_cpus
+        files = {
+            "vendor": dev.vendor,
+            "device": dev.device,
+            "class": dev.pci_class,
+            "local_cpulist": format_cpulist(local),
+            "local_cpus": _mask(local, nr_cpu_ids),
+        }
         if host.numa:
-            _write(dev_dir / "numa_node", str(dev.numa_node))
-        _write(dev_dir / "vendor", dev.vendor)
-        _write(dev_dir / "device", dev.device)
-        _write(dev_dir / "class", dev.pci_class)
-        _write(dev_dir / "local_cpulist", format_cpulist(local))
-        _write(dev_dir / "local_cpus", _mask(local, nr_cpu_ids))
-        (links / dev.address).symlink_to(Path("../../..") / rel)
+            files["numa_node"] = str(dev.numa_node)
+        for name, text in files.items():
+            if name not in dev.missing:
+                _write(root / rel / name, text)
+        (root / rel).mkdir(parents=True, exist_ok=True)

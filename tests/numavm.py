@@ -14,8 +14,10 @@ is about twenty times slower than here.
                            [--timeout S] -- COMMAND [ARG ...]
 
 exits with the command's status (124 past the deadline). Run as root, the first use
-installs the Debian packages the guest needs; without them the VM tests skip, naming
-them.
+installs the Debian packages the guest needs (qemu-system-x86, busybox-static) and,
+where no kernel is installed, unpacks Debian's current one (linux-image-amd64's) into
+``.venv/numavm-kernel`` without installing it, which would build an initramfs for this
+machine (minutes); without them the VM tests skip, naming them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -41,8 +44,11 @@ import pytest
 PACKAGES = {
     "qemu-system-x86": "qemu-system-x86_64, its firmware and virtio-9p",
     "busybox-static": "a static /bin/busybox for the guest's first process",
-    "linux-image-amd64": "a guest kernel in /boot with its modules",
+    "linux-image-amd64": "a guest kernel with its modules",
 }
+# Without an installed kernel, Debian's current one is unpacked here (not installed:
+# installing a kernel builds an initramfs for this machine, which takes minutes).
+KERNEL_CACHE = Path(__file__).resolve().parents[1] / ".venv" / "numavm-kernel"
 REPO = Path(__file__).resolve().parents[1]
 BUSYBOX = Path("/bin/busybox")
 # Loaded in this order (each after what it needs) before the guest can see its root.
@@ -155,15 +161,18 @@ def is_static(path: Path) -> bool:
 
 
 def guest_kernel() -> Optional[tuple[Path, Path]]:
-    """The newest /boot/vmlinuz-V with its /lib/modules/V."""
+    """The newest installed /boot/vmlinuz-V with its /lib/modules/V, else the one
+    unpacked into KERNEL_CACHE."""
 
     def version(kernel: Path) -> list:
         return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", kernel.name)]
 
-    for kernel in sorted(Path("/boot").glob("vmlinuz-*"), key=version, reverse=True):
-        modules = Path("/lib/modules", kernel.name.removeprefix("vmlinuz-"))
-        if (modules / "modules.dep").is_file() and os.access(kernel, os.R_OK):
-            return kernel, modules
+    for root in (Path("/"), KERNEL_CACHE):
+        kernels = sorted((root / "boot").glob("vmlinuz-*"), key=version, reverse=True)
+        for kernel in kernels:
+            modules = root / "lib/modules" / kernel.name.removeprefix("vmlinuz-")
+            if (modules / "modules.dep").is_file() and os.access(kernel, os.R_OK):
+                return kernel, modules
     return None
 
 
@@ -176,9 +185,105 @@ def missing_packages() -> list[str]:
     return [name for name, present in have.items() if not present]
 
 
+def _module_name(path: str) -> str:
+    return re.sub(r"\.ko(\.xz)?$", "", os.path.basename(path)).replace("-", "_")
+
+
+def _module_depends(data: bytes) -> list[str]:
+    """The modules a module's ``.modinfo`` says it depends on."""
+    if data[:6] == b"\xfd7zXZ\x00":
+        data = lzma.decompress(data)
+    found = re.search(rb"\x00depends=([^\x00]*)\x00", data)
+    return [_module_name(n) for n in found[1].decode().split(",") if n] if found else []
+
+
+def unpack_kernel(deb: Path, into: Path) -> None:
+    """The kernel image of the package ``deb`` and the modules GUEST_MODULES need, under
+    ``into`` (boot/vmlinuz-V, lib/modules/V/kernel/..., and their modules.dep)."""
+    tarball = subprocess.Popen(
+        ["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE
+    )
+    kernels: dict[str, bytes] = {}
+    modules: dict[str, tuple[str, bytes]] = {}  # name -> (path under V, data)
+    with tarfile.open(fileobj=tarball.stdout, mode="r|") as tar:
+        for member in tar:
+            name = member.name.removeprefix("./")
+            if not member.isfile():
+                continue
+            if re.fullmatch(r"boot/vmlinuz-[^/]+", name):
+                kernels[name] = tar.extractfile(member).read()
+            elif re.fullmatch(r"lib/modules/[^/]+/kernel/.+\.ko(\.xz)?", name):
+                modules[_module_name(name)] = (name, tar.extractfile(member).read())
+    if tarball.wait() != 0 or len(kernels) != 1:
+        raise VmUnavailable(f"{deb.name}: no single kernel image in it")
+    ((kernel, image),) = kernels.items()
+    version = kernel.removeprefix("boot/vmlinuz-")
+    needed, deps = list(GUEST_MODULES), {}
+    while needed:
+        name = needed.pop()
+        if name in deps or name not in modules:  # done, or built into the kernel
+            continue
+        deps[name] = [d for d in _module_depends(modules[name][1]) if d in modules]
+        needed.extend(deps[name])
+    order: list[str] = []  # a load order: each module after what it needs
+
+    def load(name: str) -> None:
+        if name not in order:
+            for dep in deps[name]:
+                load(dep)
+            order.append(name)
+
+    for name in deps:
+        load(name)
+
+    def closure(name: str) -> set[str]:
+        return set(deps[name]).union(*(closure(d) for d in deps[name]))
+
+    tree = into / "lib/modules" / version
+    paths = {n: modules[n][0].removeprefix(f"lib/modules/{version}/") for n in deps}
+    lines = []
+    for name in order:
+        (tree / paths[name]).parent.mkdir(parents=True, exist_ok=True)
+        (tree / paths[name]).write_bytes(modules[name][1])
+        # As depmod writes it: every module it needs, the one to load first last.
+        needs = [paths[d] for d in reversed(order) if d in closure(name)]
+        lines.append(f"{paths[name]}: {' '.join(needs)}".rstrip())
+    (tree / "modules.dep").write_text("\n".join(lines) + "\n")
+    (into / "boot").mkdir(parents=True)
+    (into / kernel).write_bytes(image)
+
+
+def fetch_kernel() -> None:
+    """Debian's current kernel (linux-image-amd64's) unpacked into KERNEL_CACHE."""
+    depends = subprocess.run(
+        ["apt-cache", "depends", "linux-image-amd64"], capture_output=True, text=True
+    ).stdout
+    found = re.search(r"Depends: (linux-image-\S+)", depends)
+    if found is None:
+        raise VmUnavailable("apt knows no linux-image-amd64: `apt-get update` first")
+    KERNEL_CACHE.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=KERNEL_CACHE.parent) as tmp:
+        download = subprocess.run(
+            ["apt-get", "-qq", "download", found[1]], cwd=tmp, capture_output=True
+        )
+        debs = list(Path(tmp).glob("*.deb"))
+        if download.returncode != 0 or len(debs) != 1:
+            error = download.stderr.decode(errors="replace").strip()[-300:]
+            raise VmUnavailable(f"`apt-get download {found[1]}` failed: {error}")
+        unpack_kernel(debs[0], Path(tmp) / "kernel")
+        try:
+            os.rename(Path(tmp) / "kernel", KERNEL_CACHE)
+        except OSError as e:
+            raise VmUnavailable(
+                f"{KERNEL_CACHE} holds no usable kernel and cannot be replaced ({e}): "
+                "remove it"
+            )
+
+
 @functools.cache
 def ensure_packages() -> None:
-    """Install what the guest needs from Debian as root; else say what is missing."""
+    """Install what the guest needs from Debian as root (the kernel is only unpacked,
+    into KERNEL_CACHE); else say what is missing."""
     missing = missing_packages()
     if not missing:
         return
@@ -192,7 +297,11 @@ def ensure_packages() -> None:
     print(f"numavm: installing {' '.join(missing)}", file=sys.stderr, flush=True)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     apt = ["apt-get", "-qq", "-o", "DPkg::Lock::Timeout=600"]
-    for step in (["update"], ["install", "-y", "--no-install-recommends", *missing]):
+    install = [name for name in missing if name != "linux-image-amd64"]
+    steps = [["update"]]
+    if install:
+        steps.append(["install", "-y", "--no-install-recommends", *install])
+    for step in steps:
         done = subprocess.run(
             apt + step, env=env, stdin=subprocess.DEVNULL, capture_output=True
         )
@@ -201,6 +310,8 @@ def ensure_packages() -> None:
                 f"the multi-NUMA VM needs {what}; `apt-get {' '.join(step)}` failed "
                 f"({done.stderr.decode(errors='replace').strip()[-300:]}): `{fix}`"
             )
+    if "linux-image-amd64" in missing:
+        fetch_kernel()
     if missing_packages():
         raise VmUnavailable(f"installed {' '.join(missing)}, still missing {what}")
 

@@ -72,8 +72,9 @@ def fake_host_from_environment() -> None:
 
 class _CudaPlatform:
     """Sets ``numa_utils._is_cuda`` once that module is loaded (loading it here would
-    import torch in every interpreter), and gives torch.cuda the device count of the
-    GPUs the stand-in NVML lists under CUDA_VISIBLE_DEVICES."""
+    import torch in every interpreter), and gives ``torch.cuda`` the GPUs the stand-in
+    NVML lists (``FAKE_NVML_GPUS``, tests/fakes/pynvml.py) as the CUDA runtime shows
+    them under CUDA_VISIBLE_DEVICES: their count and each one's PCI address."""
 
     def find_spec(self, name, path, target=None):
         if name != _NUMA_UTILS:
@@ -85,18 +86,46 @@ class _CudaPlatform:
         def exec_module(module):
             load(module)
             module._is_cuda, module._is_xpu = True, False
-            module.torch.cuda.device_count = _visible_gpu_count
+            torch = getattr(module, "torch", None)  # (a module that imports it)
+            if torch is not None:
+                torch.cuda.device_count = _visible_gpu_count
+                torch.cuda.get_device_properties = _device_properties
 
         spec.loader.exec_module = exec_module
         return spec
 
 
+def _driver_gpus() -> list:
+    import os
+
+    return [g for g in os.environ.get("FAKE_NVML_GPUS", "").split(",") if g]
+
+
 def _visible_gpu_count() -> int:
     import os
 
-    gpus = [g for g in os.environ.get("FAKE_NVML_GPUS", "").split(",") if g]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return len(gpus) if visible is None else len([v for v in visible.split(",") if v])
+    if visible is None:
+        return len(_driver_gpus())
+    return len([v for v in visible.split(",") if v.strip()])
+
+
+def _device_properties(device: int):
+    """The PCI location of CUDA device ``device``, as torch's device properties give it."""
+    import torch
+
+    if not 0 <= device < _visible_gpu_count():
+        raise AssertionError("Invalid device id")
+    index = torch.cuda._get_nvml_device_index(device)
+    gpus = _driver_gpus()
+    if not 0 <= index < len(gpus):
+        raise RuntimeError(f"CUDA error: invalid device ordinal {device}")
+    domain, bus, slot = gpus[index].split(":")
+    return types.SimpleNamespace(
+        pci_domain_id=int(domain, 16),
+        pci_bus_id=int(bus, 16),
+        pci_device_id=int(slot.split(".")[0], 16),
+    )
 
 
 install()
