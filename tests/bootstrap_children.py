@@ -30,7 +30,8 @@ Spec keys: ``engine``, ``tp_size``, ``pp_size``, ``tp_rank``, ``pp_rank``, ``por
 instead of the stand-in), ``allreduces`` with ``value_sum`` (that many checked sums
 through the TP group), ``dist_timeout``, and ``at_initialize``: ``"report"`` makes the
 rank report when it calls the kernel's ``initialize``, ``"pause"`` also makes it wait
-there (to be killed) instead of calling it.
+there (to be killed) instead of calling it. With ``BOOTSTRAP_CHILDREN_STEPS=1`` each
+rank writes ``step PID rank R: STEP`` lines to stderr as it goes (``_step``).
 
     python tests/bootstrap_children.py kernel < SPEC.json
 
@@ -113,23 +114,50 @@ def shm_maps() -> list[dict[str, Any]]:
     return sorted(seen.values(), key=lambda m: m["path"])
 
 
-def _at_initialize(key: dict, queue, *, pause: bool) -> None:
-    """Make the rank report when it calls ``sgl_kernel::initialize``; with ``pause`` it
-    then waits there to be killed instead of calling it."""
+def _step(key: dict, name: str) -> None:
+    """With ``BOOTSTRAP_CHILDREN_STEPS=1``, tell stderr this rank reached step ``name``
+    (``start``, ``initialised``: past the kernel's initialize, ``unlinked``: past
+    bootstrap's unlink, ``served``: its sums done), so that whoever kills it knows
+    where it was."""
+    if os.environ.get("BOOTSTRAP_CHILDREN_STEPS") == "1":
+        print(f"step {os.getpid()} rank {key['tp_rank']}: {name}", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+
+def _watch_initialize(key: dict, queue, *, at: Any) -> None:
+    """Wrap ``sgl_kernel::initialize``: with ``at="report"`` the rank reports when it
+    calls it, with ``at="pause"`` it then waits there (to be killed) instead."""
     import torch
 
     real = torch.ops.sgl_kernel.initialize
 
-    class Reporting:
+    class Watched:
         default = real.default  # its schema, for a caller that reads it
 
         def __call__(self, *args: Any) -> Any:
-            queue.put({**key, "pid": os.getpid(), "at_initialize": time.monotonic()})
-            while pause:
+            if at:
+                queue.put(
+                    {**key, "pid": os.getpid(), "at_initialize": time.monotonic()}
+                )
+            while at == "pause":
                 time.sleep(1)
-            return real(*args)
+            result = real(*args)
+            _step(key, "initialised")
+            return result
 
-    torch.ops.sgl_kernel.initialize = Reporting()
+    torch.ops.sgl_kernel.initialize = Watched()
+
+
+def _watch_unlink(bootstrap: Any, key: dict) -> None:
+    unlink = getattr(bootstrap, "_unlink_shm_segment", None)
+    if unlink is None:  # pristine sglang unlinks nothing
+        return
+
+    def watched(path: str) -> None:
+        unlink(path)
+        _step(key, "unlinked")
+
+    bootstrap._unlink_shm_segment = watched
 
 
 def checked_all_reduces(all_reduce: Callable, spec: dict) -> dict:
@@ -179,6 +207,7 @@ def rank_main(spec: dict, queue, stay) -> None:
     event's ``set`` for ever.)"""
     key = {k: spec[k] for k in ("engine", "pp_rank", "tp_rank")}
     _die_with_the_fork_server()
+    _step(key, "start")
     try:
         environ_before = environ_seen()
         logs = _Lines()
@@ -201,8 +230,8 @@ def rank_main(spec: dict, queue, stay) -> None:
         # The AMX gate: bootstrap's flag, and the one is_shm_available reads.
         bootstrap._is_cpu_amx_available = True
         common.cpu_has_amx_support = lambda: True
-        if spec.get("at_initialize"):
-            _at_initialize(key, queue, pause=spec["at_initialize"] == "pause")
+        _watch_initialize(key, queue, at=spec.get("at_initialize"))
+        _watch_unlink(bootstrap, key)
 
         tp_size, pp_size = spec["tp_size"], spec["pp_size"]
         tp_rank, pp_rank = spec["tp_rank"], spec["pp_rank"]
@@ -241,6 +270,8 @@ def rank_main(spec: dict, queue, stay) -> None:
             world_tensor = torch.tensor([value])
             dist.all_reduce(world_tensor)  # WORLD, over gloo
             tp_sum, world_sum = tp_tensor.tolist(), world_tensor.item()
+        all_reduces = checked_all_reduces(group.all_reduce, spec)
+        _step(key, "served")
         calls = [dict(c) for c in kernel.CALLS]
         report = {
             **key,
@@ -265,7 +296,7 @@ def rank_main(spec: dict, queue, stay) -> None:
             ),
             "tp_sum": tp_sum,
             "world_sum": world_sum,
-            "all_reduces": checked_all_reduces(group.all_reduce, spec),
+            "all_reduces": all_reduces,
             "affinity": sorted(os.sched_getaffinity(0)),
             "cpu_s": sum(os.times()[:2]),
             "logs": logs.lines,

@@ -173,13 +173,8 @@ def test_cpu_device_actors_bind_to_their_omp_group(jobs):
     assert sorted(_ray_gpu(r) for r in reports) == [0, 1]
     for report in reports:
         cpu = OMP_GROUPS[_ray_gpu(report)]  # the rank's group, by Ray's GPU id
-        gpu, strategy, _, cpus, _ = _placement(report)
-        assert (gpu, strategy, cpus) == (_ray_gpu(report), "in-process", [cpu])
-        assert {tuple(c) for c in report["thread_cpus"].values()} == {(cpu,)}
-        node = GPU_NODE[0] if cpu == NODE_CPU[0] else GPU_NODE[2]
-        assert report["mempolicy"] == (
-            ["preferred", [0]] if node == 0 else ["default", []]
-        )
+        [node] = [n for n, node_cpu in NODE_CPU.items() if node_cpu == cpu]
+        _assert_bound(report, node)
 
 
 @pytest.mark.xfail(
