@@ -35,9 +35,11 @@ rank writes ``step PID rank R: STEP`` lines to stderr as it goes (``_step``).
 
     python tests/bootstrap_children.py kernel < SPEC.json
 
-is one rank on a built kernel without bootstrap: the two-argument ``initialize`` from
-the environment, then ``allreduces`` checked sums straight through ``shm_allreduce``;
-it prints one JSON line and exits once stdin closes.
+is one rank on a built kernel without bootstrap: ``initialize.group`` with a spec's
+``group`` (under the namespace bootstrap gives the engine on ``port``), else the
+two-argument ``initialize`` from the environment, then ``allreduces`` checked sums
+straight through ``shm_allreduce``; it prints one JSON line and exits once stdin
+closes.
 """
 
 from __future__ import annotations
@@ -73,7 +75,11 @@ _PRELOAD = [
     "sglang.srt.arg_groups.pipeline",  # what publish imports: the model configs
 ]
 _PR_SET_PDEATHSIG = 1
-_SHM_MARKS = ("/dev/shm/deepspeed_allreduce_buffer_", "/dev/shm/sglang_ar_")
+_SHM_MARKS = (
+    "/dev/shm/deepspeed_allreduce_buffer_",
+    "/dev/shm/sglang_ar_",
+    "/dev/shm/#",
+)
 
 
 class _Lines(logging.Handler):
@@ -93,9 +99,10 @@ def environ_seen() -> dict[str, dict[str, Any]]:
     }
 
 
-def shm_maps() -> list[dict[str, Any]]:
-    """The collective's /dev/shm segments this process maps: path (without the
-    " (deleted)" the kernel appends once the name is gone), device, inode, deleted."""
+def shm_files() -> list[dict[str, Any]]:
+    """The collective's /dev/shm segments this process maps, each once: its path
+    without the " (deleted)" the kernel appends once the name is gone ("/dev/shm/#N"
+    for one made with O_TMPFILE), device, inode, and whether it was deleted."""
     seen = {}
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -104,14 +111,21 @@ def shm_maps() -> list[dict[str, Any]]:
                 continue
             path = fields[5].rstrip("\n")
             deleted = path.endswith(" (deleted)")
-            path = path[: -len(" (deleted)")] if deleted else path
+            path = path.removesuffix(" (deleted)")
             seen[(fields[3], int(fields[4]))] = {
                 "path": path,
                 "dev": fields[3],
                 "inode": int(fields[4]),
                 "deleted": deleted,
             }
-    return sorted(seen.values(), key=lambda m: m["path"])
+    return sorted(seen.values(), key=lambda m: (m["path"], m["inode"]))
+
+
+def shm_maps() -> list[str]:
+    """The same segments as /proc/self/maps names them (" (deleted)" and all)."""
+    return sorted(
+        {f["path"] + (" (deleted)" if f["deleted"] else "") for f in shm_files()}
+    )
 
 
 def _step(key: dict, name: str) -> None:
@@ -125,26 +139,32 @@ def _step(key: dict, name: str) -> None:
 
 
 def _watch_initialize(key: dict, queue, *, at: Any) -> None:
-    """Wrap ``sgl_kernel::initialize``: with ``at="report"`` the rank reports when it
-    calls it, with ``at="pause"`` it then waits there (to be killed) instead."""
+    """Wrap ``sgl_kernel::initialize`` (and its ``group`` overload, where the kernel has
+    one): with ``at="report"`` the rank reports when it calls it, with ``at="pause"``
+    it then waits there (to be killed) instead. Everything else (``default``,
+    ``overloads()``, which bootstrap asks) is the op's own."""
     import torch
 
     real = torch.ops.sgl_kernel.initialize
 
+    def watched(call: Any, *args: Any) -> Any:
+        if at:
+            queue.put({**key, "pid": os.getpid(), "at_initialize": time.monotonic()})
+        while at == "pause":
+            time.sleep(1)
+        result = call(*args)
+        _step(key, "initialised")
+        return result
+
     class Watched:
-        default = real.default  # its schema, for a caller that reads it
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
 
         def __call__(self, *args: Any) -> Any:
-            if at:
-                queue.put(
-                    {**key, "pid": os.getpid(), "at_initialize": time.monotonic()}
-                )
-            while at == "pause":
-                time.sleep(1)
-            result = real(*args)
-            _step(key, "initialised")
-            return result
+            return watched(real, *args)
 
+    if "group" in real.overloads():
+        Watched.group = staticmethod(lambda *args: watched(real.group, *args))
     torch.ops.sgl_kernel.initialize = Watched()
 
 
@@ -259,7 +279,7 @@ def rank_main(spec: dict, queue, stay) -> None:
         )
         named_after_init = bool(segment) and os.path.exists(segment)
         dist.barrier()  # every rank of the engine is past init_parallel_runtime
-        maps = shm_maps()
+        files, maps = shm_files(), shm_maps()
 
         group = get_tp_group()
         tp_sum = world_sum = None
@@ -284,6 +304,7 @@ def rank_main(spec: dict, queue, stay) -> None:
             # after the same TP barrier, so theirs may still be there then).
             "named_after_init": named_after_init,
             "shm_maps": maps,
+            "shm_files": files,
             "environ_before": environ_before,
             "environ_after": environ_after,
             "group": {
@@ -361,15 +382,27 @@ def run_ranks(
 
 
 def kernel_rank(spec: dict) -> dict:
-    """One rank on a built kernel, without bootstrap: the two-argument ``initialize``
-    from the environment, then its checked sums through ``shm_allreduce``."""
+    """One rank on a built kernel, without bootstrap: with a ``"group"`` (and
+    ``"port"``, ``"timeout"``), ``initialize.group`` under the namespace bootstrap
+    gives the engine on that port; else the two-argument ``initialize`` from the
+    environment. Then its checked sums straight through ``shm_allreduce``."""
     import torch
 
     torch.ops.load_library(spec["kernel"])
     started = time.monotonic()
     report: dict = {"rank": spec["tp_rank"]}
     try:
-        torch.ops.sgl_kernel.initialize(spec["tp_size"], spec["tp_rank"])
+        if "group" in spec:
+            namespace = f"sglang_ar_{os.getuid()}_127.0.0.1_{spec['port']}"
+            torch.ops.sgl_kernel.initialize.group(
+                spec["tp_size"],
+                spec["tp_rank"],
+                namespace,
+                spec["group"],
+                float(spec["timeout"]),
+            )
+        else:
+            torch.ops.sgl_kernel.initialize(spec["tp_size"], spec["tp_rank"])
     except RuntimeError as exc:
         report["error"] = str(exc)
     report["wall_s"] = time.monotonic() - started

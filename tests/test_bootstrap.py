@@ -65,7 +65,7 @@ def _segment(addr: str, port: int, rank: int) -> str:
 
 
 def _inodes(report: dict) -> set[tuple[str, int]]:
-    return {(m["dev"], m["inode"]) for m in report["shm_maps"]}
+    return {(m["dev"], m["inode"]) for m in report["shm_files"]}
 
 
 def _stage(report: dict) -> tuple[int, int]:
@@ -96,8 +96,8 @@ def test_colocated_engines_and_stages_map_their_own_segments_and_leave_none(port
             assert report["named_after_init"] is False  # unlinked by bootstrap
             # It maps its stage's segments, one per TP rank, every one unlinked.
             expected = sorted(_segment(addr, port, r) for r in range(tp_size))
-            assert [m["path"] for m in report["shm_maps"]] == expected
-            assert all(m["deleted"] for m in report["shm_maps"])
+            assert [m["path"] for m in report["shm_files"]] == expected
+            assert all(m["deleted"] for m in report["shm_files"])
             # The ranks of a stage map the same files; no other rank maps any.
             peers = by_stage[_stage(report)]
             assert all(_inodes(p) == _inodes(report) for p in peers)
@@ -150,7 +150,7 @@ def test_before_the_change_inherited_master_env_names_one_set_of_segments_for_al
         )
         assert report["segment"] == _segment(HOST, inherited_port, report["tp_rank"])
         assert report["named_after_init"] is True
-        assert not any(m["deleted"] for m in report["shm_maps"])
+        assert not any(m["deleted"] for m in report["shm_files"])
     # TP rank 0 of the TP 2 engine and both stages of the other map one file.
     [shared] = set.intersection(*(_inodes(r) for r in reports if r["tp_rank"] == 0))
     assert len({_stage(r) for r in reports if shared in _inodes(r)}) == 3

@@ -4,8 +4,7 @@ Without a cluster: one interpreter on a fake host of two NUMA nodes (4 cores eac
 GPUs 0 and 1 on node 0; this machine's two CPUs are node 0's first two) asks
 ``resolve_placement`` for a spawned rank (``CUDA_VISIBLE_DEVICES`` unset) and for a
 Ray actor, as ``bind_scheduler_process`` does in the actor, under what Ray gives an
-actor by default: ``CUDA_VISIBLE_DEVICES`` narrowed to its one GPU. Two tests are
-strict xfails: they assert the rule where the core breaks it today.
+actor by default: ``CUDA_VISIBLE_DEVICES`` narrowed to its one GPU.
 """
 
 from __future__ import annotations
@@ -68,11 +67,6 @@ def test_a_spawned_rank_gets_its_gpus_share_of_the_node(placed):
     assert placed["share"]["spawned"] == [["exec", 0, [0]], ["exec", 0, [1]]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: under Ray's narrowed CUDA_VISIBLE_DEVICES the actor counts one GPU "
-    "on its node, so SGLANG_SET_CPU_AFFINITY gives it the whole node",
-)
 def test_set_cpu_affinity_gives_a_narrowed_actor_the_share_a_spawned_rank_gets(
     placed,
 ):
@@ -80,12 +74,6 @@ def test_set_cpu_affinity_gives_a_narrowed_actor_the_share_a_spawned_rank_gets(
     assert [cpus for _, _, cpus in placed["share"]["ray"]] == spawned
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: resolve_placement(ray_actor=True) skips _check_listed_node: an actor "
-    "given a node the host lacks binds to no CPU, silently, or with "
-    "SGLANG_SET_CPU_AFFINITY=1 dies of a ZeroDivisionError in _cpu_share",
-)
 def test_a_numa_node_the_host_lacks_is_the_same_error_for_an_actor(placed):
     outcomes = placed["missing_node"]
     for affinity in (False, True):

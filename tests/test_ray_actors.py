@@ -177,11 +177,6 @@ def test_cpu_device_actors_bind_to_their_omp_group(jobs):
         _assert_bound(report, node)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: a CPU-device actor is placed by Ray's GPU id but publishes the CUDA "
-    "index (0 under Ray's narrowing), which bootstrap's init_threads_binding reads",
-)
 def test_bootstrap_gives_a_cpu_actors_openmp_threads_the_group_it_bound_itself_to(
     jobs,
 ):
