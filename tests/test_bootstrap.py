@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator
 
 import pytest
 from bootstrap_engines import SHM, _free_ports, _signal_and_wait, run_ranks, serving
@@ -32,15 +34,33 @@ def _names(*ports: int) -> list[str]:
     )
 
 
-@pytest.fixture
-def ports():
-    """Ports of a test's engines and of the inherited MASTER_PORT; the collective's
-    names of them left in /dev/shm (the pristine package never unlinks) go after."""
-    used = _free_ports(3)
-    yield used
-    for name in _names(*used):
+def _remove_left(ports: list[int]) -> None:
+    for name in _names(*ports):
         if name.startswith(f"deepspeed_allreduce_buffer_{UID}_"):
             (SHM / name).unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def all_ports() -> Iterator[list[int]]:
+    """Ports for both tests' engines and inherited MASTER_PORTs, chosen at once (the
+    pristine engines start while the other test runs); the collective's names of
+    them left in /dev/shm (the pristine package never unlinks) go after."""
+    used = _free_ports(6)
+    yield used
+    _remove_left(used)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pristine(all_ports) -> Iterator[Future]:
+    """The pristine engines, started with the module: the two tests' engines set up
+    side by side (each driver imports sglang on one core)."""
+    tp2_port, pp2_port, inherited_port = all_ports[3:]
+    # No sums: a rank of one engine may rewrite a file while another sums through it.
+    specs = [{**spec, "sums": False} for spec in _engines(tp2_port, pp2_port)]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool.submit(
+            run_ranks, specs, pristine=True, environ=_inherited(inherited_port)
+        )
 
 
 def _engines(tp2_port: int, pp2_port: int) -> list[dict]:
@@ -72,7 +92,10 @@ def _stage(report: dict) -> tuple[int, int]:
     return report["engine"], report["pp_rank"]
 
 
-def test_colocated_engines_and_stages_map_their_own_segments_and_leave_none(ports):
+def test_colocated_engines_and_stages_map_their_own_segments_and_leave_none(
+    all_ports,
+):
+    ports = all_ports[:3]
     tp2_port, pp2_port, inherited_port = ports
     inherited = _inherited(inherited_port)
     with serving(_engines(tp2_port, pp2_port), environ=inherited) as reports:
@@ -134,14 +157,12 @@ def test_colocated_engines_and_stages_map_their_own_segments_and_leave_none(port
 
 
 def test_before_the_change_inherited_master_env_names_one_set_of_segments_for_all(
-    ports,
+    all_ports, pristine
 ):
     """The same two engines on pristine sglang 0.5.23: what the test above rules out."""
-    tp2_port, pp2_port, inherited_port = ports
-    inherited = _inherited(inherited_port)
-    # No sums: a rank of one engine may rewrite a file while another sums through it.
-    specs = [{**spec, "sums": False} for spec in _engines(tp2_port, pp2_port)]
-    reports = run_ranks(specs, pristine=True, environ=inherited)
+    ports = all_ports[3:]
+    inherited_port = ports[2]
+    reports = pristine.result()
     for report in reports:
         [init] = [c for c in report["calls"] if c["op"] == "initialize"]
         assert (init["env"]["MASTER_ADDR"], init["env"]["MASTER_PORT"]) == (
