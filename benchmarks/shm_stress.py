@@ -1,18 +1,17 @@
 """What a CPU engine killed at a random point of set-up, or after it, leaves in /dev/shm.
 
-    SGLANG_PRISTINE_DIR=$PWD/.venv/pristine .venv/bin/python benchmarks/shm_stress.py \
-        [--trials 10] [--seed 1]
+    .venv/bin/python benchmarks/shm_stress.py [--trials 10] [--seed 1]
 
 Each trial starts a TP 2 CPU engine through bootstrap's real path (the ranks of
-``tests/bootstrap_children.py``, with the stand-in kernel), SIGKILLs the whole engine
-(every rank) at a random point: right after, or up to 0.5 s after, a step drawn at
-random (a rank's start, ``initialize`` done, the unlink, the all-reduces done), and
-counts the engine's names left in ``/dev/shm``. The step reached is the
-least advanced rank's, from the log lines the ranks print right after each step: ``start``
-(before or in ``initialize``), ``initialised`` (past ``initialize``, the groups not
-built yet), ``unlinked``, ``served`` (all-reduces done). When names are left, the
-next engine on that address runs to the end, and the names left after it are
-counted too.
+``tests/bootstrap_children.py``, on ``tests/bootstrap_standin_kernel.py``), SIGKILLs
+the whole engine (every rank) at a random point: right after, or up to 0.5 s after,
+a step drawn at random (a rank's start, ``initialize`` done, the unlink, the sums
+done), and counts the engine's names left in ``/dev/shm``. The step reached is the
+least advanced rank's, from the lines the ranks print right after each step
+(``BOOTSTRAP_CHILDREN_STEPS=1``): ``start`` (before or in ``initialize``),
+``initialised`` (past ``initialize``, the groups not built yet), ``unlinked``,
+``served``. When names are left, the next engine on that address runs to the end,
+and the names left after it are counted too.
 """
 
 from __future__ import annotations
@@ -34,12 +33,7 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 DRIVER = TESTS / "bootstrap_children.py"
 SHM = Path("/dev/shm")
 STEPS = ("not started", "start", "initialised", "unlinked", "served")
-_MARKS = {
-    ": start": "start",
-    ": CPU shared-memory collective initialised": "initialised",
-    ": unlinked": "unlinked",
-    ": served": "served",
-}
+_MARKS = {f": {step}": step for step in STEPS[1:]}
 
 
 def _free_port() -> int:
@@ -54,7 +48,7 @@ def _free_port() -> int:
 def _specs(port: int) -> list[dict]:
     return [
         {"engine": 0, "tp_size": 2, "pp_size": 1, "tp_rank": r, "pp_rank": 0,
-         "port": port, "schema": "released", "value": 1 + r}
+         "port": port, "value": 1 + r}
         for r in range(2)
     ]  # fmt: skip
 
@@ -66,8 +60,8 @@ def _env() -> dict:
         SGLANG_CPU_OMP_THREADS_BIND="|".join(str(cpus[i % len(cpus)]) for i in (0, 1)),
         SGLANG_NCCL_SO_PATH="/nonexistent/libnccl.so.2",
         HF_HUB_OFFLINE="1",
-        PYTHONPATH=str(TESTS / "harness"),
-        SHM_STANDIN_PEER_DEADLINE_S="300",
+        PYTHONPATH=os.pathsep.join([str(TESTS / "harness"), str(TESTS)]),
+        SHM_STANDIN_DEADLINE_S="300",
         BOOTSTRAP_CHILDREN_STEPS="1",
     )
     return env

@@ -1,294 +1,355 @@
-"""Ray clusters of fake GPU nodes for the Ray tests: the session's local cluster, and one raylet per node.
+"""A local Ray cluster of several raylets on a fake two-node GPU host, and sglang's own
+scheduler actors on it; for tests/test_ray_actors.py.
 
-``session_cluster`` starts the local cluster every Ray test of a session
-shares (``tests/conftest.py::ray_cluster``): 2 CPUs, 4 declared GPUs, and a
-fake /sys of three NUMA nodes (``two_numa_nodes``) whose GPUs sit on two of them.
+``run_plan(plan)`` runs this script inside a mount namespace whose /sys is the fake
+host (``tests/fakehost.py``), so that the whole cluster (GCS, every raylet, every
+worker) reads it::
 
-Run as a script (``running_cluster`` does), it holds a multi-node cluster:
-python tests/ray_gpu_cluster.py DIR GPUS_OF_NODE_0 [GPUS_OF_NODE_1 ...]
-where GPUS_OF_NODE_n is a comma-separated list of GPU numbers (``fakesys.gpu_address``), e.g. ``0,1,2,3``.
+    python tests/ray_gpu_cluster.py cluster < PLAN.json
 
-Each node's tree (DIR/nodeN) holds this host's allowed CPUs on NUMA node 0
-(padded with CPUs this host lacks to 8), a second node of 4 CPUs this host
-lacks, and the node's GPUs on node 0, at PCI addresses only that node has. Its
-raylet is started with ``fake_host_env`` pointing there and declares as many
-GPUs. The script prints one JSON line (address, and per node: id, tree, GPU
-PCI addresses), then holds the cluster until its stdin closes, and shuts down
-only the nodes it started. Set RAY_TMPDIR to a private directory: a Cluster
-records its address there, where a plain ``ray.init()`` of anyone on this
-machine would otherwise join it.
+The host (``two_node_host``): NUMA node 0 holds this machine's first allowed CPU, a
+CPU it lacks and GPUs 0 and 1; node 1 its second allowed CPU, a CPU it lacks and
+GPUs 2 and 3. A rank bound to a node therefore runs on that node's one real CPU, so
+a rank placed by the wrong GPU runs on the wrong CPU. Only node 0 has memory here.
+
+The script starts ``ray.cluster_utils.Cluster`` with one raylet per entry of
+``plan["raylets"]`` (the first is the head): its declared GPUs, its environment (the
+GPUs the stand-in NVML lists, its CUDA_VISIBLE_DEVICES) and a resource
+``raylet_<name>`` that pins a bundle to it. It then runs every job of the plan at
+once (one after another with ``"concurrent": false``), each in a driver of its own
+(``python tests/ray_gpu_cluster.py job``) on the sglang package the job names (the
+overlaid one, or ``.venv/pristine``), and prints one JSON line: each job's actor
+reports, and timings. A job connects with its own
+``runtime_env`` (its settings, its PYTHONPATH, ``ray_scheduler_standin``'s setup
+hook), reserves one placement group with a bundle per raylet it uses (all or nothing,
+so jobs waiting for the same GPUs queue instead of deadlocking), creates its actors
+with sglang's own ``_create_scheduler_actor`` (``ray_upstream``: the function, not
+the engine module, which imports the whole model stack), collects each ``get_info``
+(or the error), then kills its actors and removes its group. Ray's files go under
+RAY_TMPDIR, a private directory the caller makes; the script shuts its cluster down
+itself, never with ``ray stop``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
-import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
-import fakesys
+HERE = Path(__file__).resolve().parent
+HARNESS = HERE / "harness"
+FAKES = HERE / "fakes"
+TINY_MODEL = str(HERE / "data" / "tiny_llama")
+PRISTINE = Path(
+    os.environ.get("SGLANG_PRISTINE_DIR") or HERE.parent / ".venv" / "pristine"
+)
+SETUP_HOOK = "ray_scheduler_standin.install"
+GPU_NODE = {0: 0, 1: 0, 2: 1, 3: 1}
+"""The NUMA node of host GPU i."""
+DEADLINE_S = int(os.environ.get("RAY_GPU_CLUSTER_DEADLINE_S", "420"))
+"""The script's own limit: past it, it shuts its cluster down and fails."""
+OBJECT_STORE_BYTES = 80 * 1024 * 1024
 
-CPUS_ON_GPU_NODE = 8
+
+def two_node_host(real_cpus: list[int]) -> Any:
+    import fakesys
+
+    if len(real_cpus) < 2:
+        raise RuntimeError(
+            f"the Ray tests need a process allowed on two CPUs, this one has {real_cpus}"
+        )
+    lacking = max(real_cpus) + 1
+    nodes = {
+        node: fakesys.NodeSpec(cpus=[real_cpus[node], lacking + node])
+        for node in (0, 1)
+    }
+    gpus = [fakesys.PciSpec(fakesys.gpu_address(g), n) for g, n in GPU_NODE.items()]
+    return fakesys.Host(nodes=nodes, pci=[fakesys.host_bridge(0), *gpus])
 
 
-def tree_spec(gpus: list[int]) -> fakesys.Host:
-    """This host's allowed CPUs (padded to 8) and ``gpus`` on node 0, and a GPU-less node 1 of CPUs it lacks."""
-    real = sorted(os.sched_getaffinity(0))
-    lacking = itertools.count(max(real) + 1)
-    node0 = real + [next(lacking) for _ in range(CPUS_ON_GPU_NODE - len(real))]
-    node1 = [next(lacking) for _ in range(4)]
-    return fakesys.Host(
-        nodes={0: fakesys.NodeSpec(cpus=node0), 1: fakesys.NodeSpec(cpus=node1)},
-        pci=[fakesys.host_bridge(0)]
-        + [fakesys.PciSpec(fakesys.gpu_address(g), 0) for g in gpus],
+def nvml_gpus(gpus: list[int]) -> str:
+    """FAKE_NVML_GPUS for a raylet whose NVML lists host GPUs ``gpus``, in this order."""
+    import fakesys
+
+    return ",".join(fakesys.gpu_address(g) for g in gpus)
+
+
+def pythonpath(package: str) -> str:
+    """The path of a process on ``package`` ("overlaid" or "pristine") with the test
+    harness: the stand-in NVML first, sglang without its __init__, these helpers."""
+    paths = [str(FAKES), str(HARNESS), str(HERE)]
+    if package == "pristine":
+        paths.insert(0, str(PRISTINE))
+    elif package != "overlaid":
+        raise ValueError(f"package {package!r}: expected 'overlaid' or 'pristine'")
+    return os.pathsep.join(paths)
+
+
+# --------------------------------------------------------------------- a job's driver
+
+
+def run_job(job: dict) -> list[dict]:
+    """One job: its placement group, its actors, their reports (or errors); nothing
+    of it is left in the cluster afterwards."""
+    import ray
+    import sglang_light
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray_upstream import functions_from_source
+
+    from sglang.srt.server_args import ServerArgs
+
+    sglang_light.bare_package("sglang.srt.ray")  # its __init__ imports the engine
+    engine = functions_from_source(
+        "sglang.srt.ray.engine", ("_create_scheduler_actor",)
     )
-
-
-def fake_host_env(tree: str) -> dict[str, str]:
-    """What makes a raylet's workers see ``tree`` as their host's sysfs, on a CUDA platform (the test harness
-    reads these; see tests/harness/sitecustomize.py)."""
-    return {"PLACEMENT_TESTS_SYSFS": str(tree), "PLACEMENT_TESTS_PLATFORM": "cuda"}
-
-
-def main() -> None:
-    from ray.cluster_utils import Cluster
-
-    directory, *per_node = sys.argv[1:]
-    nodes = [[int(g) for g in spec.split(",")] for spec in per_node]
-    trees = [
-        str(fakesys.write_sysfs(os.path.join(directory, f"node{i}"), tree_spec(gpus)))
-        for i, gpus in enumerate(nodes)
-    ]
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "num_gpus": len(nodes[0]),
-            "env_vars": fake_host_env(trees[0]),
-            "include_dashboard": False,
-        },
+    env_vars = {**job.get("env_vars", {}), "PYTHONPATH": pythonpath(job["package"])}
+    ray.init(
+        address=os.environ["RAY_ADDRESS"],
+        runtime_env={"worker_process_setup_hook": SETUP_HOOK, "env_vars": env_vars},
+        configure_logging=False,
+        log_to_driver=False,
     )
     try:
-        started = [cluster.head_node]
-        for gpus, tree in zip(nodes[1:], trees[1:]):
-            started.append(
-                cluster.add_node(
-                    num_cpus=1, num_gpus=len(gpus), env_vars=fake_host_env(tree)
+        raylets = sorted({a["raylet"] for a in job["actors"]})
+        bundles = [
+            {"GPU": sum(a["raylet"] == r for a in job["actors"]), f"raylet_{r}": 1}
+            for r in raylets
+        ]
+        pg = placement_group(bundles, strategy="PACK")
+        ray.get(pg.ready(), timeout=DEADLINE_S)
+        actors = []
+        try:
+            for spec in job["actors"]:
+                actors.append(
+                    engine._create_scheduler_actor(
+                        pg=pg,
+                        bundle_idx=raylets.index(spec["raylet"]),
+                        gpu_id=0,  # RayEngine's for a custom group; Ray picks the GPU
+                        server_args=ServerArgs(
+                            model_path=TINY_MODEL, **job["server_args"]
+                        ),
+                        port_args=None,
+                        tp_rank=spec["tp_rank"],
+                        pp_rank=0,
+                        dp_rank=0,
+                        dist_init_addr="127.0.0.1:29999",
+                        rank0_node_ip="127.0.0.1",
+                    )
                 )
-            )
-        cluster.wait_for_nodes()
-        print(
-            json.dumps(
-                {
-                    "address": cluster.address,
-                    "nodes": [
-                        {
-                            "node_id": node.node_id,
-                            "tree": tree,
-                            "gpus": [fakesys.gpu_address(g) for g in gpus],
-                        }
-                        for node, tree, gpus in zip(started, trees, nodes)
-                    ],
-                }
-            ),
-            flush=True,
-        )
-        sys.stdin.read()
+            reports = []
+            for spec, actor in zip(job["actors"], actors):
+                try:
+                    info = ray.get(actor.get_info.remote(), timeout=DEADLINE_S)
+                except ray.exceptions.RayError as exc:  # the test judges it
+                    info = {"error": str(exc)}
+                reports.append({**spec, **info})
+            return reports
+        finally:
+            for actor in actors:
+                ray.kill(actor)
+            remove_placement_group(pg)
     finally:
-        cluster.shutdown()
+        ray.shutdown()
 
 
-# --------------------------------------------------------------------------- for the tests
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-PYTHONPATH = os.pathsep.join([os.path.join(HERE, "harness"), HERE])
-"""The tests' helper modules, and the harness that keeps each interpreter from running sglang's own __init__."""
-START_TIMEOUT_S = 90.0
+def job_main() -> None:
+    started = time.monotonic()
+    reports = run_job(json.loads(sys.stdin.read()))
+    print(json.dumps({"reports": reports, "seconds": time.monotonic() - started}))
 
 
-def ray_test_env(ray_tmpdir: str) -> dict[str, str]:
-    """The environment of a test's Ray processes: this checkout importable, Ray's files under ``ray_tmpdir``,
-    no inherited RAY_ADDRESS, and no Ray OOM killer (on a shared machine it reacts to others' memory).
-    """
+# ------------------------------------------------------------------ the cluster holder
+
+
+def complete_fake_topology() -> list[str]:
+    """Write each CPU's ``topology/core_siblings`` mask where the fake tree lacks it
+    (a live kernel always has it; lscpu, which sglang's ``get_cpu_ids_by_node`` runs,
+    dies with SIGSEGV without it), from the tree's own ``core_siblings_list``. Only
+    a missing file is written, so a live /sys is never touched."""
+    written = []
+    for topology in sorted(Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology")):
+        mask_file = topology / "core_siblings"
+        listed = topology / "core_siblings_list"
+        if mask_file.exists() or not listed.exists():
+            continue
+        mask = 0
+        for part in listed.read_text().strip().split(","):
+            first, _, last = part.partition("-")
+            for cpu in range(int(first), int(last or first) + 1):
+                mask |= 1 << cpu
+        width = len((topology / "thread_siblings").read_text().strip().split(","))
+        words = [f"{(mask >> (32 * i)) & 0xFFFFFFFF:08x}" for i in range(width)]
+        mask_file.write_text(",".join(reversed(words)) + "\n")
+        written.append(str(mask_file))
+    return written
+
+
+def _raylet_args(raylet: dict) -> dict:
+    # No CPUs: actors and bundles ask none, and a raylet starts no idle worker for
+    # CPU tasks (about 2 s of CPU each, for nothing).
+    return {
+        "num_cpus": 0,
+        "num_gpus": raylet["num_gpus"],
+        "resources": {f"raylet_{raylet['name']}": 100},
+        "env_vars": raylet["env"],
+        "object_store_memory": OBJECT_STORE_BYTES,
+    }
+
+
+def _drive(job: dict, *, address: str, started: list) -> dict:
     env = {
         **os.environ,
-        "PYTHONPATH": PYTHONPATH,
-        "RAY_TMPDIR": ray_tmpdir,
-        "RAY_memory_monitor_refresh_ms": "0",
+        "PYTHONPATH": pythonpath(job["package"]),
+        "RAY_ADDRESS": address,
     }
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-@contextlib.contextmanager
-def running_cluster(*gpus_per_node: str) -> Iterator[dict]:
-    """Run this script for nodes with ``gpus_per_node`` (e.g. "0,1", "2,3"); yields its JSON plus ``env``, the
-    environment under which a driver joins it (RAY_ADDRESS, and the same private RAY_TMPDIR).
-    """
-    # A short private directory: Ray's socket paths under it must stay within 107 characters.
-    directory = tempfile.mkdtemp(prefix="sglr-", dir="/tmp")
-    env = ray_test_env(directory)
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.abspath(__file__),
-            os.path.join(directory, "trees"),
-            *gpus_per_node,
-        ],
+    driver = subprocess.Popen(
+        [sys.executable, __file__, "job"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
     )
-    try:
-        ready, _, _ = select.select([holder.stdout], [], [], START_TIMEOUT_S)
-        line = holder.stdout.readline() if ready else ""
-        if not line:
-            holder.kill()
-            raise RuntimeError(
-                f"the test cluster did not start within {START_TIMEOUT_S:.0f} s: "
-                f"{holder.communicate(timeout=30)[1][-3000:]}"
-            )
-        info = json.loads(line)
-        info["env"] = {**env, "RAY_ADDRESS": info["address"]}
-        yield info
-    finally:
-        try:
-            holder.communicate(input="", timeout=60)
-        except subprocess.TimeoutExpired:
-            holder.kill()
-            holder.communicate()
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-SESSION_GPUS = 4
-GPU_NODE = {0: 0, 1: 0, 2: 1, 3: 1}
-"""The NUMA node of each GPU of ``two_numa_nodes``."""
-NO_CPU_NODE = 2
-"""A node of ``two_numa_nodes`` whose CPUs this host lacks: binding to it cannot work here."""
-
-
-def two_numa_nodes() -> fakesys.Host:
-    """Node 0: this host's first allowed CPU (and one it lacks), GPUs 0 and 1; node 1: its second allowed CPU
-    (and one it lacks), GPUs 2 and 3; node 2: two CPUs this host lacks and no GPU.
-
-    A GPU's rank binds here with ``--physcpubind`` (no node's CPUs are all allowed), to the real CPU of its
-    GPU's node, so a rank placed for the wrong device runs on the wrong CPU.
-    """
-    real = sorted(os.sched_getaffinity(0))
-    if len(real) < 2:
+    started.append(driver)
+    out, err = driver.communicate(json.dumps(job))
+    if driver.returncode != 0 or not out.strip():
         raise RuntimeError(
-            f"the Ray tests need a process allowed on two CPUs, this one has {real}"
+            f"the driver of job {job['name']!r} failed ({driver.returncode}): "
+            f"{err[-4000:]}"
         )
-    lacking = itertools.count(max(real) + 1)
-    nodes = {
-        0: fakesys.NodeSpec(cpus=[real[0], next(lacking)]),
-        1: fakesys.NodeSpec(cpus=[real[1], next(lacking)]),
-        NO_CPU_NODE: fakesys.NodeSpec(cpus=[next(lacking), next(lacking)]),
-    }
-    gpus = [
-        fakesys.PciSpec(fakesys.gpu_address(g), node) for g, node in GPU_NODE.items()
-    ]
-    return fakesys.Host(nodes=nodes, pci=[fakesys.host_bridge(0), *gpus])
+    return json.loads(out.strip().splitlines()[-1])
 
 
-@dataclass(frozen=True)
-class SessionCluster:
-    """The session's Ray cluster: its raylet's fake /sys, and which real CPU each of its NUMA nodes binds to."""
+def namespace_cpu_s() -> float:
+    """CPU seconds of the processes in this mount namespace (the cluster's), with
+    those of the children they reaped: what the plan cost, for the timings."""
+    ours, ticks, total = os.readlink("/proc/self/ns/mnt"), os.sysconf("SC_CLK_TCK"), 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/ns/mnt") == ours:
+                with open(f"/proc/{pid}/stat") as stat:
+                    fields = stat.read().rpartition(")")[2].split()
+                total += sum(int(f) for f in fields[11:15])  # utime .. cstime
+    return total / ticks
 
-    tree: Path
-    gpus: tuple[str, ...]
-    """PCI address of GPU i."""
-    node_cpu: dict[int, int]
-    """NUMA node -> the one CPU of this host a rank on that node is bound to."""
 
-    def gpu_cpu(self, gpu: int) -> int:
-        return self.node_cpu[GPU_NODE[gpu]]
+def _deadline(signum: int, frame: Any) -> None:
+    raise TimeoutError(f"ray_gpu_cluster.py: the plan ran past {DEADLINE_S} s")
+
+
+def cluster_main() -> None:
+    from ray.cluster_utils import Cluster
+
+    plan = json.loads(sys.stdin.read())
+    signal.signal(signal.SIGALRM, _deadline)
+    signal.alarm(DEADLINE_S)
+    started = time.monotonic()
+    completed = complete_fake_topology()
+    head, *others = plan["raylets"]
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            **_raylet_args(head),
+            "include_dashboard": False,
+            # Nor workers for each job as its driver connects, which would run the
+            # job's setup hook (seconds of CPU each) and never host an actor.
+            "_system_config": {"prestart_worker_first_driver": False},
+        },
+    )
+    drivers: list[subprocess.Popen] = []
+    try:
+        for raylet in others:
+            cluster.add_node(**_raylet_args(raylet))
+        cluster.wait_for_nodes()
+        cluster_s = time.monotonic() - started
+        # At once unless the plan says otherwise (a benchmark times one at a time).
+        workers = len(plan["jobs"]) if plan.get("concurrent", True) else 1
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            runs = {
+                job["name"]: pool.submit(
+                    _drive, job, address=cluster.address, started=drivers
+                )
+                for job in plan["jobs"]
+            }
+            try:
+                done = {name: run.result() for name, run in runs.items()}
+            finally:
+                for driver in drivers:  # on the deadline, or another job's failure
+                    if driver.poll() is None:
+                        driver.kill()
+        print(
+            json.dumps(
+                {
+                    "jobs": {name: d["reports"] for name, d in done.items()},
+                    "timings": {
+                        "cluster_s": cluster_s,
+                        "jobs_s": time.monotonic() - started - cluster_s,
+                        "job_s": {name: d["seconds"] for name, d in done.items()},
+                        "cpu_s": namespace_cpu_s(),
+                    },
+                    "completed_topology": completed,
+                }
+            ),
+            flush=True,
+        )
+    finally:
+        signal.alarm(0)
+        cluster.shutdown()
+
+
+# ----------------------------------------------------------------------- for the tests
 
 
 @contextlib.contextmanager
-def session_cluster() -> Iterator[SessionCluster]:
-    """Start the session's local cluster (``ray.init`` in this process) and shut it down afterwards.
-
-    Its raylet (and so every worker) reads the fake tree (``fake_host_env``), imports the tests' helper
-    modules, and builds sglang's stand-in Scheduler (a job setup hook); this process keeps its own environment.
-    """
-    import ray
-
-    directory = tempfile.mkdtemp(prefix="sglr-", dir="/tmp")
-    tree = fakesys.write_sysfs(os.path.join(directory, "sys"), two_numa_nodes())
-    real = sorted(os.sched_getaffinity(0))
-    overrides = {
-        **fake_host_env(tree),
-        "PYTHONPATH": os.pathsep.join(
-            p for p in (HERE, os.environ.get("PYTHONPATH")) if p
-        ),
-        "RAY_memory_monitor_refresh_ms": "0",
-        "CUDA_VISIBLE_DEVICES": None,
-        "RAY_ADDRESS": None,
-    }
-    before = {name: os.environ.get(name) for name in overrides}
+def private_ray_tmpdir() -> Iterator[str]:
+    """A directory of this process's own for Ray's files (short: Ray's socket paths
+    must stay within 107 characters), removed afterwards."""
+    directory = Path(tempfile.mkdtemp(prefix="sglr-", dir="/tmp"))
     try:
-        for name, value in overrides.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        ray.init(
-            address="local",
-            num_cpus=2,
-            num_gpus=SESSION_GPUS,
-            include_dashboard=False,
-            configure_logging=False,
-            log_to_driver=False,
-            _temp_dir=os.path.join(directory, "ray"),
-            runtime_env={"worker_process_setup_hook": "upstream_standins.install"},
-        )
+        yield str(directory)
     finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    try:
-        yield SessionCluster(
-            tree=tree,
-            gpus=tuple(fakesys.gpu_address(g) for g in GPU_NODE),
-            node_cpu={0: real[0], 1: real[1]},
+        if directory.parent == Path("/tmp") and directory.name.startswith("sglr-"):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def run_plan(plan: dict) -> dict:
+    """Run ``plan`` on a fresh cluster on the fake host (``cluster_main``): its JSON."""
+    import fakehost
+
+    with private_ray_tmpdir() as ray_tmpdir:
+        env = {
+            "PYTHONPATH": pythonpath("overlaid"),
+            "RAY_TMPDIR": ray_tmpdir,
+            # Ray's OOM killer reacts to other users' memory on a shared machine.
+            "RAY_memory_monitor_refresh_ms": "0",
+            "RAY_ADDRESS": "",
+        }
+        done = fakehost.run(
+            two_node_host(sorted(os.sched_getaffinity(0))),
+            [sys.executable, __file__, "cluster"],
+            env=env,
+            timeout=DEADLINE_S + 60,
+            input=json.dumps(plan),
         )
-    finally:
-        ray.shutdown()
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def run_json(
-    argv: list[str], *, env: dict, timeout: float = 180.0
-) -> tuple[int, dict, str]:
-    """Run ``argv`` (a Python module or script and its arguments) under ``env``: (exit status, its JSON, stderr)."""
-    done = subprocess.run(
-        [sys.executable, *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    try:
-        return done.returncode, json.loads(done.stdout), done.stderr
-    except json.JSONDecodeError:
+    if done.returncode != 0 or not done.stdout.strip():
         raise AssertionError(
-            f"{argv} printed no JSON (exit {done.returncode}):\n{done.stdout[-2000:]}\n"
-            f"{done.stderr[-4000:]}"
-        ) from None
+            f"the Ray plan failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n"
+            f"{done.stderr[-6000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
-    main()
+    commands = {"cluster": cluster_main, "job": job_main}
+    if sys.argv[1:] not in ([c] for c in commands):
+        raise SystemExit(f"usage: {sys.argv[0]} cluster|job < JSON")
+    commands[sys.argv[1]]()

@@ -1,241 +1,186 @@
-"""Scheduler actors binding themselves, on the session's Ray cluster.
+"""sglang's Ray scheduler actors place themselves, on a local cluster of three raylets.
 
-The cluster declares 4 GPUs; its raylet reads a fake /sys of three NUMA nodes:
-GPUs 0 and 1 on node 0, GPUs 2 and 3 on node 1, each node holding one real
-CPU of this host, and node 2 only CPUs this host lacks (``ray_gpu_cluster``).
-sglang's own ``SchedulerActor`` runs up to its ``Scheduler``, which the job's setup
-hook replaces with a stand-in that reports where its process runs and the placement
-its configure step applied (``upstream_standins``).
+One cluster for the module (``ray_gpu_cluster``): its GCS, raylets and workers run on
+a fake host of two NUMA nodes, GPUs 0 and 1 on node 0 and GPUs 2 and 3 on node 1,
+each node holding one real CPU of this machine. The raylets:
+
+* ``a`` declares 2 GPUs (Ray ids 0 and 1); its NVML lists the host's four; it runs
+  with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` (as upstream's benchmark
+  does), so its actors see every GPU.
+* ``b`` declares 2 GPUs under ``CUDA_VISIBLE_DEVICES=2,3`` (Ray ids 2 and 3); Ray
+  narrows each actor's ``CUDA_VISIBLE_DEVICES`` to its GPU.
+* ``c`` is a container given host GPUs 3 and 0: its NVML lists only those, in that
+  order, and it numbers them 0 and 1 (``CUDA_VISIBLE_DEVICES=0,1``, Ray ids 0 and 1;
+  narrowed too).
+
+The jobs run at once, each a Ray job with its own settings. Their actors are sglang's
+``SchedulerActor``, created by sglang's ``_create_scheduler_actor``, whose
+``Scheduler`` alone is stood in (``ray_scheduler_standin``): built after
+``configure_scheduler_process``, it reports every thread's CPUs, the memory policy,
+the ``gpu_id`` the actor published and what the core logged.
+
+``RAY_TESTS_PACKAGE=pristine`` runs every job on pristine sglang 0.5.23 instead, to
+see these tests fail there.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import time
-from typing import Any, Iterator
 
-import fakesys
 import pytest
-import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from ray_gpu_cluster import GPU_NODE, NO_CPU_NODE
-
-from sglang.srt.ray.scheduler_actor import SchedulerActor
+from ray_gpu_cluster import GPU_NODE, nvml_gpus, run_plan
 
 pytestmark = pytest.mark.ray
 
-TIMEOUT_S = 180.0
-ONE_GPU = [{"CPU": 0.01, "GPU": 1}]
+PACKAGE = os.environ.get("RAY_TESTS_PACKAGE", "overlaid")
+REAL = sorted(os.sched_getaffinity(0))
+NODE_CPU = {0: REAL[0], 1: REAL[1]}
+"""The one CPU of this machine a rank bound to a fake node runs on."""
+CONTAINER_GPUS = [3, 0]
+"""Host GPUs of raylet c, by its own (NVML, CUDA and Ray) numbering."""
+NUMA_NODE = [1, 1, 0, 0]
+"""The --numa-node of the numa_node job: by Ray GPU id, never what discovery says."""
+OMP_GROUPS = [REAL[1], REAL[0]]
+"""SGLANG_CPU_OMP_THREADS_BIND of the cpu job: rank 0 on the second CPU."""
+
+_CUDA_HOST = {"PLACEMENT_TESTS_PLATFORM": "cuda"}
+PLAN = {
+    "raylets": [
+        {"name": "a", "num_gpus": 2,
+         "env": {"FAKE_NVML_GPUS": nvml_gpus([0, 1, 2, 3]), **_CUDA_HOST,
+                 "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
+        {"name": "b", "num_gpus": 2,
+         "env": {"FAKE_NVML_GPUS": nvml_gpus([0, 1, 2, 3]), **_CUDA_HOST,
+                 "CUDA_VISIBLE_DEVICES": "2,3"}},
+        {"name": "c", "num_gpus": 2,
+         "env": {"FAKE_NVML_GPUS": nvml_gpus(CONTAINER_GPUS), **_CUDA_HOST,
+                 "CUDA_VISIBLE_DEVICES": "0,1"}},
+    ],
+    "jobs": [
+        {"name": "engine", "package": PACKAGE,
+         "server_args": {"tp_size": 4, "device": "cuda"},
+         "actors": [{"raylet": r, "tp_rank": i} for i, r in enumerate("aabb")]},
+        {"name": "container", "package": PACKAGE,
+         "server_args": {"tp_size": 2, "device": "cuda"},
+         "actors": [{"raylet": "c", "tp_rank": i} for i in range(2)]},
+        {"name": "numa_node", "package": PACKAGE,
+         "server_args": {"tp_size": 1, "device": "cuda", "numa_node": NUMA_NODE},
+         "actors": [{"raylet": "b", "tp_rank": 0}]},
+        # A CPU host: no CUDA platform; RayEngine still asks one GPU per actor.
+        {"name": "cpu", "package": PACKAGE,
+         "env_vars": {"PLACEMENT_TESTS_PLATFORM": "",
+                      "SGLANG_CPU_OMP_THREADS_BIND": "|".join(map(str, OMP_GROUPS))},
+         "server_args": {"tp_size": 2, "device": "cpu"},
+         "actors": [{"raylet": "c", "tp_rank": i} for i in range(2)]},
+    ],
+}  # fmt: skip
+_PLACEMENT = re.compile(
+    r"INFO Scheduler of Ray GPU (\d+): ProcessPlacement\(strategy='([\w-]+)', "
+    r"node=(\w+), cpus=\(([\d, ]*)\), mem_policy='(\w+)'"
+)
 
 
-def server_args(**kwargs: Any) -> Any:
-    from sglang.srt.server_args import ServerArgs
-
-    return ServerArgs(model_path="/nonexistent", **kwargs)
-
-
-def leftovers() -> tuple[list[str], list[str]]:
-    actors = [
-        n for n in ray.util.list_named_actors() if n.startswith("sglang_scheduler")
-    ]
-    groups = [
-        g["placement_group_id"]
-        for g in ray.util.placement_group_table().values()
-        if g["state"] != "REMOVED"
-    ]
-    return actors, groups
+@pytest.fixture(scope="module")
+def jobs() -> dict:
+    """Every job's actor reports, from one cluster."""
+    return run_plan(PLAN)["jobs"]
 
 
-@pytest.fixture
-def cluster(ray_cluster):
-    yield ray_cluster
-    # ray.kill returns before the actor is gone: give Ray a moment, then insist.
-    deadline = time.monotonic() + 30
-    while leftovers() != ([], []) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert leftovers() == ([], [])
+def _ok(reports: list[dict]) -> list[dict]:
+    errors = [r["error"] for r in reports if "error" in r]
+    assert not errors, "\n".join(errors)
+    return reports
 
 
-@contextlib.contextmanager
-def group(bundles: list[dict], strategy: str = "PACK") -> Iterator[tuple[Any, list]]:
-    """A reserved placement group and a list for its actors; both are gone afterwards."""
-    pg = placement_group(bundles, strategy=strategy)
-    actors: list = []
-    try:
-        ray.get(pg.ready(), timeout=TIMEOUT_S)
-        yield pg, actors
-    finally:
-        for actor in actors:
-            ray.kill(actor)
-        remove_placement_group(pg)
+def _ray_gpu(report: dict) -> int:
+    [gpu] = report["ray_gpu_ids"]  # one GPU per actor (_create_scheduler_actor)
+    return gpu
 
 
-def in_bundle(actor_class: Any, pg: Any, bundle: int, env: dict, *args: Any) -> Any:
-    """An actor created as upstream's ``_create_scheduler_actor`` does, under ``env``
-    (which upstream's call cannot pass: a raylet's own environment in production)."""
-    return actor_class.options(
-        num_cpus=0,
-        num_gpus=1,
-        runtime_env={"env_vars": env},
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=bundle
-        ),
-    ).remote(*args)
+def _placement(report: dict) -> tuple:
+    """(Ray GPU id, strategy, node, CPUs, memory policy) as the core logged it."""
+    [line] = [m for m in map(_PLACEMENT.match, report["placement_log"]) if m]
+    gpu, strategy, node, cpus, mem = line.groups()
+    return int(gpu), strategy, int(node), [int(c) for c in cpus.split(",") if c], mem
 
 
-def reports(actors: list) -> list[dict]:
-    return ray.get([a.get_info.remote() for a in actors], timeout=TIMEOUT_S)
+def _assert_bound(report: dict, node: int) -> None:
+    """The actor bound itself to ``node`` in-process: every thread on the node's CPU,
+    memory preferred there (where this host has it: node 0 only)."""
+    cpu = NODE_CPU[node]
+    assert _placement(report) == (
+        _ray_gpu(report),
+        "in-process",
+        node,
+        [cpu],
+        "preferred",
+    )
+    assert {tuple(c) for c in report["thread_cpus"].values()} == {(cpu,)}
+    assert len(report["thread_cpus"]) > 1  # Ray's worker runs several threads
+    # libnuma's numa_set_preferred(1) is refused by this kernel (no node 1 memory).
+    assert report["mempolicy"] == (["preferred", [0]] if node == 0 else ["default", []])
 
 
-def gpu_less_tree(tmp_path) -> dict:
-    """A raylet's workers' host with no GPU in sysfs."""
-    real = sorted(os.sched_getaffinity(0))
-    tree = str(
-        fakesys.write_sysfs(
-            tmp_path / "no-gpus",
-            fakesys.Host(
-                nodes={
-                    0: fakesys.NodeSpec(cpus=real[:1]),
-                    1: fakesys.NodeSpec(cpus=real[1:2]),
-                },
-                pci=[fakesys.host_bridge(0)],
-            ),
+def test_actors_on_ray_gpus_0_to_3_of_two_raylets_bind_every_thread_to_their_node(jobs):
+    reports = _ok(jobs["engine"])
+    assert {(r["raylet"], _ray_gpu(r)) for r in reports} == {
+        ("a", 0), ("a", 1), ("b", 2), ("b", 3)
+    }  # fmt: skip
+    for report in reports:
+        _assert_bound(report, GPU_NODE[_ray_gpu(report)])
+        # sglang's own actor, created by its own _create_scheduler_actor.
+        assert report["built_by"].endswith("sglang/srt/ray/scheduler_actor.py:__init__")
+        assert report["actor_name"].startswith(
+            f"sglang_scheduler_node127.0.0.1_dp0_pp0_tp{report['tp_rank']}_pg"
         )
-    )
-    return {"PLACEMENT_TESTS_SYSFS": tree}
 
 
-def test_actors_sharing_a_bundle_each_bind_to_their_own_gpus_node_every_thread(
-    cluster,
+def test_the_published_gpu_id_is_the_cuda_index_the_actor_sees(jobs):
+    """So ``torch.cuda.set_device(get_device().gpu_id)`` in ``run_event_loop`` finds
+    the actor's own GPU; before the change it was Ray's id, beyond the one device a
+    narrowed actor sees for any id but 0."""
+    reports = _ok(jobs["engine"]) + _ok(jobs["container"])
+    for report in reports:
+        gpu, published = _ray_gpu(report), report["published_gpu_id"]
+        if report["raylet"] == "a":  # not narrowed: Ray's id is CUDA's
+            assert report["cuda_visible_devices"] is None
+            assert (published, report["cuda_device_count"]) == (gpu, 4)
+        else:  # narrowed to its one GPU: CUDA index 0
+            assert report["cuda_visible_devices"] == str(gpu)
+            assert (published, report["cuda_device_count"]) == (0, 1)
+    assert {_ray_gpu(r) for r in reports if r["raylet"] != "a"} == {0, 1, 2, 3}
+
+
+def test_a_raylet_given_some_of_the_hosts_gpus_places_each_actor_by_its_own_gpu(jobs):
+    reports = _ok(jobs["container"])
+    assert sorted(_ray_gpu(r) for r in reports) == [0, 1]
+    for report in reports:
+        host_gpu = CONTAINER_GPUS[_ray_gpu(report)]
+        _assert_bound(report, GPU_NODE[host_gpu])
+
+
+def test_numa_node_is_read_by_ray_gpu_id(jobs):
+    [report] = _ok(jobs["numa_node"])
+    gpu = _ray_gpu(report)
+    assert gpu in (2, 3) and report["published_gpu_id"] == 0
+    # Neither discovery (node 1) nor the CUDA index (NUMA_NODE[0] == 1) says node 0.
+    _assert_bound(report, NUMA_NODE[gpu])
+
+
+def test_cpu_device_actors_bind_to_their_omp_group(jobs):
+    reports = _ok(jobs["cpu"])
+    assert sorted(_ray_gpu(r) for r in reports) == [0, 1]
+    for report in reports:
+        cpu = OMP_GROUPS[_ray_gpu(report)]  # the rank's group, by Ray's GPU id
+        [node] = [n for n, node_cpu in NODE_CPU.items() if node_cpu == cpu]
+        _assert_bound(report, node)
+
+
+def test_bootstrap_gives_a_cpu_actors_openmp_threads_the_group_it_bound_itself_to(
+    jobs,
 ):
-    # RayEngine's own shape: one bundle of the node's GPUs, which sit on two NUMA
-    # nodes, each rank created by upstream's _create_scheduler_actor.
-    from sglang.srt.ray import engine
-
-    args = server_args(tp_size=4, device="cuda")
-    with group([{"CPU": 1, "GPU": 4}], strategy="STRICT_PACK") as (pg, actors):
-        for tp in range(4):
-            actors.append(
-                engine._create_scheduler_actor(
-                    pg=pg, bundle_idx=0, gpu_id=tp, server_args=args,
-                    port_args=None, tp_rank=tp, pp_rank=0, dp_rank=0,
-                    dist_init_addr="127.0.0.1:29999", rank0_node_ip="127.0.0.1",
-                )
-            )  # fmt: skip
-        infos = reports(actors)
-    assert sorted(i["configured_gpu_id"] for i in infos) == [0, 1, 2, 3]
-    for info in infos:
-        gpu, placement = info["configured_gpu_id"], info["placement"]
-        # Its own device, by Ray's id: under Ray's CUDA_VISIBLE_DEVICES=<gpu>, index
-        # 0 would name GPU 0.
-        assert info["cuda_visible_devices"] == str(gpu)
-        assert (placement["gpu_id"], placement["numbering"]) == (gpu, "physical")
-        assert placement["strategy"] == "in-process" and not placement["degraded"]
-        assert placement["numa_node"] == GPU_NODE[gpu]
-        cpu = cluster.gpu_cpu(gpu)
-        # Every thread was moved (Ray's worker runs several).
-        assert info["cpus"] == [cpu] and info["thread_cpu_sets"] == [(cpu,)]
-        # Memory is bound where this host has the node's memory: node 0 (the fake
-        # node 1 has none here: membind, then preferred, are refused).
-        expected = ("bind", [0]) if GPU_NODE[gpu] == 0 else ("default", [])
-        assert (info["policy"], info["policy_nodes"]) == expected
-
-
-def test_a_gpu_its_node_cannot_identify_leaves_the_actor_unbound_with_the_reason(
-    cluster, tmp_path
-):
-    with group(ONE_GPU) as (pg, actors):
-        args = (server_args(tp_size=1, device="cuda"), None, 0, 0, 0, 0)
-        actors.append(in_bundle(SchedulerActor, pg, 0, gpu_less_tree(tmp_path), *args))
-        (info,) = reports(actors)
-    placement = info["placement"]
-    assert placement["strategy"] == "none" and placement["degraded"]
-    (why,) = placement["reasons"]
-    gpu = info["configured_gpu_id"]
-    assert why.startswith(f"no NUMA node found for Ray GPU {gpu}")
-    assert f"lists 0 NVIDIA GPU(s), none at index {gpu}" in why
-    assert info["cpus"] == sorted(os.sched_getaffinity(0))
-
-
-def test_under_crash_setting_an_unidentified_gpu_fails_the_actor_before_its_scheduler(
-    cluster, tmp_path
-):
-    env = {**gpu_less_tree(tmp_path), "SGLANG_CRASH_ON_NUMA_BIND_FAILURE": "1"}
-    args = (server_args(tp_size=1, device="cuda"), None, 0, 0, 0, 0)
-    with group(ONE_GPU) as (pg, actors):
-        actors.append(in_bundle(SchedulerActor, pg, 0, env, *args))
-        with pytest.raises(ray.exceptions.RayActorError) as info:
-            ray.get(actors[0].get_info.remote(), timeout=TIMEOUT_S)
-    message = str(info.value)
-    assert "PlacementError: no NUMA node found for Ray GPU" in message
-    assert "lists 0 NVIDIA GPU(s)" in message and "skipping NUMA binding" in message
-    # Raised in the bind of configure_scheduler_process, before the Scheduler was built.
-    frames = re.findall(r'upstream_standins.py", line \d+, in (\w+)', message)
-    assert frames == ["configure_scheduler_process"], frames
-
-
-def test_a_rank_less_bound_than_intended_runs_unbound_with_the_reason(cluster):
-    args = server_args(tp_size=1, device="cuda", numa_node=[NO_CPU_NODE] * 4)
-    with group(ONE_GPU) as (pg, actors):
-        actors.append(in_bundle(SchedulerActor, pg, 0, {}, args, None, 0, 0, 0, 0))
-        (info,) = reports(actors)
-    placement = info["placement"]
-    assert placement["strategy"] == "none" and placement["degraded"]
-    assert any(
-        f"NUMA node {NO_CPU_NODE} has no CPU cores allowed by the current affinity" in w
-        for w in placement["reasons"]
-    )
-    assert info["cpus"] == sorted(os.sched_getaffinity(0))
-
-
-def test_cpu_device_actors_bind_to_the_cpus_of_the_id_bootstrap_will_use(cluster):
-    real = sorted(os.sched_getaffinity(0))
-    groups = f"{real[1]}|{real[0]}"  # rank index 0 on the second CPU, 1 on the first
-    env = {"SGLANG_CPU_OMP_THREADS_BIND": groups}
-    with group(ONE_GPU * 2) as (pg, actors):
-        for tp in range(2):
-            # RayEngine passes gpu_id 0 in a custom group.
-            args = (server_args(tp_size=2, device="cpu"), None, 0, tp, 0, 0)
-            actors.append(in_bundle(SchedulerActor, pg, tp, env, *args))
-        infos = reports(actors)
-    # Bootstrap's init_threads_binding(numa_index=get_device().gpu_id) sees the id
-    # sglang's actor publishes: Ray's GPU id, which configure_scheduler_process got.
-    assert sorted(i["configured_gpu_id"] for i in infos) == [0, 1]
-    for info in infos:
-        cpu = real[1 - info["configured_gpu_id"]]
-        assert info["cpus"] == [cpu] and info["thread_cpu_sets"] == [(cpu,)]
-        assert info["omp_bind_env"] == groups
-        assert info["placement"]["numbering"] == "cpu-rank"
-
-
-def test_set_cpu_affinity_without_a_node_keeps_upstreams_slice_in_the_actor(
-    cluster, tmp_path
-):
-    # One NUMA node here: the rank's node is unknown, so the setting's own rule runs.
-    real = sorted(os.sched_getaffinity(0))
-    one_node = fakesys.write_sysfs(
-        tmp_path / "one", fakesys.Host(nodes={0: fakesys.NodeSpec(cpus=real)})
-    )
-    env = {"PLACEMENT_TESTS_SYSFS": str(one_node), "SGLANG_SET_CPU_AFFINITY": "1"}
-    args = (server_args(tp_size=2, device="cuda"), None, 0, 0, 0, 0)
-    with group(ONE_GPU) as (pg, actors):
-        actors.append(in_bundle(SchedulerActor, pg, 0, env, *args))
-        (info,) = reports(actors)
-    assert info["placement"]["strategy"] == "cpu-affinity"
-    assert info["cpus"] == sorted(map(int, info["placement"]["cpus"].split(",")))
-
-
-def test_with_bind_v2_off_the_legacy_bind_of_configure_scheduler_process_places_it(
-    cluster,
-):
-    env = {"SGLANG_NUMA_BIND_V2": "0"}
-    args = (server_args(tp_size=1, device="cuda", numa_node=[1] * 4), None, 0, 0, 0, 0)
-    with group(ONE_GPU) as (pg, actors):
-        actors.append(in_bundle(SchedulerActor, pg, 0, env, *args))
-        (info,) = reports(actors)
-    # The legacy bind moved the process to node 1's CPU with a preferred policy.
-    assert info["cpus"] == [cluster.node_cpu[1]]
-    assert info["placement"]["strategy"] == "v1" and info["policy"] != "bind"
+    # What bootstrap's _bind_threads_if_cpu returns in the actor: the CPUs that the
+    # kernel's init_cpu_threads_env then pins the rank's OpenMP threads to.
+    for report in _ok(jobs["cpu"]):
+        assert report["omp_cpus"] == str(OMP_GROUPS[_ray_gpu(report)])
