@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-import pytest
 
 HARNESS = str(Path(__file__).resolve().parent / "harness")
 
@@ -50,20 +49,3 @@ def setting(name: str, value) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray cluster for every Ray test of the session, shut down at the end.
-
-    2 CPUs and 4 declared GPUs; its raylet reads a fake /sys whose GPUs sit on
-    two NUMA nodes (``ray_gpu_cluster.two_numa_nodes``).
-
-    A cluster costs seconds to start and about 1 GB, so the tests share this
-    one; each test must leave no actor or placement group of its own behind.
-    Its workers build sglang's stand-in Scheduler (``upstream_standins``).
-    """
-    import ray_gpu_cluster
-
-    with ray_gpu_cluster.session_cluster() as cluster:
-        yield cluster

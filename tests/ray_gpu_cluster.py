@@ -170,29 +170,6 @@ def job_main() -> None:
 # ------------------------------------------------------------------ the cluster holder
 
 
-def complete_fake_topology() -> list[str]:
-    """Write each CPU's ``topology/core_siblings`` mask where the fake tree lacks it
-    (a live kernel always has it; lscpu, which sglang's ``get_cpu_ids_by_node`` runs,
-    dies with SIGSEGV without it), from the tree's own ``core_siblings_list``. Only
-    a missing file is written, so a live /sys is never touched."""
-    written = []
-    for topology in sorted(Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology")):
-        mask_file = topology / "core_siblings"
-        listed = topology / "core_siblings_list"
-        if mask_file.exists() or not listed.exists():
-            continue
-        mask = 0
-        for part in listed.read_text().strip().split(","):
-            first, _, last = part.partition("-")
-            for cpu in range(int(first), int(last or first) + 1):
-                mask |= 1 << cpu
-        width = len((topology / "thread_siblings").read_text().strip().split(","))
-        words = [f"{(mask >> (32 * i)) & 0xFFFFFFFF:08x}" for i in range(width)]
-        mask_file.write_text(",".join(reversed(words)) + "\n")
-        written.append(str(mask_file))
-    return written
-
-
 def _raylet_args(raylet: dict) -> dict:
     # No CPUs: actors and bundles ask none, and a raylet starts no idle worker for
     # CPU tasks (about 2 s of CPU each, for nothing).
@@ -253,7 +230,6 @@ def cluster_main() -> None:
     signal.signal(signal.SIGALRM, _deadline)
     signal.alarm(DEADLINE_S)
     started = time.monotonic()
-    completed = complete_fake_topology()
     head, *others = plan["raylets"]
     cluster = Cluster(
         initialize_head=True,
@@ -296,7 +272,6 @@ def cluster_main() -> None:
                         "job_s": {name: d["seconds"] for name, d in done.items()},
                         "cpu_s": namespace_cpu_s(),
                     },
-                    "completed_topology": completed,
                 }
             ),
             flush=True,

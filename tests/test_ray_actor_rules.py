@@ -20,8 +20,6 @@ HOST = fakesys.Shape(sockets=2, cores_per_node=4, gpus_per_node=2)
 _CODE = """
 import json, os, sys
 sys.path.insert(0, {tests!r})
-import ray_gpu_cluster
-ray_gpu_cluster.complete_fake_topology()  # lscpu needs what the fake tree lacks
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils import numa_utils
 

@@ -224,24 +224,6 @@ def _kernel_ranks(specs: list[dict], **environ: str):
             proc.wait(timeout=60)
 
 
-def test_a_file_under_a_group_name_is_refused(library, groups, ports):
-    if not groups:
-        pytest.skip("the released kernel has no groups")
-    from sglang.srt.distributed.shm_namespace import ShmNamespace
-
-    ports.extend(_free_ports(1))
-    name = f"{ShmNamespace(addr='127.0.0.1', port=ports[0]).group_namespace}_g_1"
-    (SHM / name).touch(mode=0o600, exist_ok=False)
-    spec = {**_specs(library, ports)[1], "group": "g", "timeout": 3.0}
-    with _kernel_ranks([spec]) as [report]:
-        assert report["error"] == (
-            f"sgl_kernel::initialize: /dev/shm/{name} exists: group '{name[:-2]}' "
-            f"was given to another launch too"
-        )
-        assert report["wall_s"] < 1
-    assert _left(ports[0]) == [name] and (SHM / name).stat().st_size == 0
-
-
 def test_the_two_argument_initialize_works_as_before(library, ports):
     """``initialize(size, rank)`` names its segments from MASTER_ADDR/MASTER_PORT,
     reuses files and unlinks nothing, as the released kernel does."""
