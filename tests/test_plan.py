@@ -290,9 +290,9 @@ def test_text_rows(plans):
     assert len(lines) == 2
     assert lines[1] == (
         f"[DP0 PP0 TP1] GPU 1 ({gpu_address(1)}): node 0 CPUs 0-7,16-23 membind 0 "
-        f"via exec -- GPU 1 at PCI {gpu_address(1)}; node 0 from its GPU's NUMA "
-        "affinity; exec under numactl --cpunodebind=0 --membind=0; planned from "
-        f"{plans['text-tree']}: numactl there not probed"
+        "via exec -- node 0 from its GPU's NUMA affinity; exec under numactl "
+        f"--cpunodebind=0 --membind=0; planned from {plans['text-tree']}: numactl "
+        "there not probed"
     )
 
 

@@ -184,9 +184,8 @@ def placement_row(server_args, rank, gpu_id, placement, launcher, pci, notes) ->
     if device == "cpu":
         bind = os.environ.get("SGLANG_CPU_OMP_THREADS_BIND", "all")
         why = [f"CPU rank {gpu_id}: SGLANG_CPU_OMP_THREADS_BIND={bind!r}"]
-    else:
-        where = f"at PCI {pci}" if pci else "(NVML does not list it: no PCI address)"
-        why = [f"{'Ray GPU' if launcher == 'ray' else 'GPU'} {gpu_id} {where}"]
+    else:  # the row's head names the GPU's PCI address
+        why = [] if pci else [f"no PCI address for GPU {gpu_id}: NVML does not list it"]
     if node is not None:
         source = "its GPU's NUMA affinity"
         if server_args.numa_node is not None:

@@ -35,8 +35,10 @@ ENGINE_VARS = (
 ).split()
 PROBE_HOOK = "sglang.srt.placement_tools.verify.install_probe"
 # A spawned rank under numactl's --membind touches its pages there from the start.
-MIN_BOUND_PAGE_SHARE = 0.99
+MIN_SHARE = 0.99
 _POLICIES = {0: "default", 1: "preferred", 2: "bind", 3: "interleave", 4: "local"}
+_POLICIES[5] = "preferred_many"
+_TRUE = ("1", "true", "yes")
 _MAX_NODES = 1024
 
 
@@ -157,7 +159,10 @@ def install_probe() -> None:
 
 
 def probe_rank(*args) -> None:
-    """A spawned probe rank: sglang's own ``run_scheduler_process``."""
+    """A spawned probe rank: sglang's own ``run_scheduler_process``; quiet (errors
+    only) unless verify runs with -v."""
+    if args[0].log_level == "error":
+        logging.disable(logging.WARNING)
     install_probe()
     from sglang.srt.managers.scheduler import run_scheduler_process
 
@@ -171,36 +176,27 @@ def compare(plan: dict, seen: dict, *, unbound: str) -> dict:
     """The plan's row with what its rank observed, and every way they differ."""
     if "error" in seen:
         raise ProbeError(f"[{_label(plan)}] the probe failed: {seen['error']}")
-    found = []
-    strategy, cpus = plan["strategy"], plan["cpus"]
-    if strategy == "none":
-        if os.environ.get("SGLANG_SET_CPU_AFFINITY", "0").lower() not in (
-            "1",
-            "true",
-            "yes",
-        ):
-            cpus = unbound
-        planned_policy = "default"
-    else:
-        policy = plan["mem_policy"]
-        planned_policy = f"{policy}:{plan['mem_nodes']}" if policy != "none" else None
+    found, cpus, nodes = [], plan["cpus"], plan["mem_nodes"]
+    policy = f"{plan['mem_policy']}:{nodes}" if plan["mem_policy"] != "none" else None
+    if plan["strategy"] == "none":  # left as launched, unless sglang's own slice
+        blind = os.environ.get("SGLANG_SET_CPU_AFFINITY", "").lower() in _TRUE
+        cpus, policy = "" if blind else unbound, "default"
     off = {tid: c for tid, c in seen["thread_cpus"].items() if cpus and c != cpus}
     if cpus and seen["cpus"] != cpus:
         found.append(f"cpus {seen['cpus']} observed, {cpus} planned")
     elif off:
         tid, other = next(iter(off.items()))
         found.append(f"{len(off)} thread(s) outside the planned CPUs ({tid}: {other})")
-    if planned_policy and seen["policy"] != planned_policy:
-        found.append(f"policy {seen['policy']} observed, {planned_policy} planned")
-    nodes = parse_cpulist(plan["mem_nodes"], what="mem_nodes") if cpus else set()
-    if plan["mem_nodes"] and not nodes <= parse_cpulist(seen["mems"], what="mems"):
-        found.append(f"Mems_allowed {seen['mems']} lacks node(s) {plan['mem_nodes']}")
+    if policy and seen["policy"] != policy:
+        found.append(f"policy {seen['policy']} observed, {policy} planned")
+    wanted = parse_cpulist(nodes, what="mem_nodes") if nodes else set()
+    if not wanted <= parse_cpulist(seen["mems"] or "0", what="Mems_allowed"):
+        found.append(f"Mems_allowed {seen['mems']} lacks node(s) {nodes}")
     total = sum(seen["pages_kb"].values())
-    local = sum(kb for n, kb in seen["pages_kb"].items() if int(n) in nodes)
-    share = local / total if total and plan["mem_nodes"] else None
-    if plan["mem_policy"] == "bind" and share is not None:
-        if share < MIN_BOUND_PAGE_SHARE:
-            found.append(f"{share:.1%} of its pages on node(s) {plan['mem_nodes']}")
+    local = sum(kb for n, kb in seen["pages_kb"].items() if int(n) in wanted)
+    share = local / total if total and wanted else None
+    if plan["mem_policy"] == "bind" and share is not None and share < MIN_SHARE:
+        found.append(f"{share:.1%} of its pages on node(s) {nodes}")
     if plan["pci"] != seen["pci"]:
         found.append(f"GPU {seen['pci']} observed, {plan['pci']} planned")
     return {
@@ -209,6 +205,7 @@ def compare(plan: dict, seen: dict, *, unbound: str) -> dict:
         "observed_mems": seen["mems"],
         "observed_policy": seen["policy"],
         "observed_pci": seen["pci"],
+        "observed_gpu_id": seen["device_gpu_id"],
         "thread_cpus": seen["thread_cpus"],
         "local_page_share": share,
         "ok": not found,
