@@ -29,6 +29,8 @@ def main() -> int:
     # Short: Ray's socket paths under it must stay within 107 characters.
     directory = tempfile.mkdtemp(prefix="tools-ray-", dir="/tmp")
     os.environ["RAY_TMPDIR"] = directory
+    for knob in ("RAY_enable_worker_prestart", "RAY_prestart_worker_first_driver"):
+        os.environ.setdefault(knob, "0")  # a worker for each actor, no idle ones
     os.environ.pop("RAY_ADDRESS", None)
     try:
         context = ray.init(

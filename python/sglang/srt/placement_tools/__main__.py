@@ -16,7 +16,6 @@ from sglang.srt.placement_tools.plan import UsageError
 
 PROG = "python -m sglang.srt.placement_tools"
 MAX_RANKS = 4096
-_TRUE = ("1", "true", "yes")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,12 +25,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _int(flag: str, lowest: int):
     def parse(text: str) -> int:
-        if not text.strip().isdigit() or int(text) < lowest or int(text) > 1 << 20:
+        word = text.strip()
+        if not (word.isascii() and word.isdigit()) or not lowest <= int(word) < 1 << 20:
             raise argparse.ArgumentTypeError(
                 f"{flag}={text!r} is not valid: give an integer from {lowest}, "
                 f"e.g. {flag} {max(lowest, 1)}"
             )
-        return int(text)
+        return int(word)
 
     return parse
 

@@ -199,8 +199,8 @@ def placement_row(server_args, rank, gpu_id, placement, launcher, pci, notes) ->
             why.append("SGLANG_SET_CPU_AFFINITY=1: sglang's NUMA-blind core slice")
         elif device != "cpu":
             why.append(f"SGLANG_SET_CPU_AFFINITY=1: its slice of node {node}'s cores")
-    if placement.strategy == "exec":
-        why.append(f"exec under numactl {args}")
+    if placement.strategy == "exec":  # notes: numactl's options on another host
+        why += [f"exec under numactl {args}", *notes]
     return {
         "dp_rank": rank.dp_rank,
         "pp_rank": rank.pp_rank,
@@ -215,14 +215,14 @@ def placement_row(server_args, rank, gpu_id, placement, launcher, pci, notes) ->
         "mem_nodes": mem_nodes,
         "strategy": placement.strategy,
         "numactl_args": placement.numactl_args,
-        "reason": "; ".join([*why, *notes]),
+        "reason": "; ".join(why),
     }
 
 
-def who(row: dict) -> str:
+def who(row: dict, *, ray: bool = True) -> str:
     if row["device"] == "cpu":
         return f"gpu_id {row['gpu_id']}"
-    head = f"{'Ray GPU' if row['launcher'] == 'ray' else 'GPU'} {row['gpu_id']}"
+    head = f"{'Ray GPU' if ray and row['launcher'] == 'ray' else 'GPU'} {row['gpu_id']}"
     return f"{head} ({row['pci']})" if row["pci"] else head
 
 

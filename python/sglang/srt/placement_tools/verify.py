@@ -7,6 +7,7 @@ made by RayEngine's ``_create_scheduler_actor``. Only their ``Scheduler`` is
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 import sys
@@ -34,6 +35,7 @@ ENGINE_VARS = (
     "SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS PYTHONWARNINGS"
 ).split()
 PROBE_HOOK = "sglang.srt.placement_tools.verify.install_probe"
+_SCHEDULER = "sglang.srt.managers.scheduler"
 # A spawned rank under numactl's --membind touches its pages there from the start.
 MIN_SHARE = 0.99
 _POLICIES = {0: "default", 1: "preferred", 2: "bind", 3: "interleave", 4: "local"}
@@ -151,11 +153,30 @@ class ProbeScheduler:
 
 
 def install_probe() -> None:
-    """The probe in place of sglang's Scheduler in this process (a spawned probe rank,
-    or a Ray worker: the job's ``worker_process_setup_hook``)."""
-    import sglang.srt.managers.scheduler as scheduler
+    """The probe in place of sglang's Scheduler in this process, once the scheduler
+    module is imported (a spawned probe rank, or a Ray worker: the job's
+    ``worker_process_setup_hook``, which runs in its task workers too)."""
+    module = sys.modules.get(_SCHEDULER)
+    if module is not None:
+        module.Scheduler = ProbeScheduler
+    elif not any(isinstance(finder, _ProbeFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _ProbeFinder())
 
-    scheduler.Scheduler = ProbeScheduler
+
+class _ProbeFinder:
+    def find_spec(self, name, path, target=None):
+        if name != _SCHEDULER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            load(module)
+            module.Scheduler = ProbeScheduler
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def probe_rank(*args) -> None:
@@ -220,7 +241,7 @@ def _label(row: dict) -> str:
 def format_verify_row(row: dict) -> str:
     share = row["local_page_share"]
     head = (
-        f"[{_label(row)}] {row['launcher']} {who(row)} node "
+        f"[{_label(row)}] {row['launcher']} {who(row, ray=False)} node "
         f"{'-' if row['numa_node'] is None else row['numa_node']} via "
         f"{row['strategy']}: cpus {row['observed_cpus']} (plan "
         f"{row['cpus'] or 'unbound'}), mems {row['observed_mems']}, policy "
@@ -315,8 +336,15 @@ def _connect(args, ranks: int, *, verbose: bool) -> Optional[str]:
         import torch
 
         gpus = torch.cuda.device_count()
+    if gpus < ranks:
+        raise ProbeError(
+            f"RayEngine asks one GPU per rank ({ranks}); this host has {gpus}: join "
+            "a cluster that has them (RAY_ADDRESS)"
+        )
     directory = tempfile.mkdtemp(prefix="sglang-verify-")
     os.environ["RAY_TMPDIR"] = directory
+    for knob in ("RAY_enable_worker_prestart", "RAY_prestart_worker_first_driver"):
+        os.environ.setdefault(knob, "0")  # a worker for each actor, no idle ones
     try:
         ray.init(
             address="local",
