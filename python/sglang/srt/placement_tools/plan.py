@@ -347,15 +347,7 @@ def namespace_argv(argv: list[str]) -> list[str]:
         raise UsageError("--sysfs-root needs unshare (util-linux) on PATH")
     user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
     here = os.readlink("/proc/self/ns/mnt")
-    return [
-        unshare,
-        *user,
-        "--mount",
-        "--propagation",
-        "private",
-        sys.executable,
-        "-m",
-        "sglang.srt.placement_tools",
-        *argv,
-        f"--in-namespace={here}",
+    again = [sys.executable, "-m", "sglang.srt.placement_tools", *argv]
+    return [unshare, *user, "--mount", "--propagation", "private", *again] + [
+        f"--in-namespace={here}"
     ]

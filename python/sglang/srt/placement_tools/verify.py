@@ -10,6 +10,7 @@ import ctypes
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -38,8 +39,7 @@ PROBE_HOOK = "sglang.srt.placement_tools.verify.install_probe"
 _SCHEDULER = "sglang.srt.managers.scheduler"
 # A spawned rank under numactl's --membind touches its pages there from the start.
 MIN_SHARE = 0.99
-_POLICIES = {0: "default", 1: "preferred", 2: "bind", 3: "interleave", 4: "local"}
-_POLICIES[5] = "preferred_many"
+_POLICIES = dict(enumerate("default preferred bind interleave local".split()))
 _TRUE = ("1", "true", "yes")
 _MAX_NODES = 1024
 
@@ -361,8 +361,7 @@ def _connect(args, ranks: int, *, verbose: bool) -> Optional[str]:
 
 
 def _remove(directory: Optional[str]) -> None:
-    import shutil
-
+    """The private directory ``_connect`` made, if it made one."""
     os.environ.pop("RAY_TMPDIR", None)
     if directory and os.path.basename(directory).startswith("sglang-verify-"):
         shutil.rmtree(directory, ignore_errors=True)
@@ -394,20 +393,18 @@ def verify_ray(args, server_args, *, timeout: float, verbose: bool) -> list[dict
         first, ip = engine._find_engine_bundle(pg, args.nnodes)
         order = [first] + [i for i in range(args.nnodes) if i != first]
         local = total // args.nnodes // args.dp_size  # GPUs of one dp rank per node
+        shared = dict(pg=pg, server_args=server_args, port_args=None, rank0_node_ip=ip)
+        shared["dist_init_addr"] = f"{ip}:0"  # the probe makes no process group
         for dp in range(args.dp_size):
             for node, ranks in enumerate(per_node):
                 for rank in (r for r in ranks if r.dp_rank == dp):
                     actor = engine._create_scheduler_actor(
-                        pg=pg,
                         bundle_idx=order[node],
                         gpu_id=rank.gpu_id % local,
-                        server_args=server_args,
-                        port_args=None,
                         tp_rank=rank.tp_rank,
                         pp_rank=rank.pp_rank,
                         dp_rank=rank.dp_rank,
-                        dist_init_addr=f"{ip}:0",
-                        rank0_node_ip=ip,
+                        **shared,
                     )
                     actors.append((rank, actor))
         refs = [actor.get_info.remote() for _, actor in actors]
