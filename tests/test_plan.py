@@ -86,8 +86,9 @@ PLANS = {
     ),
     "sparse": (SPARSE, ("--tp-size", "2"), None),
     "h200": (None, ("--tp-size", "1"), None),
-    "text": (TWO, ("--tp-size", "2"), None),
 }
+TEXT = {"sparse"}
+"""Plans printed as text rows; the others as JSON."""
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +100,10 @@ def plans():
             root = DATA / "h200_snapshot"
             if spec is not None:
                 root = tools_hosts.write_tree(Path(scratch) / name, spec)
-            output = [] if name == "text" else ["--json"]
+            output = [] if name in TEXT else ["--json"]
             jobs[name] = (["plan", "--sysfs-root", str(root), *output, *flags], env)
         done = tools_hosts.run_together(jobs)
-    done["text-tree"] = jobs["text"][0][2]
-    return done
+    return {**done, "roots": {name: argv[2] for name, (argv, _) in jobs.items()}}
 
 
 def one_error_line(done: subprocess.CompletedProcess) -> str:
@@ -264,13 +264,17 @@ def test_cuda_visible_devices_for_ray_actors(plans):
         )
 
 
-def test_sparse_node_ids(plans):
+def test_sparse_node_ids_in_text_rows(plans):
     """Nodes 0 and 2 only: NVML's affinity mask reaches node 2, and the host counts
-    as a NUMA host without a node 1."""
-    rows = tools_hosts.ranks(plans["sparse"])
-    assert [(r["numa_node"], r["cpus"], r["mem_nodes"]) for r in rows] == [
-        (0, "0-3", "0"),
-        (2, "4-7", "2"),
+    as a NUMA host without a node 1. One text row per rank."""
+    done, root = plans["sparse"], plans["roots"]["sparse"]
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"[DP0 PP0 TP{i}] GPU {i} ({gpu_address(i)}): node {node} CPUs {cpus} membind "
+        f"{node} via exec -- node {node} from its GPU's NUMA affinity; exec under "
+        f"numactl --cpunodebind={node} --membind={node}; planned from {root}: "
+        "numactl there not probed"
+        for i, node, cpus in ((0, 0, "0-3"), (1, 2, "4-7"))
     ]
 
 
@@ -281,19 +285,6 @@ def test_one_node_h200_host_binds_nothing_and_says_why(plans):
         ("0000:00:06.0", "none", "")
     ]
     assert "no NUMA node for its GPU" in rows[0]["reason"]
-
-
-def test_text_rows(plans):
-    done = plans["text"]
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert len(lines) == 2
-    assert lines[1] == (
-        f"[DP0 PP0 TP1] GPU 1 ({gpu_address(1)}): node 0 CPUs 0-7,16-23 membind 0 "
-        "via exec -- node 0 from its GPU's NUMA affinity; exec under numactl "
-        f"--cpunodebind=0 --membind=0; planned from {plans['text-tree']}: numactl "
-        "there not probed"
-    )
 
 
 @pytest.mark.parametrize(
