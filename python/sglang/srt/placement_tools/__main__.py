@@ -272,7 +272,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return command[args.command](args, argv)
     except UsageError as e:
         text = " ".join(str(e).split())
-        prefix = "" if text.startswith(PROG) else f"{PROG}: error: "
+        command = f"{PROG} {args.command}" if args else PROG
+        prefix = "" if text.startswith(PROG) else f"{command}: error: "
         print(f"{prefix}{text}", file=sys.stderr)
         return 2
     except Exception as e:  # the core refused (e.g. SGLANG_CRASH_ON_NUMA_BIND_FAILURE)
