@@ -1,238 +1,149 @@
-"""verify: probe ranks started through sglang's own launch path read their binding back
-once sglang's own scheduler set-up has run: each is a real scheduler process (spawned
-inside ``configure_subprocess``, running ``run_scheduler_process``; or a Ray
-``SchedulerActor``) whose ``Scheduler`` alone is replaced by ``ProbeScheduler``.
-``observe_self`` never imports torch, so it also runs in plain interpreters."""
+"""verify: probe ranks started exactly as sglang starts schedulers read their binding
+back once sglang's own set-up has run. A spawned rank runs ``run_scheduler_process``
+inside ``numa_utils.configure_subprocess``; a Ray rank is sglang's ``SchedulerActor``
+made by RayEngine's ``_create_scheduler_actor``. Only their ``Scheduler`` is
+``ProbeScheduler``, which loads no model."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
+import ctypes
+import importlib.util
 import logging
-import multiprocessing
 import os
-import re
-import threading
+import shutil
+import sys
+import tempfile
 import time
 import types
-import warnings
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Optional
 
-from sglang.srt.environ import envs
-from sglang.srt.placement.cpulist import format_cpulist, parse_cpulist
-from sglang.srt.placement.libnuma import read_mempolicy
-from sglang.srt.placement.resolve import resolve_placement
-from sglang.srt.placement.settings import PlacementPolicy
-from sglang.srt.placement.topology import read_process_affinity
-from sglang.srt.placement.types import (
-    MemPolicy,
-    PlacementError,
-    ProcessAffinity,
-    ProcessPlacement,
-    RankIdentity,
-    Strategy,
+from sglang.srt.placement_tools.plan import (
+    Rank,
+    format_cpulist,
+    gpu_pci,
+    node_ranks,
+    parse_cpulist,
+    plan_index,
+    who,
 )
-from sglang.srt.placement_tools import PlanArgs
-from sglang.srt.placement_tools.engine import local_ranks, plan_engine, to_dict
 
-if TYPE_CHECKING:
-    from sglang.srt.server_args import ServerArgs
+logger = logging.getLogger(__name__)
 
-_NODE_FIELD = re.compile(r"^N(\d+)=(\d+)$")
-_PROC_SELF = "/proc/self"
-# Share of a rank's own (anonymous) resident memory that must sit on its bound node(s):
-# in-process migrates what was touched before binding, and a few pages may stay behind.
-MIN_LOCAL_PAGE_RATIO = {"exec": 0.99, "in-process": 0.95}
-Started = tuple[RankIdentity, BaseProcess, Connection]
-
-
-@dataclass(frozen=True)
-class ObservedBinding:
-    cpus: frozenset[int]
-    mems: frozenset[int]  # nodes it may allocate from at all (Mems_allowed_list)
-    policy: str  # as get_mempolicy names it: "default", "bind", "preferred", ...
-    policy_nodes: frozenset[int]
-    resident_kb: tuple[tuple[int, int], ...] = ()  # (node, kB on it), every mapping
-    anon_kb: tuple[tuple[int, int], ...] = ()  # the same, anonymous mappings only
-
-    def local_page_ratio(
-        self, nodes: Iterable[int], *, anon_only: bool = False
-    ) -> Optional[float]:
-        """Share of resident memory on ``nodes``; None if nothing or no node counts."""
-        counts = self.anon_kb if anon_only else self.resident_kb
-        total = sum(kb for _, kb in counts)
-        wanted = frozenset(nodes)
-        on_nodes = sum(kb for n, kb in counts if n in wanted)
-        return on_nodes / total if total and wanted else None
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "cpus": format_cpulist(self.cpus),
-            "mems": format_cpulist(self.mems),
-            "policy": self.policy,
-            "policy_nodes": format_cpulist(self.policy_nodes),
-            "resident_kb": {str(node): kb for node, kb in self.resident_kb},
-            "anon_kb": {str(node): kb for node, kb in self.anon_kb},
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> "ObservedBinding":
-        def counts(key: str) -> tuple[tuple[int, int], ...]:
-            return tuple(
-                sorted((int(n), int(kb)) for n, kb in data.get(key, {}).items())
-            )
-
-        return cls(
-            cpus=parse_cpulist(data["cpus"]),
-            mems=parse_cpulist(data["mems"]),
-            policy=data["policy"],
-            policy_nodes=parse_cpulist(data["policy_nodes"]),
-            resident_kb=counts("resident_kb"),
-            anon_kb=counts("anon_kb"),
-        )
+# sglang's settings, read where each rank runs: handed to the Ray job's workers.
+ENGINE_VARS = (
+    "SGLANG_NUMA_BIND_V2 SGLANG_AUTO_NUMA_BIND SGLANG_CRASH_ON_NUMA_BIND_FAILURE "
+    "SGLANG_SET_CPU_AFFINITY SGLANG_CPU_OMP_THREADS_BIND "
+    "SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS PYTHONWARNINGS"
+).split()
+PROBE_HOOK = "sglang.srt.placement_tools.verify.install_probe"
+_SCHEDULER = "sglang.srt.managers.scheduler"
+# A spawned rank under numactl's --membind touches its pages there from the start.
+MIN_SHARE = 0.99
+_POLICIES = dict(enumerate("default preferred bind interleave local".split()))
+_TRUE = ("1", "true", "yes")
+_MAX_NODES = 1024
 
 
-def parse_numa_maps(text: str) -> tuple[dict[int, int], dict[int, int]]:
-    """kB resident per node over every mapping, and over anonymous ones only."""
-    resident: dict[int, int] = {}
-    anon: dict[int, int] = {}
-    for line in text.splitlines():
+class ProbeError(RuntimeError):
+    """A probe rank did not report: verify exits 1."""
+
+
+# ------------------------------------------------------------- inside each rank
+
+
+def mempolicy() -> str:
+    """This thread's memory policy as ``bind:0``, ``preferred:1`` or ``default``."""
+    from sglang.srt.utils.numa_utils import get_libnuma
+
+    libnuma = get_libnuma()
+    if libnuma is None:
+        return "unknown"
+    mode, bits = ctypes.c_int(), 8 * ctypes.sizeof(ctypes.c_ulong)
+    mask = (ctypes.c_ulong * (_MAX_NODES // bits))()
+    if libnuma.get_mempolicy(ctypes.byref(mode), mask, _MAX_NODES, None, 0) != 0:
+        return "unknown"
+    nodes = [n for n in range(_MAX_NODES) if mask[n // bits] >> (n % bits) & 1]
+    name = _POLICIES.get(mode.value & 0xFF, str(mode.value))
+    return f"{name}:{format_cpulist(nodes)}" if name != "default" else name
+
+
+def anon_pages() -> dict[int, int]:
+    """kB of this process's anonymous resident memory per node (numa_maps)."""
+    counts: dict[int, int] = {}
+    try:
+        with open("/proc/self/numa_maps") as f:
+            lines = f.read().splitlines()
+    except OSError:  # a kernel without NUMA
+        return counts
+    for line in lines:
         fields = line.split()[2:]
-        page_kb = 4
-        for item in fields:
-            if item.startswith("kernelpagesize_kB="):
-                page_kb = int(item.split("=", 1)[1])
-        is_file = any(item.startswith("file=") for item in fields)
-        for match in filter(None, map(_NODE_FIELD.match, fields)):
-            node, kb = int(match[1]), int(match[2]) * page_kb
-            resident[node] = resident.get(node, 0) + kb
-            if not is_file:
-                anon[node] = anon.get(node, 0) + kb
-    return resident, anon
+        if any(f.startswith("file=") for f in fields):
+            continue
+        page = next((f[18:] for f in fields if f.startswith("kernelpagesize_kB=")), 4)
+        for field in fields:
+            if field[:1] == "N" and "=" in field and field[1:].split("=")[0].isdigit():
+                node, pages = field[1:].split("=")
+                counts[int(node)] = counts.get(int(node), 0) + int(pages) * int(page)
+    return counts
 
 
-def observe_self() -> ObservedBinding:
-    """This process's binding as the kernel sees it."""
-    allowed = read_process_affinity(os.path.join(_PROC_SELF, "status"))
-    try:
-        with open(os.path.join(_PROC_SELF, "numa_maps"), errors="replace") as f:
-            resident, anon = parse_numa_maps(f.read())
-    except FileNotFoundError:  # a kernel built without CONFIG_NUMA: nothing to count
-        resident, anon = {}, {}
-    try:
-        policy, policy_nodes = read_mempolicy()
-    except OSError:  # no libnuma.so.1, or a kernel without NUMA: nothing reads it
-        policy, policy_nodes = "unknown", frozenset()
-    kb = (tuple(sorted(counts.items())) for counts in (resident, anon))
-    return ObservedBinding(allowed.cpus, allowed.mems, policy, policy_nodes, *kb)
+def observe(server_args) -> dict:
+    """This rank's binding as the kernel sees it, and the GPU it will drive."""
+    from sglang.srt.runtime_context import get_device
 
-
-def compare_binding(
-    placement: ProcessPlacement, observed: ObservedBinding
-) -> list[str]:
-    """One line per way ``observed`` differs from ``placement``. A policy stricter than
-    planned (bind for preferred) counts: it can fail allocations meant to spill over."""
-    if placement.strategy == Strategy.NONE:
-        return []
-    diffs: list[str] = []
-    if placement.cpus and observed.cpus != placement.cpus:
-        diffs.append(
-            f"cpus {_fmt(observed.cpus)} observed, {_fmt(placement.cpus)} planned"
-        )
-    if placement.mem_policy == MemPolicy.NONE:
-        return diffs
-    want_nodes, want_policies = placement.mem_nodes, ("bind",)
-    if placement.mem_policy != MemPolicy.BIND:
-        want_policies = ("preferred", "preferred_many")
-        if placement.numa_node is not None:
-            want_nodes = frozenset([placement.numa_node])
-    if not want_nodes <= observed.mems:
-        diffs.append(
-            f"mems allowed {_fmt(observed.mems)} observed, must include "
-            f"{_fmt(want_nodes)} (a cpuset or an outer numactl restricts this process)"
-        )
-    if observed.policy not in want_policies or observed.policy_nodes != want_nodes:
-        seen = _policy_text(observed.policy, observed.policy_nodes)
-        planned = _policy_text(placement.mem_policy, want_nodes)
-        diffs.append(f"memory policy {seen} observed, {planned} planned")
-    return diffs
-
-
-def _fmt(values: frozenset[int]) -> str:
-    return format_cpulist(values) or "(none)"
-
-
-def _policy_text(policy: str, nodes: frozenset[int]) -> str:
-    return f"{policy} on node(s) {format_cpulist(nodes)}" if nodes else policy
-
-
-# A model config sglang's publish() resolves the probe's ServerArgs against; it is in
-# the package, so each Ray node's install holds it too.
-PROBE_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe_model")
-
-
-def probe_server_args(server_args: PlanArgs, *, verbose: bool) -> "ServerArgs":
-    """sglang's ServerArgs with ``server_args``' fields, for the probe model; the
-    probe ranks log errors only unless ``verbose``."""
-    from sglang.srt.server_args import ServerArgs
-
-    fields = {
-        f.name: getattr(server_args, f.name) for f in dataclasses.fields(PlanArgs)
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            threads[tid] = format_cpulist(os.sched_getaffinity(int(tid)))
+        except OSError:  # it exited
+            pass
+    status = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            status[key] = value.strip()
+    gpu_id = get_device().gpu_id
+    cuda = server_args.device == "cuda"
+    return {
+        "pid": os.getpid(),
+        "cpus": status.get("Cpus_allowed_list", ""),
+        "mems": status.get("Mems_allowed_list", ""),
+        "policy": mempolicy(),
+        "pages_kb": anon_pages(),
+        "thread_cpus": threads,
+        "device_gpu_id": gpu_id,
+        "pci": gpu_pci(gpu_id) if cuda else None,
     }
-    level = "info" if verbose else "error"
-    return ServerArgs(model_path=PROBE_MODEL, log_level=level, **fields)
+
+
+def _probe(server_args) -> dict:
+    info = observe(server_args)
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # a Ray actor: plan it here
+        ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        ray_id = int(ids[0]) if ids else info["device_gpu_id"]
+        # Planned as the actor was before it bound itself: on its raylet's CPUs.
+        unbound = os.sched_getaffinity(os.getppid())
+        os.sched_setaffinity(0, unbound)
+        rank = Rank(0, 0, 0, ray_id)
+        info["plan"] = plan_index(server_args, rank, ray_id, launcher="ray")
+        info["unbound_cpus"] = format_cpulist(unbound)
+        info["node_id"] = ray.get_runtime_context().get_node_id()
+    return info
 
 
 class ProbeScheduler:
-    """Stands in for sglang's ``Scheduler``, built where it would be (after
-    ``configure_scheduler_process``): it reads the rank's binding and loads nothing.
-    It never raises (``run_scheduler_process`` would signal its parent)."""
+    """Stands in for sglang's ``Scheduler`` where it is built, after
+    ``configure_scheduler_process``: it reads the rank's binding and loads nothing."""
 
-    def __init__(self, server_args: "ServerArgs", port_args: object = None) -> None:
+    def __init__(self, server_args, port_args=None, **_):
         self.async_d2h_worker = None
         self.gracefully_exit = False
         self.metrics_reporter = types.SimpleNamespace(_shutdown_fpm=lambda: None)
         try:
-            self.info = self._observe(server_args)
-        except Exception as exc:  # noqa: BLE001 - reported, never raised
-            self.info = {"pid": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
-
-    @staticmethod
-    def _observe(server_args: "ServerArgs") -> dict:
-        from sglang.srt.runtime_context import get_device
-        from sglang.srt.utils import numa_utils
-
-        threads = {}  # /proc/self/status shows the main thread's CPUs only
-        for tid in filter(str.isdigit, os.listdir("/proc/self/task")):
-            with contextlib.suppress(PlacementError, ValueError):  # it exited
-                status = read_process_affinity(f"/proc/self/task/{tid}/status")
-                threads[int(tid)] = format_cpulist(status.cpus)
-        info = {
-            "pid": os.getpid(),
-            "observed": observe_self().to_dict(),
-            "thread_cpus": threads,
-            "device_gpu_id": get_device().gpu_id,
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        }
-        gpus = numa_utils.ray_actor_gpus()
-        if gpus is not None:  # the plan the actor bound itself by
-            import ray
-
-            context = ray.get_runtime_context()
-            gpu_id = int(gpus[0]) if gpus else get_device().gpu_id
-            info["placement"] = to_dict(_actor_plan(server_args, gpu_id))
-            info.update(
-                node_id=context.get_node_id(),
-                actor=context.get_actor_name(),
-                accelerator_ids=gpus,
-                # What a worker of this node gets when nothing binds it: its raylet's.
-                unbound_cpus=format_cpulist(os.sched_getaffinity(os.getppid())),
-            )
-        return info
+            self.info = _probe(server_args)
+        except Exception as e:  # reported, never raised (the parent would be signalled)
+            self.info = {"error": f"{type(e).__name__}: {e}"}
 
     def get_init_info(self) -> dict:
         return self.info
@@ -241,243 +152,282 @@ class ProbeScheduler:
         return None
 
 
-def _before_bind(server_args: "ServerArgs") -> object:
-    """This host as a Ray actor saw it before it bound itself: its raylet's CPUs."""
-    from sglang.srt.utils import numa_utils
-
-    class BeforeBind(numa_utils.LiveHost):
-        def affinity(self) -> ProcessAffinity:
-            parent = read_process_affinity(f"/proc/{os.getppid()}/status")
-            return dataclasses.replace(parent, source="the raylet")
-
-    return BeforeBind(server_args, report_failures=False)
-
-
-def _actor_plan(server_args: "ServerArgs", gpu_id: int) -> ProcessPlacement:
-    """What the actor's configure step decided (the launcher tells its ranks)."""
-    from sglang.srt.utils import numa_utils
-
-    launcher, gpu = numa_utils.launched_rank(server_args, gpu_id)
-    policy = PlacementPolicy.from_env(server_args, launcher=launcher)
-    rank = RankIdentity(gpu)
-    return resolve_placement(rank=rank, policy=policy, host=_before_bind(server_args))
+def install_probe() -> None:
+    """The probe in place of sglang's Scheduler in this process, once the scheduler
+    module is imported (a spawned probe rank, or a Ray worker: the job's
+    ``worker_process_setup_hook``, which runs in its task workers too)."""
+    module = sys.modules.get(_SCHEDULER)
+    if module is not None:
+        module.Scheduler = ProbeScheduler
+    elif not any(isinstance(finder, _ProbeFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _ProbeFinder())
 
 
-def install_probe_scheduler() -> None:
-    """The probe in place of sglang's ``Scheduler`` in this process (a Ray job's
-    ``worker_process_setup_hook``, a spawned probe rank)."""
-    import sglang.srt.managers.scheduler as scheduler
+class _ProbeFinder:
+    def find_spec(self, name, path, target=None):
+        if name != _SCHEDULER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
 
-    scheduler.Scheduler = ProbeScheduler
+        def exec_module(module) -> None:
+            load(module)
+            module.Scheduler = ProbeScheduler
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
-def probe_scheduler_process(*args: object) -> None:
-    """A probe rank's target: sglang's own ``run_scheduler_process`` with the probe as
-    its Scheduler; it reports through the pipe, as a scheduler does."""
-    if getattr(args[0], "log_level", None) == "error":  # quiet: errors only
-        warnings.filterwarnings("ignore")
+def probe_rank(*args) -> None:
+    """A spawned probe rank: sglang's own ``run_scheduler_process``; quiet (errors
+    only) unless verify runs with -v."""
+    if args[0].log_level == "error":
         logging.disable(logging.WARNING)
-    install_probe_scheduler()
+    install_probe()
     from sglang.srt.managers.scheduler import run_scheduler_process
 
     run_scheduler_process(*args)
 
 
-def _target_nodes(placement: ProcessPlacement) -> frozenset[int]:
-    if placement.strategy == Strategy.NONE:
-        return frozenset()
-    if placement.mem_nodes or placement.numa_node is None:
-        return placement.mem_nodes
-    return frozenset([placement.numa_node])
+# ------------------------------------------------------------------ comparison
 
 
-def differences(
-    placement: ProcessPlacement,
-    observed: ObservedBinding,
-    *,
-    unbound_cpus: frozenset[int],
-) -> list[str]:
-    """An unbound rank must have been left alone; a bound one must also keep most of
-    its own memory on its node(s)."""
-    if placement.strategy == Strategy.NONE:
-        found = []
-        if observed.cpus != unbound_cpus:
-            found.append(
-                f"cpus {format_cpulist(observed.cpus)} observed, the launcher's "
-                f"{format_cpulist(unbound_cpus)} expected for an unbound rank"
-            )
-        if observed.policy != "default":
-            found.append(
-                f"memory policy {observed.policy} observed, "
-                "default expected for an unbound rank"
-            )
-        return found
-    found = compare_binding(placement, observed)
-    minimum = MIN_LOCAL_PAGE_RATIO.get(placement.strategy)
-    nodes = _target_nodes(placement)
-    ratio = observed.local_page_ratio(nodes, anon_only=True)
-    bind = placement.mem_policy == MemPolicy.BIND
-    if minimum and bind and ratio is not None and ratio < minimum:
-        found.append(
-            f"{ratio:.1%} of the rank's resident anonymous memory is on node(s) "
-            f"{format_cpulist(nodes)}, at least {minimum:.0%} expected for strategy "
-            f"{placement.strategy}"
-        )
-    return found
-
-
-def verify_row(
-    placement: ProcessPlacement,
-    report: dict,
-    *,
-    launcher: str,
-    unbound_cpus: frozenset[int],
-) -> dict:
-    """The plan's fields, what the rank observed, and whether they agree."""
-    observed = ObservedBinding.from_dict(report["observed"])
-    nodes = _target_nodes(placement)
-    found = differences(placement, observed, unbound_cpus=unbound_cpus)
-    policy_nodes = format_cpulist(observed.policy_nodes)
+def compare(plan: dict, seen: dict, *, unbound: str) -> dict:
+    """The plan's row with what its rank observed, and every way they differ."""
+    if "error" in seen:
+        raise ProbeError(f"[{_label(plan)}] the probe failed: {seen['error']}")
+    found, cpus, nodes = [], plan["cpus"], plan["mem_nodes"]
+    policy = f"{plan['mem_policy']}:{nodes}" if plan["mem_policy"] != "none" else None
+    if plan["strategy"] == "none":  # left as launched, unless sglang's own slice
+        blind = os.environ.get("SGLANG_SET_CPU_AFFINITY", "").lower() in _TRUE
+        cpus, policy = "" if blind else unbound, "default"
+    off = {tid: c for tid, c in seen["thread_cpus"].items() if cpus and c != cpus}
+    if cpus and seen["cpus"] != cpus:
+        found.append(f"cpus {seen['cpus']} observed, {cpus} planned")
+    elif off:
+        tid, other = next(iter(off.items()))
+        found.append(f"{len(off)} thread(s) outside the planned CPUs ({tid}: {other})")
+    if policy and seen["policy"] != policy:
+        found.append(f"policy {seen['policy']} observed, {policy} planned")
+    wanted = parse_cpulist(nodes, what="mem_nodes") if nodes else set()
+    if not wanted <= parse_cpulist(seen["mems"] or "0", what="Mems_allowed"):
+        found.append(f"Mems_allowed {seen['mems']} lacks node(s) {nodes}")
+    total = sum(seen["pages_kb"].values())
+    local = sum(kb for n, kb in seen["pages_kb"].items() if int(n) in wanted)
+    share = local / total if total and wanted else None
+    if plan["mem_policy"] == "bind" and share is not None and share < MIN_SHARE:
+        found.append(f"{share:.1%} of its pages on node(s) {nodes}")
+    if plan["pci"] != seen["pci"]:
+        found.append(f"GPU {seen['pci']} observed, {plan['pci']} planned")
     return {
-        **to_dict(placement),
-        "launcher": launcher,
-        "observed_pid": report.get("pid"),
-        "observed_cpus": format_cpulist(observed.cpus),
-        "observed_mems": format_cpulist(observed.mems),
-        "observed_policy": f"{observed.policy}:{policy_nodes}".rstrip(":"),
-        "local_page_ratio": observed.local_page_ratio(nodes, anon_only=True),
-        "local_page_ratio_all": observed.local_page_ratio(nodes),
+        **plan,
+        "observed_cpus": seen["cpus"],
+        "observed_mems": seen["mems"],
+        "observed_policy": seen["policy"],
+        "observed_pci": seen["pci"],
+        "observed_gpu_id": seen["device_gpu_id"],
+        "thread_cpus": seen["thread_cpus"],
+        "local_page_share": share,
         "ok": not found,
         "differences": found,
     }
 
 
-@contextlib.contextmanager
-def _reindexed(gpu_id: int, *, device: str) -> Iterator[int]:
-    """sglang's ``maybe_reindex_device_id`` for CUDA ranks, as the engine applies it."""
-    if device != "cuda" or not envs.SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS.get():
-        yield gpu_id
-        return
+def _label(row: dict) -> str:
+    return f"DP{row['dp_rank']} PP{row['pp_rank']} TP{row['tp_rank']}"
+
+
+def format_verify_row(row: dict) -> str:
+    share = row["local_page_share"]
+    head = (
+        f"[{_label(row)}] {row['launcher']} {who(row, ray=False)} node "
+        f"{'-' if row['numa_node'] is None else row['numa_node']} via "
+        f"{row['strategy']}: cpus {row['observed_cpus']} (plan "
+        f"{row['cpus'] or 'unbound'}), mems {row['observed_mems']}, policy "
+        f"{row['observed_policy']} (plan {row['mem_policy']}:"
+        f"{row['mem_nodes'] or '-'}), local pages "
+        f"{'n/a' if share is None else f'{share:.1%}'}"
+    )
+    return (
+        f"{head}: OK"
+        if row["ok"]
+        else f"{head}: MISMATCH: " + "; ".join(row["differences"])
+    )
+
+
+# ------------------------------------------------------------------ launchers
+
+
+def _receive(reader, proc, label: str, deadline: float, timeout: float) -> dict:
+    if not reader.poll(max(0.0, deadline - time.monotonic())):
+        raise ProbeError(f"[{label}] no report within {timeout:g} s")
+    try:
+        return reader.recv()
+    except EOFError:
+        proc.join(timeout=5)
+        raise ProbeError(
+            f"[{label}] the probe rank exited with status {proc.exitcode} before "
+            "reporting (run with -v to see its output)"
+        ) from None
+
+
+def verify_mp(args, server_args, *, timeout: float) -> list[dict]:
+    """Each rank of this node spawned as sglang's engine (or its data-parallel
+    controller) spawns a scheduler: from this thread, in launch order."""
+    import multiprocessing as mp
+    from multiprocessing import resource_tracker
+
+    from sglang.srt.utils import numa_utils
     from sglang.srt.utils.common import maybe_reindex_device_id
 
-    with maybe_reindex_device_id(gpu_id) as reindexed:
-        yield reindexed
-
-
-def run_mp_probes(
-    server_args: PlanArgs,
-    *,
-    timeout_s: float,
-    dp_threads: bool = False,
-    verbose: bool = False,
-) -> list[tuple[RankIdentity, dict]]:
-    """(rank, report) per local rank, spawned as sglang's engine (or with
-    ``dp_threads`` its data-parallel controller) spawns schedulers."""
-    from sglang.srt.utils import numa_utils
-
-    ctx = multiprocessing.get_context("spawn")
-    lock = threading.Lock()  # the data-parallel controller's env_lock
-    started: list[Started] = []
-    sglang_args = probe_server_args(server_args, verbose=verbose)
-
-    def spawn(group: Sequence[RankIdentity]) -> None:
-        for rank in group:
-            with lock:
-                reader, writer = ctx.Pipe(duplex=False)
-                index = rank.device.index
-                with _reindexed(index, device=server_args.device) as gpu_id:
-                    name = f"verify-{rank.label}"
-                    ranks = (rank.tp_rank, rank.pp_rank, rank.dp_rank)
-                    proc = ctx.Process(
-                        target=probe_scheduler_process,
-                        args=(sglang_args, None, gpu_id, *ranks, writer),
-                        name=name,
-                    )
-                    with numa_utils.configure_subprocess(sglang_args, gpu_id):
-                        proc.start()
-                writer.close()
-                started.append((rank, proc, reader))
-
-    ranks, dp_size = local_ranks(server_args), server_args.dp_size
+    mp.set_start_method("spawn", force=True)  # as sglang's engine sets it
+    # Started now, not by the first spawn: that would run it through the rank's
+    # numactl wrapper, which removes itself, so the rank's own exec could miss it.
+    resource_tracker.ensure_running()
+    unbound = format_cpulist(os.sched_getaffinity(0))
+    deadline, started = time.monotonic() + timeout, []
     try:
-        if dp_threads:  # each dp rank's group from a thread of its own, all at once
-            groups = [[r for r in ranks if r.dp_rank == dp] for dp in range(dp_size)]
-            with ThreadPoolExecutor(len(groups)) as pool:
-                list(pool.map(spawn, groups))  # the first error, once all have run
-        else:
-            spawn(ranks)  # from this thread, as the engine does
-        return _collect(started, timeout_s=timeout_s)
+        for rank in node_ranks(args, args.node_rank):
+            reader, writer = mp.Pipe(duplex=False)
+            with maybe_reindex_device_id(rank.gpu_id) as gpu_id:
+                plan = plan_index(server_args, rank, gpu_id, launcher="mp")
+                dp = rank.dp_rank if args.dp_size > 1 else None
+                ranks = (gpu_id, rank.tp_rank, rank.pp_rank, dp, writer)
+                proc = mp.Process(target=probe_rank, args=(server_args, None, *ranks))
+                with numa_utils.configure_subprocess(server_args, gpu_id):
+                    proc.start()
+            writer.close()
+            started.append((rank, plan, proc, reader))
+        return [
+            compare(
+                plan, _receive(r, p, rank.label, deadline, timeout), unbound=unbound
+            )
+            for rank, plan, p, r in started
+        ]
     finally:
-        for _, proc, reader in started:
+        for _, _, proc, reader in started:
             reader.close()
-            proc.join(timeout=5)
+            proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
 
 
-def _collect(
-    started: Sequence[Started], *, timeout_s: float
-) -> list[tuple[RankIdentity, dict]]:
-    deadline = time.monotonic() + timeout_s
-    reports = []
-    for rank, proc, reader in started:
-        # The launcher holds no writer: a probe that exits is EOF, which poll() sees.
-        if not reader.poll(max(0.0, deadline - time.monotonic())):
-            raise PlacementError(
-                f"{rank.label}: no report within {timeout_s:g} s "
-                "(see the rank's output above)"
-            )
-        try:
-            report = reader.recv()
-        except EOFError:
-            proc.join(timeout=1)
-            raise PlacementError(
-                f"{rank.label}: the probe rank exited with status {proc.exitcode} "
-                "before reporting (see its output above)"
-            ) from None
-        if "error" in report:
-            raise PlacementError(f"{rank.label}: the probe failed: {report['error']}")
-        reports.append((rank, report))
-    return reports
+def _connect(args, ranks: int, *, verbose: bool) -> Optional[str]:
+    """Join RAY_ADDRESS's cluster, else start a local one in a private directory
+    (returned, for removal); the job's workers get the probe and sglang's settings."""
+    import ray
 
-
-def verify_mp(
-    server_args: PlanArgs,
-    *,
-    timeout_s: float,
-    dp_threads: bool = False,
-    verbose: bool = False,
-) -> list[dict]:
-    """A row per local rank: what ``plan`` says sglang's spawn does, and what it did."""
-    placements = {p.label: p for p in plan_engine(server_args, launcher="mp")}
-    reports = run_mp_probes(
-        server_args, timeout_s=timeout_s, dp_threads=dp_threads, verbose=verbose
+    env = {name: os.environ[name] for name in ENGINE_VARS if name in os.environ}
+    options = dict(
+        configure_logging=False,
+        log_to_driver=verbose,
+        runtime_env={"worker_process_setup_hook": PROBE_HOOK, "env_vars": env},
     )
-    unbound = read_process_affinity().cpus
-    return [
-        verify_row(placements[rank.label], report, launcher="mp", unbound_cpus=unbound)
-        for rank, report in reports
-    ]
+    logging.getLogger("ray").setLevel(logging.INFO if verbose else logging.ERROR)
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address:
+        ray.init(address=address, **options)
+        return None
+    if args.device == "cpu":  # RayEngine asks one GPU per actor whatever the device
+        gpus = ranks
+    else:
+        import torch
 
-
-def format_verify_rows(rows: Sequence[dict]) -> str:
-    """One line per rank, as Slurm's --cpu-bind=verbose: plan, observed, OK or why."""
-    lines = []
-    for row in rows:
-        gpu = "" if row.get("gpu_id") is None else f" gpu_id {row['gpu_id']}"
-        pci = f" ({row['pci']})" if row.get("pci") else ""
-        node = row.get("numa_node")
-        ratio = row.get("local_page_ratio")
-        head = (
-            f"[DP{row['dp_rank']} PP{row['pp_rank']} TP{row['tp_rank']}] "
-            f"{row['launcher']}{gpu}{pci} "
-            f"node {'-' if node is None else node} via {row['strategy']}: "
-            f"cpus {row['observed_cpus']} (plan {row['cpus'] or 'unbound'}), "
-            f"mems {row['observed_mems']}, policy {row['observed_policy']} "
-            f"(plan {row['mem_policy']}:{row['mem_nodes'] or '-'}), "
-            f"local pages {'n/a' if ratio is None else f'{ratio:.1%}'}"
+        gpus = torch.cuda.device_count()
+    if gpus < ranks:
+        raise ProbeError(
+            f"RayEngine asks one GPU per rank ({ranks}); this host has {gpus}: join "
+            "a cluster that has them (RAY_ADDRESS)"
         )
-        why = "; ".join(row["differences"])
-        lines.append(f"{head}: OK" if row["ok"] else f"{head}: MISMATCH: {why}")
-    return "\n".join(lines)
+    directory = tempfile.mkdtemp(prefix="sglang-verify-")
+    os.environ["RAY_TMPDIR"] = directory
+    for knob in ("RAY_enable_worker_prestart", "RAY_prestart_worker_first_driver"):
+        os.environ.setdefault(knob, "0")  # a worker for each actor, no idle ones
+    try:
+        ray.init(
+            address="local",
+            num_cpus=max(len(os.sched_getaffinity(0)), 1),
+            num_gpus=gpus,
+            include_dashboard=False,
+            _temp_dir=os.path.join(directory, "ray"),
+            **options,
+        )
+    except BaseException:
+        _remove(directory)
+        raise
+    return directory
+
+
+def _remove(directory: Optional[str]) -> None:
+    """The private directory ``_connect`` made, if it made one."""
+    os.environ.pop("RAY_TMPDIR", None)
+    if directory and os.path.basename(directory).startswith("sglang-verify-"):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def verify_ray(args, server_args, *, timeout: float, verbose: bool) -> list[dict]:
+    """Each rank as RayEngine starts it when it has no placement group: one bundle
+    of {CPU: 1, GPU: ranks per node} per node, the driver's first, and
+    ``_create_scheduler_actor`` for every rank of each node in turn."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from sglang.srt.ray import engine
+
+    per_node = [node_ranks(args, node, ray=True) for node in range(args.nnodes)]
+    total = sum(len(ranks) for ranks in per_node)
+    directory = _connect(args, total, verbose=verbose)
+    actors, pg = [], None
+    try:
+        bundles = [{"CPU": 1, "GPU": total // args.nnodes}] * args.nnodes
+        strategy = "STRICT_PACK" if args.nnodes == 1 else "SPREAD"
+        pg = placement_group(bundles, strategy=strategy)
+        if not ray.wait([pg.ready()], timeout=timeout)[0]:
+            raise ProbeError(
+                f"RayEngine's placement group {bundles} ({strategy}) was not ready "
+                f"within {timeout:g} s; the cluster has {ray.cluster_resources()} "
+                "(RayEngine asks one GPU per rank, on --device cpu too)"
+            )
+        first, ip = engine._find_engine_bundle(pg, args.nnodes)
+        order = [first] + [i for i in range(args.nnodes) if i != first]
+        local = total // args.nnodes // args.dp_size  # GPUs of one dp rank per node
+        shared = dict(pg=pg, server_args=server_args, port_args=None, rank0_node_ip=ip)
+        shared["dist_init_addr"] = f"{ip}:0"  # the probe makes no process group
+        for dp in range(args.dp_size):
+            for node, ranks in enumerate(per_node):
+                for rank in (r for r in ranks if r.dp_rank == dp):
+                    actor = engine._create_scheduler_actor(
+                        bundle_idx=order[node],
+                        gpu_id=rank.gpu_id % local,
+                        tp_rank=rank.tp_rank,
+                        pp_rank=rank.pp_rank,
+                        dp_rank=rank.dp_rank,
+                        **shared,
+                    )
+                    actors.append((rank, actor))
+        refs = [actor.get_info.remote() for _, actor in actors]
+        deadline, rows = time.monotonic() + timeout, []
+        for (rank, _), ref in zip(actors, refs):
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                seen = ray.get(ref, timeout=left)
+            except ray.exceptions.GetTimeoutError:
+                raise ProbeError(f"[{rank.label}] no report within {timeout:g} s")
+            except ray.exceptions.RayError as e:
+                last = str(e).strip().splitlines()[-1:]
+                raise ProbeError(f"[{rank.label}] the actor failed: {last}") from None
+            if "error" in seen:
+                raise ProbeError(f"[{rank.label}] the probe failed: {seen['error']}")
+            ranks = dict(dp_rank=rank.dp_rank, pp_rank=rank.pp_rank)
+            plan = {**seen["plan"], **ranks, "tp_rank": rank.tp_rank}
+            rows.append(compare(plan, seen, unbound=seen["unbound_cpus"]))
+        return rows
+    finally:
+        for rank, actor in actors:
+            ray.kill(actor, no_restart=True)
+        if pg is not None:
+            remove_placement_group(pg)
+        ray.shutdown()
+        _remove(directory)
