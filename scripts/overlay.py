@@ -33,25 +33,33 @@ def patches(stack: Path = STACK) -> list[Path]:
     return sorted(stack.glob("[0-9][0-9][0-9][0-9]-*/fix.patch"))
 
 
-def apply_patches(package: Path) -> Optional[str]:
-    """Applies each patch's ``python/sglang`` hunks in ``package``, in order (``git
-    apply`` of several at once checks each against the original files); the
-    repository a package may sit in (a virtual environment in a checkout) is not used.
-    Returns why one does not apply, or None."""
+def apply_patch(package: Path, patch: Path) -> Optional[str]:
+    """Applies ``patch``'s ``python/sglang`` hunks in ``package``; the repository a
+    package may sit in (a virtual environment in a checkout) is not used. Returns why
+    it does not apply, or None."""
     # The kernel's sources are not in the package: sgl-kernel builds them.
     paths = ["--exclude=sglang/kernels/aot/*", "--include=sglang/*"]
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(package.parent.parent)}
+    done = subprocess.run(
+        ["git", "apply", "-p2", "--allow-empty", *paths, str(patch)],
+        cwd=package.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.returncode != 0:
+        return f"{patch.parent.name} does not apply: {done.stderr.strip()}"
+    return None
+
+
+def apply_patches(package: Path) -> Optional[str]:
+    """Applies each patch in order (``git apply`` of several at once checks each
+    against the original files); returns why one does not apply, or None."""
     for patch in patches():
-        done = subprocess.run(
-            ["git", "apply", "-p2", "--allow-empty", *paths, str(patch)],
-            cwd=package.parent,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if done.returncode != 0:
-            return f"{patch.parent.name} does not apply: {done.stderr.strip()}"
+        why = apply_patch(package, patch)
+        if why is not None:
+            return why
     return None
 
 

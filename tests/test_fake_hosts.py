@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fakehost
@@ -116,8 +117,8 @@ def two_node_schedulers():
     fakehost.require_root()
     scenarios = [
         # sglang's gpu_id arithmetic: dp rank d starts at GPU 2d; each dp rank's
-        # thread spawns at once.
-        dict(name="dp2 tp2", engine=cuda(tp_size=2, dp_size=2), threads=True),
+        # thread spawns at once. Upstream's SGLANG_SET_CPU_AFFINITY slice, which
+        # configure_scheduler_process applies, moved GPU 2's rank to node 0.
         dict(
             name="dp2 tp2, SGLANG_SET_CPU_AFFINITY=1",
             engine=cuda(tp_size=2, dp_size=2),
@@ -126,7 +127,7 @@ def two_node_schedulers():
         ),
         dict(
             name="V1",
-            engine=cuda(tp_size=2, base_gpu_id=1),
+            engine=cuda(tp_size=1, base_gpu_id=1),
             env={"SGLANG_NUMA_BIND_V2": "0"},
         ),
     ]
@@ -180,14 +181,11 @@ def two_node_host():
     return {result["name"]: result for result in results}
 
 
-@pytest.mark.parametrize("setting", ["dp2 tp2", "dp2 tp2, SGLANG_SET_CPU_AFFINITY=1"])
-def test_dp_ranks_end_on_their_gpus_node_after_sglangs_setup(
-    two_node_schedulers, setting
-):
+def test_dp_ranks_end_on_their_gpus_node_after_sglangs_setup(two_node_schedulers):
     """dp2 x tp2 through sglang's run_scheduler_process: each rank on its GPU's node once
-    configure_scheduler_process has run (upstream's NUMA-blind SGLANG_SET_CPU_AFFINITY
-    slice put GPU 2's rank on node 0)."""
-    result = two_node_schedulers[setting]
+    configure_scheduler_process has run, SGLANG_SET_CPU_AFFINITY=1 included (upstream's
+    NUMA-blind slice put GPU 2's rank on node 0)."""
+    result = two_node_schedulers["dp2 tp2, SGLANG_SET_CPU_AFFINITY=1"]
     ranks = by_gpu(result)
     assert sorted(ranks) == [0, 1, 2, 3]
     assert [ranks[g]["dp_rank"] for g in range(4)] == [0, 0, 1, 1]
@@ -203,10 +201,9 @@ def test_v1_binds_each_rank_in_configure_scheduler_process(two_node_schedulers):
     """SGLANG_NUMA_BIND_V2=0: the rank binds itself (every thread) in sglang's set-up."""
     result = two_node_schedulers["V1"]
     ranks = by_gpu(result)
-    assert sorted(ranks) == [1, 2]
-    for gpu, row in ranks.items():
-        assert cpus_of(row, result) == NODE_CPU[GPU_NODE[gpu]], (gpu, row)
-        assert row["report"]["title"].startswith("sglang::scheduler_TP"), row
+    assert sorted(ranks) == [1]  # --base-gpu-id 1
+    assert cpus_of(ranks[1], result) == NODE_CPU[GPU_NODE[1]], ranks
+    assert ranks[1]["report"]["title"].startswith("sglang::scheduler"), ranks
     report = ranks[1]["report"]
     assert (report["policy"], report["policy_nodes"]) == ("preferred", [0]), report
 
@@ -266,12 +263,9 @@ def test_a_cpu_engine_on_a_gpu_host_is_placed_by_its_cpu_groups(two_node_host):
     assert_on(two_node_host["CPU engine"], {0: NODE_CPU[1], 1: NODE_CPU[0]})
 
 
-@pytest.fixture(scope="module")
-def one_node_of_cpus():
+def one_node_of_cpus() -> tuple:
     """A host whose node 0 holds both of this machine's CPUs and GPUs 0 and 1 (node 1:
-    GPUs 2 and 3, CPUs it lacks); SGLANG_SET_CPU_AFFINITY=1, in one launching process.
-    """
-    fakehost.require_root()
+    GPUs 2 and 3, CPUs it lacks); SGLANG_SET_CPU_AFFINITY=1."""
     host = fakesys.Host(
         nodes={0: fakesys.NodeSpec(cpus=REAL[:2]), 1: fakesys.NodeSpec(cpus=LACKING)},
         pci=[fakesys.host_bridge(0)]
@@ -290,19 +284,11 @@ def one_node_of_cpus():
             ),
         ]
     }
-    env = fakehost.gpu_env(GPU, CUDA_DEVICE_ORDER="PCI_BUS_ID")
-    return {r["name"]: r for r in fakehost.launch(host, job, env=env)}
+    return host, job, fakehost.gpu_env(GPU, CUDA_DEVICE_ORDER="PCI_BUS_ID")
 
 
-@pytest.mark.parametrize("setting", ["slices", "slices, one visible GPU per process"])
-def test_set_cpu_affinity_slices_a_node_among_its_gpus(one_node_of_cpus, setting):
-    """GPUs 0 and 1, node 0's GPUs, get one of its CPUs each; also where each spawn
-    sees only its own GPU, as GPU 0 (SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1)."""
-    assert_on(one_node_of_cpus[setting], {0: [REAL[0]], 1: [REAL[1]]})
-
-
-def test_sparse_node_ids_are_placed():
-    """Regression (3113a40: every rank unbound, "this host has one NUMA node")."""
+def sparse_nodes() -> tuple:
+    """Nodes 0 and 2, a GPU on each."""
     host = fakesys.Host(
         nodes={
             0: fakesys.NodeSpec(cpus=[REAL[0], LACKING[0]]),
@@ -315,33 +301,26 @@ def test_sparse_node_ids_are_placed():
         ],
     )
     job = {"scenarios": [dict(name="sparse", engine=cuda(tp_size=2))]}
-    (result,) = fakehost.launch(host, job, env=fakehost.gpu_env(GPU[:2]))
-    assert_on(result, {0: [REAL[0]], 1: [REAL[1]]})
+    return host, job, fakehost.gpu_env(GPU[:2])
 
 
 ODD_DEVICE = "0000:5e:00.0"
+ODD = {
+    "without a class file": fakesys.PciSpec(
+        ODD_DEVICE, 0, vendor="0x8086", missing={"class"}
+    ),
+    "vanished": fakesys.PciSpec(ODD_DEVICE, 1, vanished=True),
+}
 
 
-@pytest.mark.parametrize(
-    "odd",
-    [
-        fakesys.PciSpec(ODD_DEVICE, 0, vendor="0x8086", missing={"class"}),
-        fakesys.PciSpec(ODD_DEVICE, 1, vanished=True),
-    ],
-    ids=["without a class file", "vanished"],
-)
-def test_a_pci_oddity_elsewhere_on_the_bus_leaves_placement_alone(odd):
-    """Regression (3113a40 raised PlacementError from configure_subprocess)."""
+def odd_device(name: str) -> tuple:
+    """The two-node host with one more PCI device, not a GPU, that is odd."""
     job = {"scenarios": [dict(name="odd", engine=cuda(tp_size=4))]}
-    (result,) = fakehost.launch(two_nodes(odd), job, env=fakehost.gpu_env(GPU))
-    assert_on(result, {gpu: NODE_CPU[node] for gpu, node in GPU_NODE.items()})
-    assert not warnings_naming(result, ODD_DEVICE), explain(result)
+    return two_nodes(ODD[name]), job, fakehost.gpu_env(GPU)
 
 
-def test_unreadable_numa_node_of_the_gpu_without_nvml():
-    """NVML fails; GPU 1's device has no numa_node file: that rank runs unbound with one
-    warning naming the file, the others are placed; an error only under
-    SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1."""
+def unreadable_numa_node() -> tuple:
+    """NVML fails; GPU 1's device has no numa_node file."""
     crash = {"SGLANG_CRASH_ON_NUMA_BIND_FAILURE": "1"}
     job = {
         "scenarios": [
@@ -350,8 +329,54 @@ def test_unreadable_numa_node_of_the_gpu_without_nvml():
         ]
     }
     env = fakehost.gpu_env(GPU, FAKE_NVML_ERROR="Driver/library version mismatch")
-    host = two_nodes(gpu_missing=("numa_node",))
-    warn, crashed = fakehost.launch(host, job, env=env)
+    return two_nodes(gpu_missing=("numa_node",)), job, env
+
+
+@pytest.fixture(scope="module")
+def small_hosts() -> dict:
+    """Each small host's launch (one launching process each), two at a time: each is
+    mostly one process's imports."""
+    fakehost.require_root()
+    hosts = {
+        "one node of CPUs": one_node_of_cpus(),
+        "sparse": sparse_nodes(),
+        **{f"odd: {name}": odd_device(name) for name in ODD},
+        "unreadable numa_node": unreadable_numa_node(),
+    }
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            name: pool.submit(fakehost.launch, host, job, env=env)
+            for name, (host, job, env) in hosts.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("setting", ["slices", "slices, one visible GPU per process"])
+def test_set_cpu_affinity_slices_a_node_among_its_gpus(small_hosts, setting):
+    """GPUs 0 and 1, node 0's GPUs, get one of its CPUs each; also where each spawn
+    sees only its own GPU, as GPU 0 (SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS=1)."""
+    results = {r["name"]: r for r in small_hosts["one node of CPUs"]}
+    assert_on(results[setting], {0: [REAL[0]], 1: [REAL[1]]})
+
+
+def test_sparse_node_ids_are_placed(small_hosts):
+    """Regression (3113a40: every rank unbound, "this host has one NUMA node")."""
+    (result,) = small_hosts["sparse"]
+    assert_on(result, {0: [REAL[0]], 1: [REAL[1]]})
+
+
+@pytest.mark.parametrize("odd", list(ODD))
+def test_a_pci_oddity_elsewhere_on_the_bus_leaves_placement_alone(small_hosts, odd):
+    """Regression (3113a40 raised PlacementError from configure_subprocess)."""
+    (result,) = small_hosts[f"odd: {odd}"]
+    assert_on(result, {gpu: NODE_CPU[node] for gpu, node in GPU_NODE.items()})
+    assert not warnings_naming(result, ODD_DEVICE), explain(result)
+
+
+def test_unreadable_numa_node_of_the_gpu_without_nvml(small_hosts):
+    """GPU 1's rank runs unbound with one warning naming the file, the others are
+    placed; an error only under SGLANG_CRASH_ON_NUMA_BIND_FAILURE=1."""
+    warn, crashed = small_hosts["unreadable numa_node"]
     path = f"/sys/bus/pci/devices/{GPU[1]}/numa_node"
     assert_on(warn, {0: NODE_CPU[0], 1: UNBOUND})
     assert len(warnings_naming(warn, re.escape(path))) == 1, explain(warn)

@@ -336,7 +336,7 @@ def stand_in_host(*, gpus: Optional[list], allowed: Optional[set], probe: bool):
         os.sched_getaffinity = lambda pid: set(allowed)
         psutil.Process.cpu_affinity = lambda self, cpus=None: sorted(allowed)
     if not probe:
-        numa_utils._probe_numactl_args = lambda numactl_args: (numactl_args, "")
+        numa_utils._probe_numactl_args = lambda numactl_args, **_: (numactl_args, "")
 
 
 def namespace_argv(argv: list[str]) -> list[str]:
