@@ -120,3 +120,16 @@ def launch(
     for result in results:
         result["stderr"] = done.stderr[-4000:]
     return results
+
+
+def path_without_numactl(directory: Path) -> str:
+    """A PATH holding every program of this one but numactl (links in ``directory``,
+    which is made)."""
+    directory.mkdir()
+    for entry in os.environ["PATH"].split(os.pathsep):
+        if os.path.isdir(entry):
+            for program in os.listdir(entry):
+                link = directory / program
+                if program != "numactl" and not link.exists():
+                    link.symlink_to(os.path.join(entry, program))
+    return str(directory)

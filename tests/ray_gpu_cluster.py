@@ -27,7 +27,7 @@ with sglang's own ``_create_scheduler_actor`` (``ray_upstream``: the function, n
 the engine module, which imports the whole model stack), collects each ``get_info``
 (or the error), then kills its actors and removes its group. Ray's files go under
 RAY_TMPDIR, a private directory the caller makes; the script shuts its cluster down
-itself, never with ``ray stop``.
+itself (cluster.shutdown), and stops nothing it did not start.
 """
 
 from __future__ import annotations

@@ -98,18 +98,6 @@ def warnings_naming(result: dict, pattern: str) -> list[str]:
     return [w for w in result["warnings"] if re.search(pattern, w)]
 
 
-def path_without_numactl(directory: Path) -> str:
-    """A PATH holding every program of this one but numactl (links in ``directory``)."""
-    directory.mkdir()
-    for entry in os.environ["PATH"].split(os.pathsep):
-        if os.path.isdir(entry):
-            for program in os.listdir(entry):
-                link = directory / program
-                if program != "numactl" and not link.exists():
-                    link.symlink_to(os.path.join(entry, program))
-    return str(directory)
-
-
 @pytest.fixture(scope="module")
 def two_node_schedulers():
     """Scheduler ranks (sglang's run_scheduler_process) on the two-node, four-GPU host,
@@ -145,7 +133,7 @@ def two_node_host():
     host, in one launching process."""
     fakehost.require_root()
     with tempfile.TemporaryDirectory(prefix="fake-hosts-") as tmp:
-        no_numactl = path_without_numactl(Path(tmp) / "bin")
+        no_numactl = fakehost.path_without_numactl(Path(tmp) / "bin")
         in_container = {"FAKE_NVML_GPUS": f"{GPU[1]},{GPU[2]}"}
         omp = {"SGLANG_CPU_OMP_THREADS_BIND": f"{REAL[1]}|{REAL[0]}"}
         scenarios = [
@@ -213,22 +201,22 @@ def test_numa_node_list_places_each_gpu_id(two_node_host):
     assert_on(result, {0: NODE_CPU[1], 1: NODE_CPU[1], 2: NODE_CPU[0], 3: NODE_CPU[0]})
 
 
-def test_numa_node_the_host_lacks_is_an_error_before_the_rank_starts(two_node_host):
-    """Regression (3113a40 started GPU 1's rank unbound, with a warning)."""
-    result = two_node_host["--numa-node 0 7"]
+@pytest.mark.parametrize(
+    "scenario, named",
+    [("--numa-node 0 7", "7"), ("--numa-node 0", "no entry for GPU 1")],
+    ids=["a node the host lacks", "no entry for the GPU"],
+)
+def test_a_bad_numa_node_list_is_an_error_before_the_rank_starts(
+    two_node_host, scenario, named
+):
+    """Regression (3113a40 started GPU 1's rank unbound on a node the host lacks, with
+    a warning)."""
+    result = two_node_host[scenario]
     assert_on(result, {0: NODE_CPU[0]})
     ranks = by_gpu(result)
     assert not ranks[1]["started"], f"{ranks[1]}\n{explain(result)}"
     assert "--numa-node" in ranks[1].get("error", ""), ranks[1]
-    assert "7" in ranks[1]["error"], ranks[1]
-
-
-def test_numa_node_list_without_the_gpus_entry_is_an_error(two_node_host):
-    result = two_node_host["--numa-node 0"]
-    assert_on(result, {0: NODE_CPU[0]})
-    ranks = by_gpu(result)
-    assert not ranks[1]["started"], f"{ranks[1]}\n{explain(result)}"
-    assert "--numa-node" in ranks[1].get("error", ""), ranks[1]
+    assert named in ranks[1]["error"], ranks[1]
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_bootstrap_engines import (
+from bootstrap_engines import (
     DRIVER,
     SHM,
     _driver_env,

@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import fakehost
 import pytest
 import rank_probe
 
@@ -197,15 +198,7 @@ def test_the_wrapper_is_private_quoted_and_gone(spawning, monkeypatch):
 @pytest.fixture
 def path_without_numactl(spawning) -> str:
     """A PATH holding every program of this one but numactl."""
-    directory = spawning.parent / "bin"
-    directory.mkdir()
-    for entry in os.environ["PATH"].split(os.pathsep):
-        if os.path.isdir(entry):
-            for program in os.listdir(entry):
-                link = directory / program
-                if program != "numactl" and not link.exists():
-                    link.symlink_to(os.path.join(entry, program))
-    return str(directory)
+    return fakehost.path_without_numactl(spawning.parent / "bin")
 
 
 def test_without_numactl_the_rank_runs_unbound_with_one_warning(

@@ -2,7 +2,8 @@
 spawn inside ``configure_subprocess`` running ``run_scheduler_process``; a Ray
 ``SchedulerActor`` made by ``_create_scheduler_actor``) read their binding back.
 
-Ray: the GPU test needs its cluster inside a fake host's mount namespace, started by
+Ray: ``test_demo_cpu_engine`` lets verify start its own local cluster (the demo's
+way); the GPU test needs its cluster inside a fake host's mount namespace, started by
 ``tools_ray.py`` there, so that any tree's tools (``PLACEMENT_TOOLS_TREE``) join one
 with the GPUs declared.
 """
@@ -31,21 +32,29 @@ HALVES = [fakesys.format_cpulist(CPUS[:HALF]), fakesys.format_cpulist(CPUS[HALF:
 pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to split")
 
 
-def test_demo_cpu_engine_every_spawned_rank_ok():
-    """The demo's two-rank CPU engine, spawned: each rank on its half, every thread of
-    it, its memory bound to node 0 from its start. (Its Ray rows: the GPU test below;
-    a CPU engine's actors: tests/test_ray_actors.py.)"""
-    env = {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(HALVES)}
-    argv = ["verify", "--device", "cpu", "--tp-size", "2", "--launcher", "mp"]
+@pytest.mark.ray
+def test_demo_cpu_engine_every_rank_ok():
+    """The demo's two-rank CPU engine, spawned and as Ray actors: each rank on its
+    half, every thread of it; a spawned rank's memory bound to node 0 from its start,
+    a Ray actor's preferred there (it binds itself once running)."""
+    env = {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(HALVES), "RAY_ADDRESS": None}
+    argv = ["verify", "--device", "cpu", "--tp-size", "2", "--launcher", "both"]
     rows = tools_hosts.ranks(tools_hosts.run_tools([*argv, "--json"], env=env))
-    assert [(r["launcher"], r["tp_rank"]) for r in rows] == [("mp", 0), ("mp", 1)]
+    assert [(r["launcher"], r["tp_rank"]) for r in rows] == [
+        ("mp", 0),
+        ("mp", 1),
+        ("ray", 0),
+        ("ray", 1),
+    ]
     for row in rows:
         assert row["ok"] and row["differences"] == [], row
         half = HALVES[row["gpu_id"]]
         assert row["cpus"] == row["observed_cpus"] == half
         assert set(row["thread_cpus"].values()) == {half}
         assert row["local_page_share"] == 1.0 and row["observed_mems"] == "0"
-        assert (row["observed_policy"], row["strategy"]) == ("bind:0", "exec"), row
+    assert [r["observed_policy"] for r in rows] == ["bind:0"] * 2 + ["preferred:0"] * 2
+    assert [r["strategy"] for r in rows] == ["exec"] * 2 + ["in-process"] * 2
+    assert sorted(r["gpu_id"] for r in rows[2:]) == [0, 1]
 
 
 def test_a_rank_bound_otherwise_than_planned_is_a_mismatch():

@@ -1,48 +1,26 @@
-"""A stand-in for NVIDIA's ``pynvml`` (nvidia-ml-py) on hosts without a GPU: the calls
-sglang makes, answered as the real NVML answers them for the GPUs that
-``FAKE_NVML_GPUS`` lists (PCI addresses, comma-separated, in NVML's order; a container
-given some of a host's GPUs lists only those). A GPU's memory affinity is the
-``numa_node`` of its PCI device in sysfs, as NVML reads it. Without ``FAKE_NVML_GPUS``
-``nvmlInit`` fails as it does where no driver is loaded; with ``FAKE_NVML_ERROR`` it
-fails with that message while the GPUs stay listed for the CUDA runtime (the test
-harness's ``torch.cuda`` stand-in), as where NVML alone is broken."""
+"""A stand-in for NVIDIA's ``pynvml`` (nvidia-ml-py) on hosts without a GPU: the
+operator tools' stand-in (``placement_tools/standin/pynvml.py``: the calls sglang makes,
+answered as the real NVML answers them, a GPU's memory affinity being the ``numa_node``
+of its PCI device in sysfs) for the GPUs ``FAKE_NVML_GPUS`` lists (PCI addresses,
+comma-separated, in NVML's order; a container given some of a host's GPUs lists only
+those), with what tests add: ``FAKE_NVML_ERROR`` makes ``nvmlInit`` fail with that
+message while the GPUs stay listed for the CUDA runtime (the test harness's
+``torch.cuda`` stand-in), as where NVML alone is broken; and each GPU's UUID."""
 
-import ctypes
 import hashlib
 import os
-import types
+from pathlib import Path
 
-NVML_AFFINITY_SCOPE_NODE = 0
-
-
-class NVMLError(Exception):
-    pass
-
-
-def _gpus():
-    listed = os.environ.get("FAKE_NVML_GPUS", "")
-    return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
+_STANDIN = Path(__file__).resolve().parents[2] / "python/sglang/srt/placement_tools"
+exec(compile((_STANDIN / "standin/pynvml.py").read_text(), "standin/pynvml.py", "exec"))
+GPUS_VARIABLE = "FAKE_NVML_GPUS"
+_init = nvmlInit  # noqa: F821 (the stand-in's)
 
 
 def nvmlInit():
     if os.environ.get("FAKE_NVML_ERROR"):
-        raise NVMLError(os.environ["FAKE_NVML_ERROR"])
-    if not _gpus():
-        raise NVMLError("Driver Not Loaded")
-
-
-def nvmlShutdown():
-    pass
-
-
-def nvmlDeviceGetCount():
-    return len(_gpus())
-
-
-def nvmlDeviceGetHandleByIndex(index):
-    if not 0 <= index < len(_gpus()):
-        raise NVMLError("Invalid Argument")
-    return _gpus()[index]
+        raise NVMLError(os.environ["FAKE_NVML_ERROR"])  # noqa: F821
+    _init()
 
 
 def nvmlDeviceGetUUID(handle):
@@ -50,25 +28,7 @@ def nvmlDeviceGetUUID(handle):
 
 
 def nvmlDeviceGetHandleByUUID(uuid):
-    for handle in _gpus():
+    for handle in _gpus():  # noqa: F821
         if nvmlDeviceGetUUID(handle) == uuid:
             return handle
-    raise NVMLError("Not Found")
-
-
-def nvmlDeviceGetPciInfo(handle):
-    domain, rest = handle.split(":", 1)
-    return types.SimpleNamespace(busId=f"{int(domain, 16):08x}:{rest}".upper())
-
-
-def nvmlDeviceGetMemoryAffinity(handle, node_set_size, scope):
-    try:
-        with open(f"/sys/bus/pci/devices/{handle}/numa_node") as f:
-            node = int(f.read())
-    except (OSError, ValueError) as e:
-        raise NVMLError(f"Unknown Error ({e})")
-    bits = ctypes.sizeof(ctypes.c_ulong) * 8
-    mask = [0] * node_set_size
-    if 0 <= node < node_set_size * bits:
-        mask[node // bits] |= 1 << (node % bits)
-    return mask
+    raise NVMLError("Not Found")  # noqa: F821

@@ -7,6 +7,7 @@ import os
 import types
 
 NVML_AFFINITY_SCOPE_NODE = 0
+GPUS_VARIABLE = "PLACEMENT_TOOLS_GPUS"
 
 
 class NVMLError(Exception):
@@ -14,7 +15,7 @@ class NVMLError(Exception):
 
 
 def _gpus():
-    listed = os.environ.get("PLACEMENT_TOOLS_GPUS", "")
+    listed = os.environ.get(GPUS_VARIABLE, "")
     return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
 
 
@@ -39,7 +40,7 @@ def nvmlDeviceGetHandleByIndex(index):
 
 def nvmlDeviceGetPciInfo(handle):
     domain, rest = handle.split(":", 1)
-    return types.SimpleNamespace(busId=f"{int(domain, 16):08X}:{rest.upper()}".encode())
+    return types.SimpleNamespace(busId=f"{int(domain, 16):08X}:{rest.upper()}")
 
 
 def nvmlDeviceGetMemoryAffinity(handle, node_set_size, scope):
